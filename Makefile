@@ -1,0 +1,60 @@
+# The two set-up commands: `make run` and `make test`. Everything they need is installed here.
+SHELL := /bin/bash
+VENV := .venv
+ENGINE_VENV := .venv-engine
+PY := $(VENV)/bin/python
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test test-web test-engine test-browser lint format bench services
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || "$$(scripts/python-for-web)" -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
+
+$(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.txt
+	test -x $(ENGINE_PY) || "$$(scripts/python-for-engine)" -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q -r requirements-engine.txt
+	$(ENGINE_PY) -m pip install -q --no-deps -r requirements-engine-nodeps.txt
+	touch $@
+
+services:
+	scripts/ensure-redis
+
+run: $(VENV)/.installed $(ENGINE_VENV)/.installed services
+	$(PY) manage.py migrate --noinput -v 0
+	$(PY) manage.py acs_demo
+	$(VENV)/bin/honcho start -f Procfile
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test-web: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
+	DATABASE_URL=$(TEST_DATABASE_URL) scripts/ensure-test-db
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(VENV)/bin/pytest
+
+test-engine: $(ENGINE_VENV)/.installed
+	$(ENGINE_PY) -m pytest tests/engine -q
+
+test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
+	scripts/ensure-chromium
+	DATABASE_URL=$(TEST_DATABASE_URL) scripts/ensure-test-db
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(VENV)/bin/pytest tests/browser
+
+test: lint test-engine test-web test-browser
+
+bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
+	$(ENGINE_PY) bench/engine.py
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) bench/gateway.py

@@ -1,0 +1,318 @@
+"""Accounts, access applications, API keys, budgets and the usage ledger.
+
+Budgets are in tokens and reset in UTC. "Remaining in this window" is one cheap read of a
+`UsagePeriod` roll-up row (per key and UTC month or day, plus one per user and month), which
+`services.budget_reserve` / `services.budget_settle` update under a row lock.
+"""
+
+from django.contrib.auth.models import AbstractBaseUser, BaseUserManager, PermissionsMixin
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class UserStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    APPROVED = "approved", "Approved"
+    REJECTED = "rejected", "Rejected"
+    SUSPENDED = "suspended", "Suspended"
+
+
+class UserManager(BaseUserManager):
+    use_in_migrations = True
+
+    def create_user(self, email, password=None, **extra_fields):
+        if not email:
+            raise ValueError("An e-mail address is required.")
+        user = self.model(email=self.normalize_email(email).lower(), **extra_fields)
+        user.set_password(password)
+        user.save(using=self._db)
+        return user
+
+    def create_superuser(self, email, password=None, **extra_fields):
+        extra_fields.setdefault("is_staff", True)
+        extra_fields.setdefault("is_superuser", True)
+        extra_fields.setdefault("status", UserStatus.APPROVED)
+        return self.create_user(email, password, **extra_fields)
+
+
+class User(AbstractBaseUser, PermissionsMixin):
+    email = models.EmailField(unique=True)
+    name = models.CharField(max_length=200, blank=True)
+    organisation = models.CharField(max_length=200, blank=True)
+    status = models.CharField(
+        max_length=16, choices=UserStatus.choices, default=UserStatus.PENDING, db_index=True
+    )
+    is_staff = models.BooleanField(default=False)
+    is_active = models.BooleanField(default=True)
+    date_joined = models.DateTimeField(default=timezone.now)
+    status_changed_at = models.DateTimeField(null=True, blank=True)
+    # Account-wide monthly budget across all the user's keys; set at approval.
+    monthly_token_budget = models.PositiveBigIntegerField(default=0)
+
+    objects = UserManager()
+
+    USERNAME_FIELD = "email"
+    EMAIL_FIELD = "email"
+    REQUIRED_FIELDS = []
+
+    def __str__(self):
+        return self.email
+
+    @property
+    def is_approved(self):
+        return self.status == UserStatus.APPROVED
+
+
+class ApplicationStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    APPROVED = "approved", "Approved"
+    REJECTED = "rejected", "Rejected"
+
+
+class AccessApplication(models.Model):
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="applications")
+    planned_use = models.TextField()
+    prior_work = models.TextField(blank=True)
+    profile_link = models.URLField(blank=True)
+    accepted_usage_rules = models.BooleanField(default=False)
+    status = models.CharField(
+        max_length=16,
+        choices=ApplicationStatus.choices,
+        default=ApplicationStatus.PENDING,
+        db_index=True,
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decided_by = models.ForeignKey(
+        User, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decision_note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self):
+        return f"Application of {self.user} ({self.status})"
+
+
+class KeyStatus(models.TextChoices):
+    ACTIVE = "active", "Active"
+    DISABLED = "disabled", "Paused"
+    REVOKED = "revoked", "Revoked"
+
+
+class Scope(models.TextChoices):
+    COMPLETIONS = "completions", "Completions"
+
+
+class ApiKey(models.Model):
+    """An API key. Only `prefix` and an HMAC of the whole key are stored; the secret is shown
+    once. Playground keys are managed by the portal and keep an encrypted secret so workers
+    can use them."""
+
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=8, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    scopes = models.JSONField(default=list)
+    status = models.CharField(max_length=16, choices=KeyStatus.choices, default=KeyStatus.ACTIVE)
+    is_playground = models.BooleanField(default=False)
+    encrypted_secret = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField()
+    daily_token_budget = models.PositiveBigIntegerField()
+    monthly_input_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    monthly_output_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    monthly_activation_quota = models.PositiveIntegerField()
+    monthly_harvest_quota = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            # At most one managed playground key per user.
+            models.UniqueConstraint(
+                fields=["user"], condition=Q(is_playground=True), name="one_playground_key"
+            )
+        ]
+
+    def __str__(self):
+        return f"acs-{self.prefix} ({self.name})"
+
+
+class Period(models.TextChoices):
+    MONTH = "month", "Month"
+    DAY = "day", "Day"
+
+
+class UsagePeriod(models.Model):
+    """Budget roll-up: tokens used and reserved in one UTC period, for one key (`key` set) or
+    for a user's whole account (`key` null, month only). Updated only under a row lock."""
+
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="usage_periods")
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="usage_periods"
+    )
+    period = models.CharField(max_length=8, choices=Period.choices)
+    start = models.DateField()
+    used_tokens = models.BigIntegerField(default=0)
+    reserved_tokens = models.BigIntegerField(default=0)
+    used_input = models.BigIntegerField(default=0)
+    reserved_input = models.BigIntegerField(default=0)
+    used_output = models.BigIntegerField(default=0)
+    reserved_output = models.BigIntegerField(default=0)
+    activation_requests = models.IntegerField(default=0)
+    harvest_jobs = models.IntegerField(default=0)
+    requests = models.IntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["key", "period", "start"],
+                condition=Q(key__isnull=False),
+                name="usage_period_key_unique",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "period", "start"],
+                condition=Q(key__isnull=True),
+                name="usage_period_account_unique",
+            ),
+        ]
+
+    def __str__(self):
+        owner = f"key {self.key_id}" if self.key_id else f"account {self.user_id}"
+        return f"{owner} {self.period} {self.start}"
+
+
+class ReservationStatus(models.TextChoices):
+    RESERVED = "reserved", "Reserved"
+    SETTLED = "settled", "Settled"
+    RELEASED = "released", "Released"
+
+
+class BudgetReservation(models.Model):
+    """Tokens held for one request between `budget_reserve` and `budget_settle`. An
+    unsettled reservation (its holder crashed) is released by a periodic sweep."""
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="reservations")
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    month_start = models.DateField()
+    day_start = models.DateField()
+    prompt_tokens = models.BigIntegerField()
+    output_tokens = models.BigIntegerField()
+    max_tokens_requested = models.IntegerField()
+    max_tokens_applied = models.IntegerField()
+    activation = models.BooleanField(default=False)
+    status = models.CharField(
+        max_length=10, choices=ReservationStatus.choices, default=ReservationStatus.RESERVED
+    )
+    settled_prompt_tokens = models.BigIntegerField(null=True, blank=True)
+    settled_completion_tokens = models.BigIntegerField(null=True, blank=True)
+    settled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["status", "created_at"])]
+
+    @property
+    def clamped(self):
+        return self.max_tokens_applied < self.max_tokens_requested
+
+
+class ServiceSettings(models.Model):
+    """Service-wide switches (one row, pk=1)."""
+
+    spend_cap_paused = models.BooleanField(default=False)
+    spend_cap_reason = models.CharField(max_length=200, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    updated_by = models.ForeignKey(
+        User, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        verbose_name_plural = "service settings"
+
+    @classmethod
+    def current(cls):
+        return cls.objects.get_or_create(pk=1)[0]
+
+
+class AuditLog(models.Model):
+    """Who changed access or money, what, and how (before/after)."""
+
+    actor = models.ForeignKey(
+        User, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_actions"
+    )
+    action = models.CharField(max_length=64, db_index=True)
+    target_type = models.CharField(max_length=32)
+    target_id = models.CharField(max_length=64)
+    target_repr = models.CharField(max_length=200)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    note = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"{self.created_at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.target_repr}"
+
+
+class UsageRecord(models.Model):
+    """One row per /v1 request: metadata only, never prompt or completion text."""
+
+    created_at = models.DateTimeField(default=timezone.now)
+    request_id = models.CharField(max_length=64)
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="usage_records")
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage_records")
+    model = models.CharField(max_length=64, blank=True)
+    endpoint = models.CharField(max_length=64)
+    status_code = models.PositiveSmallIntegerField()
+    error_code = models.CharField(max_length=64, blank=True)
+    prompt_tokens = models.IntegerField(default=0)
+    completion_tokens = models.IntegerField(default=0)
+    latency_ms = models.FloatField()
+    upstream_latency_ms = models.FloatField(null=True, blank=True)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    stream = models.BooleanField(default=False)
+    activation_layers = models.JSONField(null=True, blank=True)
+    workload = models.CharField(max_length=16, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["user", "-created_at"]),
+            models.Index(fields=["key", "-created_at"]),
+            models.Index(fields=["model", "-created_at"]),
+            models.Index(fields=["-created_at"]),
+        ]
+
+
+class UsageDaily(models.Model):
+    """Roll-up of `UsageRecord` per UTC day, key, model, status and error code, so usage pages
+    never scan the raw records. Updated by `services.usage_record_create` with an upsert."""
+
+    day = models.DateField()
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="+")
+    model = models.CharField(max_length=64, blank=True)
+    status_code = models.PositiveSmallIntegerField()
+    error_code = models.CharField(max_length=64, blank=True)
+    requests = models.IntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    latency_ms_sum = models.FloatField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "key", "model", "status_code", "error_code"],
+                name="usage_daily_unique",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["user", "day"]),
+            models.Index(fields=["day"]),
+        ]

@@ -1,0 +1,1 @@
+"""Client library for the ACS API: the tensor codec (`acs_client.codec`)."""

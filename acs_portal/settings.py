@@ -1,0 +1,159 @@
+"""The one settings module. Every value comes from the environment with a default that runs
+locally; `.env.example` lists them all."""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+import plotly
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env(name, default=""):
+    return os.environ.get(name, default)
+
+
+def env_bool(name, default=False):
+    return env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+
+
+def env_int(name, default):
+    return int(env(name, str(default)))
+
+
+SECRET_KEY = env("SECRET_KEY", "dev-only-secret-key-change-me-in-production-0123456789")
+# Keyed hash for API keys: a leaked SECRET_KEY must not let anyone check guessed API keys.
+API_KEY_HMAC_SECRET = env("API_KEY_HMAC_SECRET", "dev-only-api-key-hmac-secret-change-me")
+# Fernet key (urlsafe base64 of 32 bytes) encrypting playground key secrets at rest.
+PLAYGROUND_KEY_ENCRYPTION_KEY = env(
+    "PLAYGROUND_KEY_ENCRYPTION_KEY", "ZGV2LW9ubHktcGxheWdyb3VuZC1rZXktMzJieXRlcyE="
+)
+DEBUG = env_bool("DEBUG", True)
+ALLOWED_HOSTS = env("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
+CSRF_TRUSTED_ORIGINS = [o for o in env("CSRF_TRUSTED_ORIGINS").split(",") if o]
+SITE_URL = env("SITE_URL", "http://127.0.0.1:8000")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "accounts",
+    "api",
+    "api.jobs",
+    "playground",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "acs_portal.urls"
+ASGI_APPLICATION = "acs_portal.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# SQLite is only the zero-configuration default of `make run`; tests and production use
+# PostgreSQL through DATABASE_URL.
+DATABASES = {
+    "default": dj_database_url.parse(
+        env("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"), conn_max_age=60
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_USER_MODEL = "accounts.User"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/"
+
+LANGUAGE_CODE = "en-gb"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+# plotly.js is served from the installed plotly package, so its version always matches the
+# Python side that builds the figures.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("plotly", Path(plotly.__file__).parent / "package_data"),
+]
+MEDIA_ROOT = Path(env("MEDIA_ROOT", str(BASE_DIR / "media")))
+MEDIA_URL = "/media/"
+SERVE_STATIC = env_bool("SERVE_STATIC", True)
+
+REDIS_URL = env("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_BEAT_SCHEDULE = {}
+
+# Console e-mail by default; EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend and
+# the EMAIL_* variables send real mail.
+EMAIL_BACKEND_PATH = env("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+MAILERS = {"default": {"BACKEND": EMAIL_BACKEND_PATH}}
+if EMAIL_BACKEND_PATH.endswith("smtp.EmailBackend"):
+    MAILERS["default"]["OPTIONS"] = {
+        "host": env("EMAIL_HOST", "localhost"),
+        "port": env_int("EMAIL_PORT", 25),
+        "username": env("EMAIL_HOST_USER"),
+        "password": env("EMAIL_HOST_PASSWORD"),
+        "use_tls": env_bool("EMAIL_USE_TLS", False),
+    }
+DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", "ACS Portal <access@acs.local>")
+
+# Default budgets (tokens) given at approval; staff change them per user or key.
+ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS = env_int("ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS", 5_000_000)
+ACS_DEFAULT_KEY_MONTHLY_TOKENS = env_int("ACS_DEFAULT_KEY_MONTHLY_TOKENS", 2_000_000)
+ACS_DEFAULT_KEY_DAILY_TOKENS = env_int("ACS_DEFAULT_KEY_DAILY_TOKENS", 200_000)
+ACS_DEFAULT_ACTIVATION_QUOTA = env_int("ACS_DEFAULT_ACTIVATION_QUOTA", 10_000)
+ACS_DEFAULT_HARVEST_QUOTA = env_int("ACS_DEFAULT_HARVEST_QUOTA", 50)
+
+# The embedded engine, default upstream of the model registry.
+ENGINE_URL = env("ENGINE_URL", "http://127.0.0.1:8001")
+# Where workers reach the public /v1 gateway (the playground calls it like any client).
+GATEWAY_URL = env("GATEWAY_URL", "http://127.0.0.1:8000")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,20 @@
+from django.conf import settings
+from django.contrib import admin
+from django.contrib.staticfiles.views import serve as staticfiles_serve
+from django.urls import include, path, re_path
+
+urlpatterns = [
+    path("v1/", include("api.urls")),
+    path("v1/", include("api.jobs.urls")),
+    path("jobs/", include("api.jobs.portal_urls")),
+    path("playground/", include("playground.urls")),
+    path("usage/", include("accounts.usage_urls")),
+    path("admin/", admin.site.urls),
+    path("", include("accounts.urls")),
+]
+
+if settings.SERVE_STATIC:
+    # uvicorn serves no files itself; a production deployment puts a web server in front.
+    urlpatterns += [
+        re_path(r"^static/(?P<path>.*)$", staticfiles_serve, {"insecure": True}),
+    ]

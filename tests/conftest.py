@@ -1,0 +1,78 @@
+"""Shared personas: an approved user with a key, a pending applicant, a suspended user, staff.
+
+Run through `make test-web` (or set DATABASE_URL to PostgreSQL and REDIS_URL to a scratch
+Redis database): the suite uses real PostgreSQL and Redis.
+"""
+
+import pytest
+import redis as redis_lib
+from django.conf import settings
+
+from accounts.models import AccessApplication, User, UserStatus
+from accounts.services import api_key_create
+
+PASSWORD = "correct-horse-battery-staple"
+
+
+def make_user(email, *, status=UserStatus.APPROVED, is_staff=False, **fields):
+    user = User.objects.create_user(
+        email, PASSWORD, status=status, is_staff=is_staff, name=email.split("@")[0], **fields
+    )
+    if status == UserStatus.APPROVED:
+        user.monthly_token_budget = settings.ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS
+        user.save(update_fields=["monthly_token_budget"])
+    return user
+
+
+@pytest.fixture
+def approved_user(db):
+    return make_user("ada@example.org", organisation="Analytical Engines")
+
+
+@pytest.fixture
+def api_key_pair(approved_user):
+    """`(ApiKey, secret)` of the approved user's first key."""
+    return api_key_create(user=approved_user, name="first key", acting_user=None)
+
+
+@pytest.fixture
+def api_key(api_key_pair):
+    return api_key_pair[0]
+
+
+@pytest.fixture
+def api_secret(api_key_pair):
+    return api_key_pair[1]
+
+
+@pytest.fixture
+def pending_user(db):
+    user = make_user("pat@example.org", status=UserStatus.PENDING)
+    AccessApplication.objects.create(
+        user=user, planned_use="Probing truthfulness directions.", accepted_usage_rules=True
+    )
+    return user
+
+
+@pytest.fixture
+def suspended_user(db):
+    return make_user("sam@example.org", status=UserStatus.SUSPENDED)
+
+
+@pytest.fixture
+def staff_user(db):
+    return make_user("staff@example.org", is_staff=True)
+
+
+@pytest.fixture
+def other_user(db):
+    return make_user("eve@example.org")
+
+
+@pytest.fixture
+def redis_client():
+    """The test Redis database, emptied before and after the test."""
+    client = redis_lib.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()

@@ -1,0 +1,174 @@
+import datetime as dt
+import threading
+
+import pytest
+from django.db import connection
+
+from accounts.models import BudgetReservation, Period, ServiceSettings, UsagePeriod
+from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
+from accounts.services import (
+    BudgetExceeded,
+    budget_release_stale,
+    budget_reserve,
+    budget_settle,
+    harvest_quota_consume,
+)
+
+
+def key_window(key, period):
+    return UsagePeriod.objects.get(key=key, period=period)
+
+
+def test_reservation_holds_worst_case_and_settle_records_actual(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=20, completions=2)
+    month = key_window(api_key, Period.MONTH)
+    assert (month.reserved_tokens, month.used_tokens) == (50, 0)
+    assert budget_settle(reservation_id=reservation.pk, prompt_tokens=10, completion_tokens=7)
+    month.refresh_from_db()
+    assert (month.reserved_tokens, month.used_tokens) == (0, 17)
+    assert (month.used_input, month.used_output) == (10, 7)
+    account = UsagePeriod.objects.get(user=api_key.user, key=None)
+    assert account.used_tokens == 17
+
+
+def test_settling_twice_counts_once(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
+    assert budget_settle(reservation_id=reservation.pk, prompt_tokens=5, completion_tokens=5)
+    assert not budget_settle(reservation_id=reservation.pk, prompt_tokens=5, completion_tokens=5)
+    assert key_window(api_key, Period.DAY).used_tokens == 10
+
+
+def test_max_tokens_is_clamped_to_remaining_budget(api_key):
+    api_key.daily_token_budget = 100
+    api_key.save()
+    reservation = budget_reserve(key=api_key, prompt_tokens=40, max_tokens=50, completions=2)
+    assert (reservation.max_tokens_requested, reservation.max_tokens_applied) == (50, 30)
+    assert reservation.clamped
+
+
+def test_request_whose_prompt_does_not_fit_is_refused(api_key):
+    api_key.daily_token_budget = 100
+    api_key.save()
+    with pytest.raises(BudgetExceeded) as refused:
+        budget_reserve(key=api_key, prompt_tokens=100, max_tokens=1)
+    assert refused.value.code == "budget_exceeded"
+
+
+def test_account_budget_spans_all_keys(api_key):
+    from accounts.services import api_key_create
+
+    user = api_key.user
+    user.monthly_token_budget = 100
+    user.save()
+    second, _ = api_key_create(user=user, name="second", acting_user=None)
+    budget_reserve(key=api_key, prompt_tokens=50, max_tokens=40)
+    with pytest.raises(BudgetExceeded):
+        budget_reserve(key=second, prompt_tokens=10, max_tokens=5)
+
+
+def test_input_and_output_budgets(api_key):
+    api_key.monthly_input_budget = 10
+    api_key.monthly_output_budget = 6
+    api_key.save()
+    with pytest.raises(BudgetExceeded):
+        budget_reserve(key=api_key, prompt_tokens=11, max_tokens=1)
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=50, completions=2)
+    assert reservation.max_tokens_applied == 3
+
+
+def test_activation_quota(api_key):
+    api_key.monthly_activation_quota = 1
+    api_key.save()
+    budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1, activation=True)
+    with pytest.raises(BudgetExceeded) as refused:
+        budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1, activation=True)
+    assert refused.value.code == "activation_quota_exceeded"
+    budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1)
+
+
+def test_harvest_quota(api_key):
+    api_key.monthly_harvest_quota = 2
+    api_key.save()
+    harvest_quota_consume(key=api_key)
+    harvest_quota_consume(key=api_key)
+    with pytest.raises(BudgetExceeded) as refused:
+        harvest_quota_consume(key=api_key)
+    assert refused.value.code == "harvest_quota_exceeded"
+
+
+def test_spend_cap_pauses_everything(api_key):
+    ServiceSettings.objects.create(pk=1, spend_cap_paused=True)
+    with pytest.raises(BudgetExceeded) as refused:
+        budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1)
+    assert refused.value.code == "spend_cap"
+
+
+def test_stale_reservations_are_released(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10)
+    BudgetReservation.objects.filter(pk=reservation.pk).update(
+        created_at=reservation.created_at - dt.timedelta(hours=1)
+    )
+    assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
+    assert key_window(api_key, Period.MONTH).reserved_tokens == 0
+
+
+def test_daily_window_resets_at_utc_midnight_and_monthly_on_the_first(api_key):
+    api_key.daily_token_budget = 100
+    api_key.save()
+    late = dt.datetime(2026, 1, 31, 23, 59, 59, tzinfo=dt.UTC)
+    budget_reserve(key=api_key, prompt_tokens=90, max_tokens=10, now=late)
+    with pytest.raises(BudgetExceeded):
+        budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1, now=late)
+    next_day = dt.datetime(2026, 2, 1, 0, 0, 0, tzinfo=dt.UTC)
+    budget_reserve(key=api_key, prompt_tokens=90, max_tokens=10, now=next_day)
+    starts = set(UsagePeriod.objects.filter(key=api_key).values_list("period", "start"))
+    assert starts == {
+        (Period.MONTH, dt.date(2026, 1, 1)),
+        (Period.DAY, dt.date(2026, 1, 31)),
+        (Period.MONTH, dt.date(2026, 2, 1)),
+        (Period.DAY, dt.date(2026, 2, 1)),
+    }
+
+
+def test_period_helpers_use_utc():
+    tokyo = dt.timezone(dt.timedelta(hours=9))
+    moment = dt.datetime(2026, 3, 1, 8, 0, tzinfo=tokyo)  # 2026-02-28 23:00 UTC
+    assert day_start(moment) == dt.date(2026, 2, 28)
+    assert month_start(moment) == dt.date(2026, 2, 1)
+    assert next_day_reset(moment) == dt.datetime(2026, 3, 1, tzinfo=dt.UTC)
+    assert next_month_reset(dt.datetime(2026, 12, 15, tzinfo=dt.UTC)) == dt.datetime(
+        2027, 1, 1, tzinfo=dt.UTC
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_reservations_never_overspend(api_key):
+    """50 threads, each its own PostgreSQL connection, race for a budget that fits 10."""
+    assert connection.vendor == "postgresql"
+    api_key.daily_token_budget = 100
+    api_key.save()
+    barrier = threading.Barrier(50)
+    outcomes = []
+
+    def reserve():
+        from django.db import connections
+
+        try:
+            barrier.wait()
+            budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
+            outcomes.append("ok")
+        except BudgetExceeded:
+            outcomes.append("refused")
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=reserve) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("ok") == 10
+    assert outcomes.count("refused") == 40
+    day = key_window(api_key, Period.DAY)
+    assert day.reserved_tokens == 100
+    assert BudgetReservation.objects.filter(key=api_key).count() == 10
