@@ -172,3 +172,29 @@ def test_concurrent_reservations_never_overspend(api_key):
     day = key_window(api_key, Period.DAY)
     assert day.reserved_tokens == 100
     assert BudgetReservation.objects.filter(key=api_key).count() == 10
+
+
+def test_budget_windows_report_used_remaining_and_reset(api_key):
+    from accounts.selectors import budget_windows
+
+    moment = dt.datetime(2026, 5, 20, 12, tzinfo=dt.UTC)
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10, now=moment)
+    budget_settle(reservation_id=reservation.pk, prompt_tokens=10, completion_tokens=4)
+    windows = {w["name"]: w for w in budget_windows(key=api_key, now=moment)}
+    assert windows["key_daily"]["used"] == 14
+    assert windows["key_daily"]["remaining"] == api_key.daily_token_budget - 14
+    assert windows["key_daily"]["resets_at"] == dt.datetime(2026, 5, 21, tzinfo=dt.UTC)
+    assert windows["account_monthly"]["resets_at"] == dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
+    assert windows["key_monthly_input"]["limit"] is None
+
+
+def test_spend_cap_switch_is_audited(api_key, staff_user):
+    from accounts.models import AuditLog
+    from accounts.services import service_spend_cap_set
+
+    service_spend_cap_set(paused=True, acting_user=staff_user, reason="monthly cap reached")
+    with pytest.raises(BudgetExceeded):
+        budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1)
+    service_spend_cap_set(paused=False, acting_user=staff_user)
+    budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1)
+    assert AuditLog.objects.filter(action="service.spend_cap").count() == 2
