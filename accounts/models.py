@@ -119,6 +119,10 @@ class ApiKey(models.Model):
     status = models.CharField(max_length=16, choices=KeyStatus.choices, default=KeyStatus.ACTIVE)
     is_playground = models.BooleanField(default=False)
     encrypted_secret = models.TextField(blank=True)
+    # The secret of a key created for the user (at approval, or by a form that redirects),
+    # encrypted, until the API keys page shows it once and clears it. See
+    # `services.api_key_reveal_store` / `api_key_reveals_take`.
+    pending_reveal = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)

@@ -3,7 +3,16 @@
 from django.db.models import Q
 from django.utils import timezone
 
-from .models import ApiKey, Period, UsagePeriod
+from .models import (
+    AccessApplication,
+    ApiKey,
+    ApplicationStatus,
+    AuditLog,
+    KeyStatus,
+    Period,
+    UsagePeriod,
+    User,
+)
 from .periods import day_start, month_start, next_day_reset, next_month_reset
 
 
@@ -95,3 +104,66 @@ def budget_windows(*, key: ApiKey, now=None) -> list[dict]:
             month_reset,
         ),
     ]
+
+
+# Share of a window's limit past which the dashboard and keys page warn.
+BUDGET_WARNING_SHARE = 0.8
+
+
+def budget_panel(*, key: ApiKey, now=None) -> list[dict]:
+    """`budget_windows` of a key, each with `consumed` (used + reserved), `percent` (0–100,
+    None without a limit) and `warning` (more than 80% of the limit consumed)."""
+    panel = []
+    for window in budget_windows(key=key, now=now):
+        consumed = window["used"] + window["reserved"]
+        limit = window["limit"]
+        if limit is None:
+            percent, warning = None, False
+        elif limit == 0:
+            percent, warning = 100, True
+        else:
+            percent = min(round(100 * consumed / limit), 100)
+            warning = consumed > BUDGET_WARNING_SHARE * limit
+        panel.append({**window, "consumed": consumed, "percent": percent, "warning": warning})
+    return panel
+
+
+def user_keys(*, user) -> list[ApiKey]:
+    """A user's keys, newest first, revoked ones last."""
+    keys = ApiKey.objects.filter(user=user).select_related("user")
+    return sorted(keys, key=lambda k: k.status == KeyStatus.REVOKED)
+
+
+def application_queue(*, decided_limit: int = 50) -> list[AccessApplication]:
+    """Pending applications, oldest first, then the most recently decided ones."""
+    base = AccessApplication.objects.select_related("user", "decided_by")
+    pending = base.filter(status=ApplicationStatus.PENDING).order_by("created_at")
+    decided = base.exclude(status=ApplicationStatus.PENDING).order_by("-decided_at", "-id")
+    return [*pending, *decided[:decided_limit]]
+
+
+def user_search(*, query: str = "", status: str = ""):
+    """Users matching `query` (e-mail, name or organisation) and `status`, newest first."""
+    users = User.objects.order_by("-date_joined")
+    if query:
+        users = users.filter(
+            Q(email__icontains=query) | Q(name__icontains=query) | Q(organisation__icontains=query)
+        )
+    if status:
+        users = users.filter(status=status)
+    return users
+
+
+def audit_search(*, actor: str = "", action: str = "", target: str = ""):
+    """Audit rows, newest first, filtered by actor e-mail, action (prefix, e.g. `key.`) and
+    target (type, id or description)."""
+    rows = AuditLog.objects.select_related("actor")
+    if actor:
+        rows = rows.filter(actor__email__icontains=actor)
+    if action:
+        rows = rows.filter(action__startswith=action)
+    if target:
+        rows = rows.filter(
+            Q(target_repr__icontains=target) | Q(target_type__iexact=target) | Q(target_id=target)
+        )
+    return rows

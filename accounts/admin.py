@@ -1,0 +1,178 @@
+"""Django admin for every accounts model. Status, budget and key changes go through the
+audited services (admin actions), so those fields are read-only in the forms."""
+
+from django.contrib import admin, messages
+from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
+from django.core.exceptions import ValidationError
+
+from . import services
+from .models import (
+    AccessApplication,
+    ApiKey,
+    AuditLog,
+    BudgetReservation,
+    ServiceSettings,
+    UsageDaily,
+    UsagePeriod,
+    UsageRecord,
+    User,
+)
+
+
+def _service_action(name, description, call):
+    """An admin action `name` applying `call(obj, acting_user)` to each selected object; a
+    refused object is reported and the others still go through."""
+
+    @admin.action(description=description)
+    def action(modeladmin, request, queryset):
+        done = 0
+        for obj in queryset:
+            try:
+                call(obj, request.user)
+                done += 1
+            except ValidationError as error:
+                modeladmin.message_user(
+                    request, f"{obj}: {' '.join(error.messages)}", messages.WARNING
+                )
+        modeladmin.message_user(request, f"{description}: {done} done.")
+
+    action.__name__ = name
+    return action
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(User)
+class UserAdmin(BaseUserAdmin):
+    ordering = ["-date_joined"]
+    list_display = ["email", "name", "organisation", "status", "monthly_token_budget", "is_staff"]
+    list_filter = ["status", "is_staff"]
+    search_fields = ["email", "name", "organisation"]
+    readonly_fields = ["status", "status_changed_at", "monthly_token_budget", "date_joined"]
+    fieldsets = [
+        (None, {"fields": ["email", "password"]}),
+        ("Profile", {"fields": ["name", "organisation"]}),
+        ("Access", {"fields": ["status", "status_changed_at", "monthly_token_budget"]}),
+        ("Permissions", {"fields": ["is_active", "is_staff", "is_superuser", "groups"]}),
+        ("Dates", {"fields": ["last_login", "date_joined"]}),
+    ]
+    add_fieldsets = [(None, {"classes": ["wide"], "fields": ["email", "password1", "password2"]})]
+    filter_horizontal = ["groups"]
+    actions = [
+        _service_action(
+            "suspend",
+            "Suspend selected accounts",
+            lambda user, actor: services.user_suspend(user=user, acting_user=actor),
+        ),
+        _service_action(
+            "reactivate",
+            "Reactivate selected accounts",
+            lambda user, actor: services.user_reactivate(user=user, acting_user=actor),
+        ),
+    ]
+
+
+@admin.register(AccessApplication)
+class AccessApplicationAdmin(admin.ModelAdmin):
+    list_display = ["user", "status", "created_at", "decided_at", "decided_by"]
+    list_filter = ["status"]
+    search_fields = ["user__email", "planned_use"]
+    readonly_fields = ["status", "decided_at", "decided_by", "decision_note", "created_at"]
+    list_select_related = ["user", "decided_by"]
+    actions = [
+        _service_action(
+            "approve",
+            "Approve selected applications",
+            lambda app, actor: services.application_approve(application=app, acting_user=actor),
+        ),
+        _service_action(
+            "reject",
+            "Reject selected applications",
+            lambda app, actor: services.application_reject(application=app, acting_user=actor),
+        ),
+    ]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "name", "user", "status", "is_playground", "created_at"]
+    list_filter = ["status", "is_playground"]
+    search_fields = ["prefix", "name", "user__email"]
+    list_select_related = ["user"]
+    exclude = ["secret_hash", "encrypted_secret", "pending_reveal"]
+    actions = [
+        _service_action(
+            "disable",
+            "Pause selected keys",
+            lambda key, actor: services.api_key_disable(key=key, acting_user=actor),
+        ),
+        _service_action(
+            "enable",
+            "Resume selected keys",
+            lambda key, actor: services.api_key_enable(key=key, acting_user=actor),
+        ),
+        _service_action(
+            "revoke",
+            "Revoke selected keys",
+            lambda key, actor: services.api_key_revoke(key=key, acting_user=actor),
+        ),
+    ]
+
+    def has_add_permission(self, request):
+        return False
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields if f.name not in self.exclude]
+
+
+@admin.register(AuditLog)
+class AuditLogAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "actor", "action", "target_type", "target_repr"]
+    list_filter = ["action", "target_type"]
+    search_fields = ["target_repr", "actor__email", "action"]
+    list_select_related = ["actor"]
+
+
+@admin.register(UsagePeriod)
+class UsagePeriodAdmin(ReadOnlyAdmin):
+    list_display = ["user", "key", "period", "start", "used_tokens", "reserved_tokens"]
+    list_filter = ["period"]
+    search_fields = ["user__email", "key__prefix"]
+    list_select_related = ["user", "key"]
+
+
+@admin.register(BudgetReservation)
+class BudgetReservationAdmin(ReadOnlyAdmin):
+    list_display = ["id", "key", "status", "created_at", "prompt_tokens", "output_tokens"]
+    list_filter = ["status"]
+    list_select_related = ["key"]
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "user", "key", "model", "endpoint", "status_code", "error_code"]
+    list_filter = ["status_code", "endpoint"]
+    search_fields = ["request_id", "user__email", "key__prefix"]
+    list_select_related = ["user", "key"]
+
+
+@admin.register(UsageDaily)
+class UsageDailyAdmin(ReadOnlyAdmin):
+    list_display = ["day", "user", "key", "model", "status_code", "requests"]
+    list_select_related = ["user", "key"]
+
+
+@admin.register(ServiceSettings)
+class ServiceSettingsAdmin(ReadOnlyAdmin):
+    """Read-only here: the spend cap is set on /staff/spend-cap/ (audited)."""
+
+    list_display = ["spend_cap_paused", "spend_cap_reason", "updated_at", "updated_by"]

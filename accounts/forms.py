@@ -1,0 +1,125 @@
+"""Portal forms. Each field's error is shown next to the field by the templates."""
+
+from django import forms
+from django.contrib.auth import password_validation
+
+from .models import ApiKey, User, UserStatus
+
+USAGE_RULES = (
+    "I will use ACS for research only, will not try to extract the model weights or attack "
+    "the service, will keep my API keys secret, and accept that requests are logged "
+    "(metadata only) and that access may be revoked."
+)
+
+
+class ApplicationForm(forms.Form):
+    """The access application (re-application of a rejected account uses this alone)."""
+
+    planned_use = forms.CharField(
+        widget=forms.Textarea,
+        max_length=5000,
+        help_text="What you want to study with ACS and how.",
+    )
+    prior_work = forms.CharField(
+        widget=forms.Textarea,
+        max_length=5000,
+        required=False,
+        help_text="Papers, posts or code of yours relevant to interpretability.",
+    )
+    profile_link = forms.URLField(
+        required=False, help_text="A page about you (homepage, Google Scholar, GitHub)."
+    )
+    accepted_usage_rules = forms.BooleanField(
+        label="I accept the usage rules",
+        help_text=USAGE_RULES,
+        error_messages={"required": "Accept the usage rules to apply."},
+    )
+
+
+class SignupForm(ApplicationForm):
+    email = forms.EmailField(label="E-mail")
+    password = forms.CharField(widget=forms.PasswordInput, strip=False)
+    name = forms.CharField(max_length=200)
+    organisation = forms.CharField(max_length=200, required=False)
+
+    field_order = ["email", "password", "name", "organisation"]
+
+    def clean_email(self):
+        email = self.cleaned_data["email"].lower()
+        if User.objects.filter(email__iexact=email).exists():
+            raise forms.ValidationError(
+                "An account with this e-mail already exists; log in instead."
+            )
+        return email
+
+    def clean(self):
+        cleaned = super().clean()
+        password = cleaned.get("password")
+        if password:
+            candidate = User(email=cleaned.get("email", ""), name=cleaned.get("name", ""))
+            try:
+                password_validation.validate_password(password, candidate)
+            except forms.ValidationError as error:
+                self.add_error("password", error)
+        return cleaned
+
+
+class KeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="So you can tell your keys apart.")
+
+
+class KeyRenameForm(forms.Form):
+    name = forms.CharField(max_length=100)
+
+
+def _budget_field(label, *, required=True, help_text=""):
+    return forms.IntegerField(label=label, min_value=0, required=required, help_text=help_text)
+
+
+class KeyBudgetForm(forms.Form):
+    """The token budgets a key's owner may set (each ≤ the account's monthly budget; the
+    service checks that and its errors land on the fields)."""
+
+    monthly_token_budget = _budget_field("Monthly tokens")
+    daily_token_budget = _budget_field("Daily tokens")
+    monthly_input_budget = _budget_field(
+        "Monthly input tokens", required=False, help_text="Empty: no separate limit."
+    )
+    monthly_output_budget = _budget_field(
+        "Monthly output tokens", required=False, help_text="Empty: no separate limit."
+    )
+
+    @classmethod
+    def for_key(cls, key: ApiKey, data=None, prefix=None):
+        initial = {name: getattr(key, name) for name in cls.base_fields}
+        return cls(data, initial=initial, prefix=prefix or f"budget-{key.pk}")
+
+
+class StaffKeyBudgetForm(KeyBudgetForm):
+    monthly_activation_quota = _budget_field("Monthly activation requests")
+    monthly_harvest_quota = _budget_field("Monthly harvest jobs")
+
+
+class UserBudgetForm(forms.Form):
+    monthly_token_budget = _budget_field("Account monthly tokens")
+
+
+class DecisionForm(forms.Form):
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    note = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
+
+
+class UserSearchForm(forms.Form):
+    q = forms.CharField(label="Search", required=False)
+    status = forms.ChoiceField(choices=[("", "Any status"), *UserStatus.choices], required=False)
+
+
+class AuditFilterForm(forms.Form):
+    actor = forms.CharField(required=False, help_text="E-mail contains")
+    action = forms.CharField(required=False, help_text="e.g. key. or user.approve")
+    target = forms.CharField(required=False, help_text="Type, id or description")
+
+
+class SpendCapForm(forms.Form):
+    paused = forms.BooleanField(label="Pause all API traffic (429 spend_cap)", required=False)
+    reason = forms.CharField(max_length=200, required=False)

@@ -1,0 +1,234 @@
+"""The API keys page: create (secret shown once), rename, pause, resume, revoke, budgets;
+htmx partials and plain POST + redirect; other users' keys are 404."""
+
+import pytest
+from django.urls import reverse
+
+from accounts.models import ApiKey, AuditLog, KeyStatus
+from accounts.services import AuthError, api_key_authenticate, api_key_create
+
+from .support import HTMX, logged_in, secrets_in
+
+
+def refusal(secret):
+    with pytest.raises(AuthError) as error:
+        api_key_authenticate(f"Bearer {secret}")
+    return error.value.code
+
+
+def test_keys_page_is_full_page_without_htmx_and_partial_with_it(approved_client, api_key):
+    full = approved_client.get(reverse("keys")).content.decode()
+    partial = approved_client.get(reverse("keys"), **HTMX).content.decode()
+    assert full.lstrip().lower().startswith("<!doctype html>")
+    assert 'id="key-list"' in full
+    assert partial.lstrip().startswith('<div id="key-list">')
+    assert "<html" not in partial
+    assert f"acs-{api_key.prefix}" in partial
+
+
+def test_create_key_without_js_redirects_and_shows_secret_once(approved_client, approved_user):
+    response = approved_client.post(reverse("keys"), {"name": "laptop"})
+    assert response.status_code == 302
+    assert response["Location"] == reverse("keys")
+    key = ApiKey.objects.get(user=approved_user, name="laptop")
+    page = approved_client.get(reverse("keys")).content.decode()
+    [secret] = secrets_in(page)
+    assert secret.startswith(f"acs-{key.prefix}-")
+    assert 'data-copy="secret-' in page
+    assert secrets_in(approved_client.get(reverse("keys")).content.decode()) == []
+    assert api_key_authenticate(f"Bearer {secret}").pk == key.pk
+    assert AuditLog.objects.filter(action="key.create", actor=approved_user).exists()
+
+
+def test_create_key_with_htmx_returns_partial_with_the_secret(approved_client, approved_user):
+    response = approved_client.post(reverse("keys"), {"name": "cluster"}, **HTMX)
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<html" not in html
+    [secret] = secrets_in(html)
+    assert api_key_authenticate(f"Bearer {secret}").name == "cluster"
+    assert secrets_in(approved_client.get(reverse("keys")).content.decode()) == []
+
+
+def test_create_key_without_name_shows_error_next_to_the_field(approved_client):
+    response = approved_client.post(reverse("keys"), {"name": ""}, **HTMX)
+    assert response.status_code == 200
+    html = response.content.decode()
+    block = html.split('name="name"', 1)[1].split('<div class="field', 1)[0]
+    assert "This field is required" in block
+    assert not ApiKey.objects.exists()
+
+
+@pytest.mark.parametrize("htmx", [False, True])
+def test_pause_and_resume_key(approved_client, api_key, api_secret, approved_user, htmx):
+    headers = HTMX if htmx else {}
+    response = approved_client.post(reverse("key_disable", args=[api_key.pk]), **headers)
+    assert response.status_code == (200 if htmx else 302)
+    assert refusal(api_secret) == "key_disabled"
+    if htmx:
+        assert "Resume" in response.content.decode()
+    approved_client.post(reverse("key_enable", args=[api_key.pk]), **headers)
+    assert api_key_authenticate(f"Bearer {api_secret}").pk == api_key.pk
+    actions = list(
+        AuditLog.objects.filter(actor=approved_user, target_id=str(api_key.pk))
+        .order_by("id")
+        .values_list("action", "before", "after")
+    )
+    assert actions[-2:] == [
+        ("key.disable", {"status": "active"}, {"status": "disabled"}),
+        ("key.enable", {"status": "disabled"}, {"status": "active"}),
+    ]
+
+
+def test_resuming_an_active_key_is_an_error_not_a_crash(approved_client, api_key):
+    response = approved_client.post(reverse("key_enable", args=[api_key.pk]), **HTMX)
+    assert response.status_code == 200
+    assert "cannot be changed" in response.content.decode()
+
+
+def test_revoke_needs_confirmation_without_js_and_is_permanent(
+    approved_client, api_key, api_secret
+):
+    confirm = approved_client.get(reverse("key_revoke", args=[api_key.pk]))
+    assert confirm.status_code == 200
+    assert "permanent" in confirm.content.decode()
+    api_key.refresh_from_db()
+    assert api_key.status == KeyStatus.ACTIVE
+
+    response = approved_client.post(reverse("key_revoke", args=[api_key.pk]))
+    assert response.status_code == 302
+    assert refusal(api_secret) == "key_revoked"
+    again = approved_client.post(reverse("key_enable", args=[api_key.pk]), **HTMX)
+    assert "cannot be changed" in again.content.decode()
+    assert refusal(api_secret) == "key_revoked"
+
+
+def test_revoke_with_htmx_updates_the_list_in_place(approved_client, api_key):
+    response = approved_client.post(reverse("key_revoke", args=[api_key.pk]), **HTMX)
+    html = response.content.decode()
+    assert html.lstrip().startswith('<div id="key-list">')
+    assert "Revoked" in html
+    assert AuditLog.objects.filter(action="key.revoke", target_id=str(api_key.pk)).exists()
+
+
+def test_rename_key(approved_client, api_key):
+    response = approved_client.post(
+        reverse("key_rename", args=[api_key.pk]), {f"rename-{api_key.pk}-name": "renamed"}, **HTMX
+    )
+    assert "renamed" in response.content.decode()
+    api_key.refresh_from_db()
+    assert api_key.name == "renamed"
+    row = AuditLog.objects.get(action="key.rename")
+    assert (row.before, row.after) == ({"name": "first key"}, {"name": "renamed"})
+
+
+@pytest.mark.parametrize("name", ["key_rename", "key_budget", "key_disable", "key_enable"])
+def test_another_users_key_is_404(other_user, api_key, name):
+    response = logged_in(other_user).post(reverse(name, args=[api_key.pk]), {})
+    assert response.status_code == 404
+
+
+def test_another_users_key_revoke_is_404(other_user, api_key):
+    client = logged_in(other_user)
+    assert client.get(reverse("key_revoke", args=[api_key.pk])).status_code == 404
+    assert client.post(reverse("key_revoke", args=[api_key.pk])).status_code == 404
+    api_key.refresh_from_db()
+    assert api_key.status == KeyStatus.ACTIVE
+
+
+def test_keys_page_refuses_accounts_that_are_not_approved(pending_user, suspended_user):
+    for user in (pending_user, suspended_user):
+        response = logged_in(user).get(reverse("keys"))
+        assert response.status_code == 403
+        assert "approved accounts" in response.content.decode()
+
+
+def test_keys_page_needs_login(db):
+    from django.test import Client
+
+    response = Client().get(reverse("keys"))
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/")
+
+
+def budget_post(key, **values):
+    data = {
+        "monthly_token_budget": key.monthly_token_budget,
+        "daily_token_budget": key.daily_token_budget,
+        "monthly_input_budget": "",
+        "monthly_output_budget": "",
+        **values,
+    }
+    return {f"budget-{key.pk}-{name}": value for name, value in data.items()}
+
+
+def test_user_sets_key_budget_within_account_budget(approved_client, api_key, approved_user):
+    cap = approved_user.monthly_token_budget
+    response = approved_client.post(
+        reverse("key_budget", args=[api_key.pk]),
+        budget_post(
+            api_key, monthly_token_budget=cap, daily_token_budget=1000, monthly_output_budget=500
+        ),
+    )
+    assert response.status_code == 302
+    api_key.refresh_from_db()
+    assert (api_key.monthly_token_budget, api_key.daily_token_budget) == (cap, 1000)
+    assert api_key.monthly_output_budget == 500
+    row = AuditLog.objects.get(action="key.budget_set")
+    assert row.actor == approved_user
+    assert row.before["daily_token_budget"] != 1000
+    assert row.after["daily_token_budget"] == 1000
+
+
+def test_key_budget_above_account_budget_is_a_field_error(approved_client, api_key, approved_user):
+    before = api_key.monthly_token_budget
+    response = approved_client.post(
+        reverse("key_budget", args=[api_key.pk]),
+        budget_post(api_key, monthly_token_budget=approved_user.monthly_token_budget + 1),
+        **HTMX,
+    )
+    assert response.status_code == 200
+    html = response.content.decode()
+    field = f'name="budget-{api_key.pk}-monthly_token_budget"'
+    block = html.split(field, 1)[1].split('<div class="field', 1)[0]
+    assert "At most your account" in block
+    api_key.refresh_from_db()
+    assert api_key.monthly_token_budget == before
+    assert not AuditLog.objects.filter(action="key.budget_set").exists()
+
+
+def test_negative_budget_is_a_field_error(approved_client, api_key):
+    response = approved_client.post(
+        reverse("key_budget", args=[api_key.pk]), budget_post(api_key, daily_token_budget=-5)
+    )
+    assert response.status_code == 200
+    assert response.context["rows"][0]["budget_form"].errors["daily_token_budget"]
+
+
+def test_playground_key_is_managed_pausable_but_not_renamable_or_revocable(
+    approved_client, approved_user
+):
+    key, _ = api_key_create(
+        user=approved_user, name="Playground", acting_user=None, is_playground=True
+    )
+    page = approved_client.get(reverse("keys")).content.decode()
+    assert "managed" in page
+    assert reverse("key_revoke", args=[key.pk]) not in page
+    assert reverse("key_rename", args=[key.pk]) not in page
+    assert approved_client.post(reverse("key_revoke", args=[key.pk])).status_code == 403
+    assert (
+        approved_client.post(
+            reverse("key_rename", args=[key.pk]), {f"rename-{key.pk}-name": "x"}
+        ).status_code
+        == 403
+    )
+    assert approved_client.post(reverse("key_disable", args=[key.pk])).status_code == 302
+    key.refresh_from_db()
+    assert (key.name, key.status) == ("Playground", KeyStatus.DISABLED)
+
+
+def test_keys_page_shows_budget_panel_per_key(approved_client, api_key):
+    html = approved_client.get(reverse("keys")).content.decode()
+    assert "Key, this month (tokens)" in html
+    assert "Account, this month (tokens)" in html
+    assert "UTC" in html

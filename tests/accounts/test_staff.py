@@ -1,0 +1,218 @@
+"""Staff pages: applications queue, users, per-user page, audit log, spend cap."""
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from accounts.models import AccessApplication, AuditLog, ServiceSettings, UserStatus
+from accounts.services import AuthError, api_key_authenticate
+
+from .support import HTMX, logged_in
+
+STAFF_PAGES = [
+    ("staff_applications", "get", []),
+    ("staff_users", "get", []),
+    ("staff_audit", "get", []),
+    ("staff_spend_cap", "get", []),
+    ("staff_spend_cap", "post", []),
+    ("staff_user_detail", "get", ["user"]),
+    ("staff_user_status", "post", ["user"]),
+    ("staff_user_budget", "post", ["user"]),
+    ("staff_key_budget", "post", ["key"]),
+    ("staff_key_status", "post", ["key"]),
+    ("staff_application_decide", "post", ["application"]),
+]
+
+
+@pytest.mark.parametrize(("name", "method", "args"), STAFF_PAGES)
+def test_staff_pages_refuse_non_staff(approved_user, api_key, pending_user, name, method, args):
+    ids = {
+        "user": pending_user.pk,
+        "key": api_key.pk,
+        "application": pending_user.applications.get().pk,
+    }
+    url = reverse(name, args=[ids[a] for a in args])
+    response = getattr(logged_in(approved_user), method)(url, {"decision": "approve"})
+    assert response.status_code == 403
+    assert "staff" in response.content.decode()
+    pending_user.refresh_from_db()
+    assert pending_user.status == UserStatus.PENDING
+    assert not AuditLog.objects.exclude(action="key.create").exists()
+
+
+def test_staff_pages_send_anonymous_visitors_to_login(db):
+    response = Client().get(reverse("staff_applications"))
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/")
+
+
+@pytest.mark.parametrize(("name", "args"), [(n, a) for n, m, a in STAFF_PAGES if m == "get"])
+def test_staff_pages_render_for_staff(staff_client, pending_user, name, args):
+    url = reverse(name, args=[pending_user.pk] if args else [])
+    assert staff_client.get(url).status_code == 200
+
+
+def test_queue_lists_pending_first_with_details(staff_client, pending_user, approved_user):
+    decided = AccessApplication.objects.create(
+        user=approved_user, planned_use="Old approved one.", status="approved"
+    )
+    html = staff_client.get(reverse("staff_applications")).content.decode()
+    assert html.index("Probing truthfulness directions.") < html.index("Old approved one.")
+    assert pending_user.email in html
+    assert reverse("staff_application_decide", args=[pending_user.applications.get().pk]) in html
+    assert reverse("staff_application_decide", args=[decided.pk]) not in html
+
+
+def test_queue_is_full_page_without_htmx_and_partial_with_it(staff_client, pending_user):
+    full = staff_client.get(reverse("staff_applications")).content.decode()
+    partial = staff_client.get(reverse("staff_applications"), **HTMX).content.decode()
+    assert full.lstrip().lower().startswith("<!doctype html>")
+    assert partial.lstrip().startswith('<div id="application-queue">')
+    assert "<html" not in partial
+    assert pending_user.email in partial
+
+
+def test_approve_with_htmx_updates_the_queue_in_place(staff_client, pending_user, commit):
+    application = pending_user.applications.get()
+    with commit():
+        response = staff_client.post(
+            reverse("staff_application_decide", args=[application.pk]),
+            {"decision": "approve", "note": ""},
+            **HTMX,
+        )
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert html.lstrip().startswith('<div id="application-queue">')
+    assert "Approved" in html
+    assert reverse("staff_application_decide", args=[application.pk]) not in html
+
+
+def test_suspend_and_reactivate(staff_client, staff_user, api_key, api_secret, approved_user):
+    url = reverse("staff_user_status", args=[approved_user.pk])
+    response = staff_client.post(url, {"action": "suspend", "note": "abuse report"})
+    assert response.status_code == 302
+    with pytest.raises(AuthError) as error:
+        api_key_authenticate(f"Bearer {api_secret}")
+    assert error.value.code == "account_suspended"
+    row = AuditLog.objects.get(action="user.suspend")
+    assert (row.actor, row.note) == (staff_user, "abuse report")
+    assert (row.before["status"], row.after["status"]) == ("approved", "suspended")
+
+    staff_client.post(url, {"action": "reactivate"})
+    assert api_key_authenticate(f"Bearer {api_secret}").pk == api_key.pk
+    assert AuditLog.objects.filter(action="user.reactivate", actor=staff_user).exists()
+
+
+def test_suspending_a_pending_account_is_refused_clearly(staff_client, pending_user):
+    response = staff_client.post(
+        reverse("staff_user_status", args=[pending_user.pk]), {"action": "suspend"}
+    )
+    assert response.status_code == 200
+    assert "only approved accounts can become suspended" in response.content.decode()
+    pending_user.refresh_from_db()
+    assert pending_user.status == UserStatus.PENDING
+
+
+def test_staff_sets_account_budget_audited(staff_client, staff_user, approved_user):
+    response = staff_client.post(
+        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": 123}
+    )
+    assert response.status_code == 302
+    approved_user.refresh_from_db()
+    assert approved_user.monthly_token_budget == 123
+    row = AuditLog.objects.get(action="user.budget_set")
+    assert row.actor == staff_user
+    assert row.after == {"monthly_token_budget": 123}
+    assert row.before["monthly_token_budget"] != 123
+
+
+def test_staff_may_set_key_budget_beyond_account_budget(staff_client, staff_user, api_key):
+    cap = api_key.user.monthly_token_budget
+    data = {
+        "monthly_token_budget": cap * 2,
+        "daily_token_budget": 10,
+        "monthly_input_budget": "",
+        "monthly_output_budget": "",
+        "monthly_activation_quota": 3,
+        "monthly_harvest_quota": 0,
+    }
+    prefix = f"staff-budget-{api_key.pk}"
+    response = staff_client.post(
+        reverse("staff_key_budget", args=[api_key.pk]),
+        {f"{prefix}-{k}": v for k, v in data.items()},
+    )
+    assert response.status_code == 302
+    api_key.refresh_from_db()
+    assert api_key.monthly_token_budget == cap * 2
+    assert api_key.monthly_activation_quota == 3
+    row = AuditLog.objects.get(action="key.budget_set")
+    assert row.actor == staff_user
+    assert row.after["monthly_harvest_quota"] == 0
+
+
+def test_staff_key_budget_form_errors_show_on_the_user_page(staff_client, api_key):
+    prefix = f"staff-budget-{api_key.pk}"
+    response = staff_client.post(
+        reverse("staff_key_budget", args=[api_key.pk]), {f"{prefix}-daily_token_budget": "x"}
+    )
+    assert response.status_code == 200
+    form = response.context["rows"][0]["budget_form"]
+    assert "daily_token_budget" in form.errors
+
+
+def test_staff_revokes_a_key_audited(staff_client, staff_user, api_key):
+    staff_client.post(reverse("staff_key_status", args=[api_key.pk]), {"action": "revoke"})
+    api_key.refresh_from_db()
+    assert api_key.status == "revoked"
+    assert AuditLog.objects.get(action="key.revoke").actor == staff_user
+
+
+def test_user_list_search_and_status_filter(staff_client, approved_user, pending_user):
+    html = staff_client.get(reverse("staff_users"), {"q": "ada"}).content.decode()
+    assert approved_user.email in html
+    assert pending_user.email not in html
+    html = staff_client.get(reverse("staff_users"), {"status": "pending"}).content.decode()
+    assert pending_user.email in html
+    assert approved_user.email not in html
+
+
+def test_user_detail_shows_applications_keys_and_audit(staff_client, pending_user, commit):
+    with commit():
+        staff_client.post(
+            reverse("staff_application_decide", args=[pending_user.applications.get().pk]),
+            {"decision": "approve"},
+        )
+    html = staff_client.get(reverse("staff_user_detail", args=[pending_user.pk])).content.decode()
+    assert "Probing truthfulness directions." in html
+    assert "Default key" in html
+    assert "user.approve" in html
+    assert "acs-" in html and "Key, today (tokens)" in html
+
+
+def test_audit_log_filters(staff_client, staff_user, approved_user, api_key):
+    staff_client.post(
+        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": 5}
+    )
+    page = staff_client.get(reverse("staff_audit"), {"action": "user."})
+    rows = list(page.context["page"])
+    assert [r.action for r in rows] == ["user.budget_set"]
+    rows = list(staff_client.get(reverse("staff_audit"), {"actor": "staff@"}).context["page"])
+    assert {r.actor for r in rows} == {staff_user}
+    rows = list(
+        staff_client.get(reverse("staff_audit"), {"target": api_key.prefix}).context["page"]
+    )
+    assert [r.action for r in rows] == ["key.create"]
+
+
+def test_spend_cap_switch(staff_client, staff_user):
+    response = staff_client.post(
+        reverse("staff_spend_cap"), {"paused": "on", "reason": "monthly bill reached"}
+    )
+    assert response.status_code == 302
+    current = ServiceSettings.current()
+    assert current.spend_cap_paused
+    assert current.spend_cap_reason == "monthly bill reached"
+    assert AuditLog.objects.get(action="service.spend_cap").actor == staff_user
+    assert "paused" in staff_client.get(reverse("staff_spend_cap")).content.decode()
+    staff_client.post(reverse("staff_spend_cap"), {"reason": ""})
+    assert not ServiceSettings.current().spend_cap_paused
