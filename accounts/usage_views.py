@@ -1,0 +1,276 @@
+"""Usage pages: a user's own usage, request log and request detail; the staff overview and
+staff's view of one user's usage. Every period is whole UTC days."""
+
+import csv
+from functools import wraps
+
+import plotly.io
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
+from django.utils.safestring import mark_safe
+
+from . import usage_selectors
+from .models import ApiKey, ServiceSettings, User
+from .periods import day_start
+from .usage_forms import RequestLogFilterForm, UsageFilterForm, cursor_encode
+
+_SCRIPT_ESCAPES = {ord(">"): "\\u003E", ord("<"): "\\u003C", ord("&"): "\\u0026"}
+STATUS_COLOURS = {"2xx": "#1e7b34", "4xx": "#c77700", "5xx": "#b3261e"}
+TABLE_COLUMNS = [
+    "day",
+    "requests",
+    "2xx",
+    "4xx",
+    "5xx",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "latency_ms_avg",
+]
+
+
+def approved_required(view):
+    """Logged in (else the login page) and approved (else 403)."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        if not request.user.is_approved:
+            raise PermissionDenied("Usage is shown to approved accounts only.")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def staff_required(view):
+    """Logged in (else the login page) and staff (else 403)."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        if not request.user.is_staff:
+            raise PermissionDenied("This page is for staff.")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------
+# Usage of one user (the user's own, or any user's for staff)
+
+
+def _usage_form(request, subject: User) -> UsageFilterForm:
+    return UsageFilterForm(
+        request.GET,
+        today=day_start(timezone.now()),
+        keys=ApiKey.objects.filter(user=subject).order_by("name", "pk"),
+        models=usage_selectors.usage_models(user_id=subject.pk),
+    )
+
+
+def _render_usage(request, subject: User, *, base_path: str, staff_view: bool):
+    form = _usage_form(request, subject)
+    context = {
+        "form": form,
+        "subject": subject,
+        "base_path": base_path,
+        "staff_view": staff_view,
+    }
+    if form.is_valid():
+        window = form.window(user_id=subject.pk)
+        context.update(_summary_context(usage_selectors.usage_summary(window), window))
+    template = "usage/usage.html#results" if request.htmx else "usage/usage.html"
+    return render(request, template, context)
+
+
+def _summary_context(summary: dict, window) -> dict:
+    return {
+        "summary": summary,
+        "window": window,
+        "day_rows_html": [_day_row_html(cells) for cells in _day_table(summary)],
+        "figures": _usage_figures(summary),
+    }
+
+
+def _day_table(summary: dict) -> list[list[str]]:
+    """The per-day table as text cells in `TABLE_COLUMNS` order: the page and the CSV export
+    both show exactly these."""
+    return [
+        [
+            row["day"].isoformat(),
+            *(str(row[name]) for name in TABLE_COLUMNS[1:-1]),
+            "" if row["latency_ms_avg"] is None else f"{row['latency_ms_avg']:.1f}",
+        ]
+        for row in summary["days"]
+    ]
+
+
+def _day_row_html(cells: list[str]) -> str:
+    """One table row. Built here rather than cell by cell in the template, which costs more
+    than the queries on a year of days; the cells are digits and ISO dates, nothing to
+    escape."""
+    day, *numbers = cells
+    numbers_html = "".join(f'<td class="num">{n}</td>' for n in numbers)
+    return mark_safe(f"<tr><td>{day}</td>{numbers_html}</tr>")
+
+
+def _usage_figures(summary: dict) -> dict:
+    """Plotly figures of tokens and requests per UTC day, as JSON safe to put inside a
+    <script> element. Built as plain figure dicts: plotly's per-point validation of
+    graph objects would cost more than the rest of the page on a year of days."""
+    days = [row["day"].isoformat() for row in summary["days"]]
+    layout = {
+        "barmode": "stack",
+        "margin": {"l": 60, "r": 10, "t": 40, "b": 40},
+        "height": 320,
+        "legend": {"orientation": "h", "y": -0.2},
+        "xaxis": {"type": "date", "title": {"text": "Day (UTC)"}},
+    }
+    tokens = {
+        "data": [
+            _bar(days, summary, "prompt_tokens", "Prompt", "#1f5fbf"),
+            _bar(days, summary, "completion_tokens", "Completion", "#7fa7e0"),
+        ],
+        "layout": {**layout, "title": {"text": "Tokens per day"}},
+    }
+    requests = {
+        "data": [
+            _bar(days, summary, status, status, colour) for status, colour in STATUS_COLOURS.items()
+        ],
+        "layout": {**layout, "title": {"text": "Requests per day by status"}},
+    }
+    return {"tokens": _script_json(tokens), "requests": _script_json(requests)}
+
+
+def _bar(days, summary, field, name, colour) -> dict:
+    return {
+        "type": "bar",
+        "x": days,
+        "y": [row[field] for row in summary["days"]],
+        "name": name,
+        "marker": {"color": colour},
+    }
+
+
+def _script_json(figure: dict) -> str:
+    text = plotly.io.to_json(figure, validate=False)
+    # As Django's json_script does: nothing inside can close the <script> element.
+    return mark_safe(text.translate(_SCRIPT_ESCAPES))
+
+
+def _export_csv(request, subject: User, *, filename: str) -> HttpResponse:
+    form = _usage_form(request, subject)
+    if not form.is_valid():
+        return HttpResponseBadRequest(
+            "".join(f"{field}: {' '.join(errors)}\n" for field, errors in form.errors.items()),
+            content_type="text/plain; charset=utf-8",
+        )
+    window = form.window(user_id=subject.pk)
+    summary = usage_selectors.usage_summary(window)
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = (
+        f'attachment; filename="{filename}-{window.start}-{window.end}-utc.csv"'
+    )
+    writer = csv.writer(response)
+    writer.writerow(TABLE_COLUMNS)
+    writer.writerows(_day_table(summary))
+    return response
+
+
+@approved_required
+def usage_page(request):
+    return _render_usage(request, request.user, base_path="/usage/", staff_view=False)
+
+
+@approved_required
+def usage_export_csv(request):
+    return _export_csv(request, request.user, filename="usage")
+
+
+# ---------------------------------------------------------------------------------------
+# Request log
+
+
+@approved_required
+def request_log(request):
+    form = RequestLogFilterForm(
+        request.GET,
+        keys=ApiKey.objects.filter(user=request.user).order_by("name", "pk"),
+        models=usage_selectors.usage_models(user_id=request.user.pk),
+    )
+    context = {"form": form, "records": [], "next_cursor": None}
+    if form.is_valid():
+        records, next_row = usage_selectors.request_log_page(
+            form.log_filter(user_id=request.user.pk), before=form.cleaned_data["before"]
+        )
+        context["records"] = records
+        context["next_cursor"] = cursor_encode(*next_row) if next_row else None
+        context["is_first_page"] = form.cleaned_data["before"] is None
+    template = "usage/requests.html#log" if request.htmx else "usage/requests.html"
+    return render(request, template, context)
+
+
+@approved_required
+def request_detail(request, record_id: int):
+    record = usage_selectors.usage_record_for_user(user_id=request.user.pk, record_id=record_id)
+    if record is None:
+        raise Http404("No such request in your log.")
+    # The playground keeps the bodies of its own requests; a request sent from there can be
+    # re-run from its run page. Other requests' bodies are never stored.
+    from playground.models import Run
+
+    playground_run = (
+        Run.objects.filter(user_id=record.user_id, request_id=record.request_id).only("id").first()
+    )
+    return render(
+        request,
+        "usage/request_detail.html",
+        {"record": record, "playground_run": playground_run},
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Staff
+
+
+@staff_required
+def staff_overview(request):
+    from api.selectors import upstream_states
+
+    now = timezone.now()
+    form = UsageFilterForm(request.GET, today=day_start(now))
+    context = {"form": form}
+    if form.is_valid():
+        window = form.window(user_id=None)
+        context.update(_summary_context(usage_selectors.usage_summary(window), window))
+        top = usage_selectors.usage_top_users_and_keys(window)
+        context["top_users"], context["top_keys"] = top["users"], top["keys"]
+    if request.htmx:
+        return render(request, "usage/staff.html#results", context)
+    service = ServiceSettings.objects.filter(pk=1).first()
+    context.update(
+        upstreams=upstream_states(),
+        latencies=usage_selectors.latency_percentiles(now=now),
+        latency_sample=usage_selectors.LATENCY_SAMPLE_PER_MODEL,
+        pending_applications=usage_selectors.pending_applications_count(),
+        spend_cap_paused=bool(service and service.spend_cap_paused),
+        spend_cap_reason=service.spend_cap_reason if service else "",
+    )
+    return render(request, "usage/staff.html", context)
+
+
+@staff_required
+def staff_user_usage(request, user_id: int):
+    subject = get_object_or_404(User, pk=user_id)
+    return _render_usage(
+        request, subject, base_path=f"/usage/staff/users/{subject.pk}/", staff_view=True
+    )
+
+
+@staff_required
+def staff_user_export_csv(request, user_id: int):
+    subject = get_object_or_404(User, pk=user_id)
+    return _export_csv(request, subject, filename=f"usage-user-{subject.pk}")
