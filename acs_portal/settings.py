@@ -157,3 +157,41 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
 }
+
+# --- Jobs (api/jobs): completion and harvest jobs -------------------------------------
+# A worker holds a claimed job for this long; past it, the sweep assumes the worker died.
+# Completion jobs: a non-streaming request must finish within 14 minutes.
+ACS_COMPLETION_JOB_LEASE_SECONDS = env_int("ACS_COMPLETION_JOB_LEASE_SECONDS", 16 * 60)
+# Harvest workers renew their lease after every batch of prompts.
+ACS_HARVEST_JOB_LEASE_SECONDS = env_int("ACS_HARVEST_JOB_LEASE_SECONDS", 10 * 60)
+ACS_JOB_MAX_ATTEMPTS = env_int("ACS_JOB_MAX_ATTEMPTS", 3)
+ACS_COMPLETION_JOB_RETENTION_SECONDS = env_int("ACS_COMPLETION_JOB_RETENTION_SECONDS", 24 * 3600)
+ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY = env_int("ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY", 2)
+ACS_HARVEST_BATCH_SIZE = env_int("ACS_HARVEST_BATCH_SIZE", 8)
+# How long signed harvest download URLs stay valid.
+ACS_HARVEST_URL_MAX_AGE_SECONDS = env_int("ACS_HARVEST_URL_MAX_AGE_SECONDS", 3600)
+CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep", "schedule": 60.0}
+
+# --- accounts (portal, keys, budgets) ---
+CELERY_BEAT_SCHEDULE["accounts.release_stale_budget_reservations"] = {
+    "task": "accounts.tasks.release_stale_budget_reservations",
+    "schedule": 300.0,
+}
+
+# --- Playground (issue 5) -----------------------------------------------------------------
+# Retries of a run after a transient API error (unreachable, 429/502/503 with Retry-After).
+PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3)
+# A Retry-After longer than this (seconds; e.g. spend_cap's 3600) fails the run instead.
+PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30)
+# How long the model list from /v1/models is cached for the playground form (seconds).
+PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60)
+
+# --- /v1 gateway (api/) ---
+# Every /v1 response carries X-Request-Id (outermost, so error pages get it too).
+MIDDLEWARE = ["api.middleware.RequestIdMiddleware", *MIDDLEWARE]
+# Where the gateway caches each model's tokenizer.json fetched from its upstream.
+ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" / "tokenizers"))
+# Celery's Django fixup closes the database connection before and after every task; reusing
+# it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
+# playground's path to the first token.
+CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)

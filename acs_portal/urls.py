@@ -3,6 +3,8 @@ from django.contrib import admin
 from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.urls import include, path, re_path
 
+from api.views import docs as api_docs_view
+
 urlpatterns = [
     path("v1/", include("api.urls")),
     path("v1/", include("api.jobs.urls")),
@@ -10,6 +12,7 @@ urlpatterns = [
     path("playground/", include("playground.urls")),
     path("usage/", include("accounts.usage_urls")),
     path("admin/", admin.site.urls),
+    path("docs/", api_docs_view, name="api_docs"),
     path("", include("accounts.urls")),
 ]
 

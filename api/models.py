@@ -1,1 +1,68 @@
-from django.db import models  # noqa: F401
+"""The model registry: which models the gateway serves and where their upstreams are."""
+
+from django.core.exceptions import ValidationError
+from django.db import models
+
+MAX_LOGPROBS = 100
+
+
+def _validate_url_list(value):
+    if not isinstance(value, list) or not all(
+        isinstance(url, str) and url.startswith(("http://", "https://")) for url in value
+    ):
+        raise ValidationError('Give a JSON list of http(s) base URLs, e.g. ["http://host:8001"].')
+
+
+class ModelStatus(models.TextChoices):
+    LIVE = "live", "Live"
+    DISABLED = "disabled", "Disabled"
+
+
+class LanguageModel(models.Model):
+    """One model id clients send as `model`. Requests go round-robin over `upstream_urls`;
+    capture and steering requests over `activation_upstream_urls` when that list is set."""
+
+    name = models.CharField(
+        max_length=64, unique=True, help_text="The short id clients send as model."
+    )
+    served_model_name = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="The model name the upstream expects, when it differs from the id.",
+    )
+    upstream_urls = models.JSONField(default=list, validators=[_validate_url_list])
+    activation_upstream_urls = models.JSONField(
+        default=list, blank=True, validators=[_validate_url_list]
+    )
+    max_model_len = models.PositiveIntegerField()
+    n_layers = models.PositiveIntegerField()
+    hidden_size = models.PositiveIntegerField()
+    vocab_size = models.PositiveIntegerField()
+    supports_activations = models.BooleanField(default=False)
+    max_logprobs = models.PositiveIntegerField(default=MAX_LOGPROBS)
+    status = models.CharField(max_length=16, choices=ModelStatus.choices, default=ModelStatus.LIVE)
+    is_default = models.BooleanField(default=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["is_default"],
+                condition=models.Q(is_default=True),
+                name="one_default_language_model",
+            )
+        ]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def upstream_model_name(self) -> str:
+        return self.served_model_name or self.name
+
+    def urls_for(self, *, activation: bool) -> list[str]:
+        """The upstream base URLs for a request (with capture or steering if `activation`)."""
+        if activation and self.activation_upstream_urls:
+            return list(self.activation_upstream_urls)
+        return list(self.upstream_urls)

@@ -1,0 +1,204 @@
+"""Per-key admission control in Redis, so limits hold across any number of web replicas.
+
+Each key may have `MAX_RUNNING` requests running and `MAX_WAITING` more waiting, and may start
+`STARTS_PER_MINUTE` requests per sliding minute. Slots are leases, not counters: a member of a
+sorted set scored by its expiry, refreshed by a heartbeat while the request runs, so a replica
+that dies frees its slots when the lease runs out. Waiters are woken by a pub/sub message when
+a slot frees (with a slow poll as a safety net), never by spinning.
+
+Use `async with admission_slot(key_id):` around the work; it raises `ApiError` 429
+queue_full / rate_limited with Retry-After, and always releases (also on cancellation).
+"""
+
+import asyncio
+import contextlib
+import secrets
+import weakref
+
+from .clients import redis_client
+from .errors import ApiError
+
+MAX_RUNNING = 16
+MAX_WAITING = 64
+STARTS_PER_MINUTE = 600
+LEASE_MS = 30_000
+HEARTBEAT_S = 10.0
+WAKE_POLL_S = 1.0
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+_PURGE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+for i = 1, #expired do
+  redis.call('ZREM', KEYS[2], expired[i])
+  redis.call('ZREM', KEYS[3], expired[i])
+end
+"""
+
+# KEYS: running, waiting, waiting leases, starts. ARGV: token, max running, max waiting,
+# starts per minute, lease ms. Returns {outcome, retry_after_seconds}.
+_ACQUIRE = (
+    _NOW
+    + _PURGE
+    + """
+local token = ARGV[1]
+local lease = tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 60000)
+if redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[4]) then
+  local oldest = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+  return {'rate_limited', math.max(1, math.ceil((tonumber(oldest[2]) + 60000 - now) / 1000))}
+end
+local running = redis.call('ZCARD', KEYS[1])
+local waiting = redis.call('ZCARD', KEYS[2])
+local outcome
+if running < tonumber(ARGV[2]) and waiting == 0 then
+  redis.call('ZADD', KEYS[1], now + lease, token)
+  outcome = 'run'
+elseif waiting < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[2], now, token)
+  redis.call('ZADD', KEYS[3], now + lease, token)
+  outcome = 'wait'
+else
+  return {'queue_full', 1}
+end
+redis.call('ZADD', KEYS[4], now, token)
+for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], 120000) end
+return {outcome, 0}
+"""
+)
+
+# KEYS: running, waiting, waiting leases. ARGV: token, max running, lease ms.
+# Returns 1 when the waiter now holds a running slot, 0 to keep waiting.
+_PROMOTE = (
+    _NOW
+    + _PURGE
+    + """
+local token = ARGV[1]
+local lease = tonumber(ARGV[3])
+if not redis.call('ZSCORE', KEYS[2], token) then
+  redis.call('ZADD', KEYS[2], now, token)
+end
+redis.call('ZADD', KEYS[3], now + lease, token)
+local free = tonumber(ARGV[2]) - redis.call('ZCARD', KEYS[1])
+if free > 0 and redis.call('ZRANK', KEYS[2], token) < free then
+  redis.call('ZREM', KEYS[2], token)
+  redis.call('ZREM', KEYS[3], token)
+  redis.call('ZADD', KEYS[1], now + lease, token)
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], 120000) end
+  return 1
+end
+return 0
+"""
+)
+
+# KEYS: running, waiting, waiting leases. ARGV: token, channel.
+_RELEASE = """
+local held = redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+if held == 1 and redis.call('ZCARD', KEYS[2]) > 0 then
+  redis.call('PUBLISH', ARGV[2], '1')
+end
+return held
+"""
+
+# KEYS: running. ARGV: token, lease ms.
+_HEARTBEAT = (
+    _NOW
+    + """
+return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+"""
+)
+
+
+def _keys(key_id) -> list[str]:
+    base = f"acs:adm:{{{key_id}}}"
+    return [f"{base}:run", f"{base}:wait", f"{base}:wlease", f"{base}:starts"]
+
+
+def _channel(key_id) -> str:
+    return f"acs:adm:{{{key_id}}}:free"
+
+
+class _Scripts:
+    def __init__(self, client):
+        self.acquire = client.register_script(_ACQUIRE)
+        self.promote = client.register_script(_PROMOTE)
+        self.release = client.register_script(_RELEASE)
+        self.heartbeat = client.register_script(_HEARTBEAT)
+
+
+_scripts_by_client: "weakref.WeakKeyDictionary[object, _Scripts]" = weakref.WeakKeyDictionary()
+
+
+def _scripts(client) -> _Scripts:
+    scripts = _scripts_by_client.get(client)
+    if scripts is None:
+        scripts = _scripts_by_client[client] = _Scripts(client)
+    return scripts
+
+
+async def _wait_for_slot(client, scripts, key_id, token, keys) -> None:
+    pubsub = client.pubsub()
+    await pubsub.subscribe(_channel(key_id))
+    try:
+        while not await scripts.promote(keys=keys[:3], args=[token, MAX_RUNNING, LEASE_MS]):
+            await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAKE_POLL_S)
+    finally:
+        with contextlib.suppress(Exception):
+            await pubsub.aclose()
+
+
+async def _heartbeat(scripts, keys, token) -> None:
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        await scripts.heartbeat(keys=keys[:1], args=[token, LEASE_MS])
+
+
+@contextlib.asynccontextmanager
+async def admission_slot(key_id):
+    """Hold one running slot of the key for the body of the `async with`."""
+    client = redis_client()
+    scripts = _scripts(client)
+    keys = _keys(key_id)
+    token = secrets.token_hex(8)
+    outcome, retry_after = await scripts.acquire(
+        keys=keys, args=[token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
+    )
+    outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+    if outcome == "rate_limited":
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"This key started {STARTS_PER_MINUTE} requests in the last minute.",
+            retry_after=int(retry_after),
+        )
+    if outcome == "queue_full":
+        raise ApiError(
+            429,
+            "queue_full",
+            f"This key already has {MAX_RUNNING} requests running and {MAX_WAITING} waiting.",
+            retry_after=int(retry_after),
+        )
+    heartbeat = None
+    try:
+        if outcome == "wait":
+            await _wait_for_slot(client, scripts, key_id, token, keys)
+        heartbeat = asyncio.create_task(_heartbeat(scripts, keys, token))
+        yield
+    finally:
+        if heartbeat is not None:
+            heartbeat.cancel()
+        await asyncio.shield(scripts.release(keys=keys[:3], args=[token, _channel(key_id)]))
+
+
+async def admission_counts(key_id) -> dict:
+    """Running and waiting requests of a key (for tests and the staff overview)."""
+    client = redis_client()
+    keys = _keys(key_id)
+    running, waiting = await asyncio.gather(client.zcard(keys[0]), client.zcard(keys[1]))
+    return {"running": running, "waiting": waiting}

@@ -1,0 +1,42 @@
+"""Connection pools bound to the running event loop: one async Redis client and one httpx
+client per loop (uvicorn has one loop; a Celery worker's async_to_sync makes a new one per call,
+so pools are never shared across loops)."""
+
+import asyncio
+import weakref
+
+import httpx
+import redis.asyncio as aioredis
+from django.conf import settings
+
+_redis_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = (
+    weakref.WeakKeyDictionary()
+)
+_http_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = (
+    weakref.WeakKeyDictionary()
+)
+
+# Tests may replace this with an httpx.MockTransport; None = real network.
+http_transport: httpx.AsyncBaseTransport | None = None
+
+
+def redis_client() -> aioredis.Redis:
+    loop = asyncio.get_running_loop()
+    client = _redis_by_loop.get(loop)
+    if client is None:
+        client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=512)
+        _redis_by_loop[loop] = client
+    return client
+
+
+def http_client() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    client = _http_by_loop.get(loop)
+    if client is None:
+        client = httpx.AsyncClient(
+            transport=http_transport,
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        _http_by_loop[loop] = client
+    return client

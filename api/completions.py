@@ -1,0 +1,346 @@
+"""POST /v1/completions: the one path every completion takes, streaming or not.
+
+`completion_run` serves a non-streaming body (the view, completion jobs via async_to_sync);
+`completion_stream` serves `stream: true`. Both: validate → admission slot → reserve the
+budget → upstream → settle to the actual usage → one usage record.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import upstream
+from .admission import admission_slot
+from .errors import ApiError, sse_error_frame
+from .metering import reserve, settle_and_record
+from .validation import ValidCompletion, validate_completion
+
+logger = logging.getLogger(__name__)
+
+# Seconds without an upstream frame after which a `: keepalive` comment is sent.
+KEEPALIVE_S = 15.0
+
+_background: set[asyncio.Future] = set()
+
+
+def pending_settlements() -> int:
+    """Settlements and usage records still being written in the background."""
+    return len(_background)
+
+
+@dataclass
+class CompletionResult:
+    """`status`, `body` (the completion or the error envelope) and response `headers`;
+    `content` is the already-encoded body when the gateway relays the upstream's bytes."""
+
+    status: int
+    body: dict
+    headers: dict = field(default_factory=dict)
+    content: bytes | None = None
+
+    def encoded(self) -> bytes:
+        if self.content is None:
+            self.content = json.dumps(self.body, separators=(",", ":")).encode()
+        return self.content
+
+
+class _Request:
+    """Timing and metering state of one completion request."""
+
+    def __init__(self, *, key, payload, request_id, endpoint, workload, stream):
+        self.key = key
+        self.payload = payload
+        self.status, self.error_code = 500, "internal_error"
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.workload = workload[:16]
+        self.stream = stream
+        self.model = payload.get("model") if isinstance(payload, dict) else None
+        self.started = time.perf_counter()
+        self.upstream_started: float | None = None
+        self.upstream_ms: float | None = None
+        self.ttft_ms: float | None = None
+        self.valid: ValidCompletion | None = None
+        self.reservation = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
+
+    def server_timing(self) -> str:
+        total = self.elapsed_ms()
+        upstream_ms = self.upstream_ms or 0.0
+        return f"gateway;dur={total - upstream_ms:.2f}, upstream;dur={upstream_ms:.2f}"
+
+    def clamp_headers(self) -> dict:
+        reservation = self.reservation
+        if reservation is None or reservation.max_tokens_applied >= self.valid.max_tokens:
+            return {}
+        return {
+            "X-Acs-Max-Tokens-Clamped": (
+                f"requested={self.valid.max_tokens},"
+                f"applied={reservation.max_tokens_applied},reason=budget"
+            )
+        }
+
+    def record(self, *, status: int, error_code: str = "") -> dict:
+        model = self.valid.model.name if self.valid else self.model
+        return {
+            "key": self.key,
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "status_code": status,
+            "error_code": error_code,
+            "latency_ms": self.elapsed_ms(),
+            "model": model[:64] if isinstance(model, str) else "",
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "upstream_latency_ms": self.upstream_ms,
+            "ttft_ms": self.ttft_ms,
+            "stream": self.stream,
+            "activation_layers": self.valid.capture_layers if self.valid else None,
+            "workload": self.workload,
+        }
+
+    def settlement(self) -> dict | None:
+        if self.reservation is None:
+            return None
+        return {
+            "reservation_id": self.reservation.pk,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+    def finish_in_background(self, *, status: int, error_code: str = "") -> asyncio.Future:
+        """Start settling and metering in a task that outlives the request's own task."""
+        work = asyncio.ensure_future(
+            settle_and_record(
+                settlement=self.settlement(),
+                record=self.record(status=status, error_code=error_code),
+            )
+        )
+        _background.add(work)
+        work.add_done_callback(_background.discard)
+        return work
+
+    async def finish(self, *, status: int, error_code: str = "") -> None:
+        """Settle and meter, even if the request task is being cancelled."""
+        await asyncio.shield(self.finish_in_background(status=status, error_code=error_code))
+
+    async def admit_and_reserve(self, stack: contextlib.AsyncExitStack) -> int:
+        """Take an admission slot (held until `stack` closes) and reserve the budget;
+        returns the max_tokens to send upstream."""
+        valid = self.valid
+        await stack.enter_async_context(admission_slot(self.key.pk))
+        self.reservation = await reserve(
+            key=self.key,
+            prompt_tokens=valid.prompt_tokens,
+            max_tokens=valid.max_tokens,
+            completions=valid.completions,
+            activation=valid.activation,
+        )
+        return self.reservation.max_tokens_applied
+
+
+def _usage_tokens(body: dict) -> tuple[int, int] | None:
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+async def completion_run(
+    *,
+    key,
+    payload: dict,
+    request_id: str,
+    endpoint: str = "completions",
+    workload: str = "",
+    settle_in_background: bool = False,
+) -> "CompletionResult":
+    """Serve one non-streaming completion body for `key` exactly as POST /v1/completions
+    does; never raises ApiError (errors come back as a result with the error envelope).
+
+    The budget is settled and the usage recorded before returning, unless
+    `settle_in_background` (the HTTP view: the client gets its body without waiting for
+    those writes; `pending_settlements()` counts the ones still running)."""
+    state = _Request(
+        key=key,
+        payload=payload,
+        request_id=request_id,
+        endpoint=endpoint,
+        workload=workload,
+        stream=False,
+    )
+    try:
+        result = await _run(state)
+    except BaseException:
+        await state.finish(status=499, error_code="client_disconnected")
+        raise
+    if settle_in_background:
+        state.finish_in_background(status=state.status, error_code=state.error_code)
+    else:
+        await state.finish(status=state.status, error_code=state.error_code)
+    return result
+
+
+async def _run(state: "_Request") -> "CompletionResult":
+    try:
+        state.valid = await validate_completion(state.payload)
+        if state.valid.request.stream:
+            raise ApiError(400, "invalid_request", "Use the streaming endpoint for stream: true.")
+        async with contextlib.AsyncExitStack() as stack:
+            max_tokens = await state.admit_and_reserve(stack)
+            state.upstream_started = time.perf_counter()
+            reply = await upstream.send_completion(
+                state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+            )
+            state.upstream_ms = reply.upstream_ms
+            state.ttft_ms = state.elapsed_ms()
+        usage = _usage_tokens(reply.body)
+        if usage is not None:
+            state.prompt_tokens, state.completion_tokens = usage
+        body, content = reply.body, reply.content
+        if body.get("model") != state.valid.model.name:
+            body["model"] = state.valid.model.name
+            content = None
+        headers = {"Server-Timing": state.server_timing(), **state.clamp_headers()}
+        state.status, state.error_code = 200, ""
+        return CompletionResult(200, body, headers, content)
+    except ApiError as error:
+        state.status, state.error_code = error.status, error.code
+        return CompletionResult(error.status, error.body(), error.headers())
+    except Exception:
+        logger.exception("completion %s failed", state.request_id)
+        error = ApiError(
+            500, "internal_error", f"Internal error; quote request id {state.request_id}."
+        )
+        return CompletionResult(500, error.body(), error.headers())
+    finally:
+        if state.upstream_started is not None and state.upstream_ms is None:
+            state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+
+
+def _count_chunk_tokens(frame: dict) -> int:
+    """Generated tokens in one stream chunk (one per choice delta unless logprobs list more)."""
+    count = 0
+    for choice in frame.get("choices") or ():
+        logprobs = choice.get("logprobs")
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        count += len(tokens) if tokens else (1 if choice.get("text") else 0)
+    return count
+
+
+async def _with_keepalive(frames):
+    """Yield the frames of `frames`, and None after each KEEPALIVE_S of silence."""
+    iterator = frames.__aiter__()
+    pending = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+class StreamOpened:
+    """What `completion_stream` yields first when the stream is ready: its headers."""
+
+    def __init__(self, headers: dict):
+        self.headers = headers
+
+
+async def completion_stream(*, key, payload: dict, request_id: str, workload: str = ""):
+    """An async generator serving a `stream: true` body. Its first item is either a
+    `CompletionResult` (an error before the stream opened; nothing follows) or a
+    `StreamOpened`; every later item is SSE bytes to relay."""
+    state = _Request(
+        key=key,
+        payload=payload,
+        request_id=request_id,
+        endpoint="completions",
+        workload=workload,
+        stream=True,
+    )
+    status, error_code, opened = 500, "internal_error", False
+    try:
+        state.valid = await validate_completion(payload)
+        include_usage = bool(
+            state.valid.request.stream_options and state.valid.request.stream_options.include_usage
+        )
+        rename = state.valid.model.upstream_model_name != state.valid.model.name
+        async with contextlib.AsyncExitStack() as stack:
+            max_tokens = await state.admit_and_reserve(stack)
+            state.upstream_started = time.perf_counter()
+            frames = await stack.enter_async_context(
+                upstream.open_stream(
+                    state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+                )
+            )
+            status, error_code, opened = 200, "", True
+            yield StreamOpened({"Server-Timing": state.server_timing(), **state.clamp_headers()})
+            async for raw in _with_keepalive(frames):
+                if raw is None:
+                    yield b": keepalive\n\n"
+                    continue
+                if raw == b"[DONE]":
+                    state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+                    yield b"data: [DONE]\n\n"
+                    break
+                frame = json.loads(raw)
+                if "error" in frame:
+                    raise upstream.map_stream_error(frame)
+                usage = _usage_tokens(frame)
+                if usage is not None and not frame.get("choices"):
+                    state.prompt_tokens, state.completion_tokens = usage
+                    if not include_usage:
+                        continue
+                else:
+                    if state.ttft_ms is None:
+                        state.ttft_ms = state.elapsed_ms()
+                    state.completion_tokens += _count_chunk_tokens(frame)
+                    state.prompt_tokens = state.valid.prompt_tokens
+                if rename:
+                    frame["model"] = state.valid.model.name
+                    raw = json.dumps(frame, separators=(",", ":")).encode()
+                yield b"data: " + raw + b"\n\n"
+    except ApiError as error:
+        status, error_code = (200 if opened else error.status), error.code
+        if opened:
+            yield sse_error_frame(error)
+        else:
+            yield CompletionResult(error.status, error.body(), error.headers())
+    except (asyncio.CancelledError, GeneratorExit):
+        # The client went away: settle what was generated so far.
+        status, error_code = 499, "client_disconnected"
+        if state.reservation is not None and state.prompt_tokens == 0:
+            state.prompt_tokens = state.valid.prompt_tokens
+        raise
+    except Exception:
+        logger.exception("stream %s failed", request_id)
+        error = ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
+        status, error_code = (200 if opened else 500), "internal_error"
+        if opened:
+            yield sse_error_frame(error)
+        else:
+            yield CompletionResult(500, error.body(), error.headers())
+    finally:
+        if state.upstream_started is not None and state.upstream_ms is None:
+            state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+        await state.finish(status=status, error_code=error_code)

@@ -1,0 +1,40 @@
+"""Gives every /v1 request an id (a safe inbound X-Request-Id is kept) and every /v1
+response its X-Request-Id header."""
+
+import re
+import uuid
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def request_id_for(request) -> str:
+    inbound = request.headers.get("X-Request-Id", "")
+    return inbound if _SAFE_REQUEST_ID.match(inbound) else f"req_{uuid.uuid4().hex}"
+
+
+class RequestIdMiddleware:
+    async_capable = True
+    sync_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        request.request_id = request_id_for(request)
+        return self._tag(request, self.get_response(request))
+
+    async def _acall(self, request):
+        request.request_id = request_id_for(request)
+        return self._tag(request, await self.get_response(request))
+
+    @staticmethod
+    def _tag(request, response):
+        if request.path.startswith("/v1/") and not response.has_header("X-Request-Id"):
+            response["X-Request-Id"] = request.request_id
+        return response

@@ -1,0 +1,95 @@
+"""Reads of the model registry and of upstream health."""
+
+import datetime as dt
+import time
+
+import redis
+from django.conf import settings
+
+from .db import run_db
+from .errors import ApiError
+from .models import LanguageModel, ModelStatus
+from .upstream import FAILURE_WINDOW_MS, circuit_keys
+
+# The registry changes rarely (staff edit it in the admin), so each process reads it at most
+# once per this many seconds instead of once per request.
+REGISTRY_TTL_S = 2.0
+
+_registry: dict = {"loaded_at": -1e9, "by_name": {}, "default": None}
+
+
+def _load_registry() -> None:
+    models = list(LanguageModel.objects.all())
+    _registry["by_name"] = {model.name: model for model in models}
+    _registry["default"] = next((m for m in models if m.is_default), None)
+    _registry["loaded_at"] = time.monotonic()
+
+
+def registry_clear() -> None:
+    """Forget the cached registry (tests, after a staff edit in this process)."""
+    _registry["loaded_at"] = -1e9
+
+
+async def _fresh_registry() -> dict:
+    if time.monotonic() - _registry["loaded_at"] > REGISTRY_TTL_S:
+        await run_db(_load_registry)
+    return _registry
+
+
+async def model_get(name: str | None) -> LanguageModel:
+    """The live model called `name` (the default model when None), or 400 model_not_found."""
+    registry = await _fresh_registry()
+    model = registry["default"] if name is None else registry["by_name"].get(name)
+    if model is None or model.status != ModelStatus.LIVE:
+        raise ApiError(
+            400,
+            "model_not_found",
+            f"The model '{name}' does not exist; GET /v1/models lists the models."
+            if name is not None
+            else "Name a model; GET /v1/models lists them.",
+        )
+    return model
+
+
+async def model_list() -> list[LanguageModel]:
+    registry = await _fresh_registry()
+    return sorted(registry["by_name"].values(), key=lambda model: model.name)
+
+
+def upstream_states() -> list[dict]:
+    """Every upstream URL of every model with its circuit state, for the staff overview:
+    `{model, url, kind ("completions" | "activations"), state ("closed" | "open" |
+    "half-open"), recent_failures, open_until (datetime or None)}`."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    now_ms = time.time() * 1000
+    states = []
+    try:
+        for model in LanguageModel.objects.all():
+            kinds = [("completions", url) for url in model.upstream_urls] + [
+                ("activations", url) for url in model.activation_upstream_urls
+            ]
+            for kind, url in kinds:
+                open_key, _, fails_key = circuit_keys(url)
+                pipe = client.pipeline()
+                pipe.get(open_key)
+                pipe.zcount(fails_key, now_ms - FAILURE_WINDOW_MS, "+inf")
+                open_until, failures = pipe.execute()
+                if open_until is None:
+                    state, until = "closed", None
+                else:
+                    until_ms = float(open_until)
+                    state = "open" if until_ms > now_ms else "half-open"
+                    until = dt.datetime.fromtimestamp(until_ms / 1000, tz=dt.UTC)
+                states.append(
+                    {
+                        "model": model.name,
+                        "url": url,
+                        "kind": kind,
+                        "state": state,
+                        "recent_failures": failures,
+                        "open_until": until,
+                    }
+                )
+    finally:
+        client.close()
+    return states

@@ -1,0 +1,407 @@
+"""The one network seam of the gateway: every call to an inference upstream goes through here.
+
+Upstreams speak vLLM's HTTP API (the embedded engine does too). A model's base URLs are used
+round-robin; a circuit breaker in Redis, shared by all replicas, skips a URL that keeps
+failing (`FAILURE_THRESHOLD` failures within `FAILURE_WINDOW_MS` open it for `OPEN_MS`; then one
+probe request is let through, and its outcome closes or re-opens it). Failures are mapped to
+the contract's error codes as `ApiError`.
+
+For other callers (a harvest worker capturing one prompt, completion jobs):
+
+    body = await upstream_completion(model, payload)
+
+sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
+`LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
+decoded response dict, or raises `ApiError`. Tests point models at stub servers or set
+`api.clients.http_transport`.
+"""
+
+import asyncio
+import itertools
+import json
+import re
+import secrets
+import time
+import weakref
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from .clients import http_client, redis_client
+from .errors import ApiError
+
+FAILURE_THRESHOLD = 5
+FAILURE_WINDOW_MS = 30_000
+OPEN_MS = 30_000
+PROBE_MS = 15_000
+NON_STREAMING_TIMEOUT_S = 14 * 60
+STREAM_IDLE_TIMEOUT_S = 10 * 60
+HEALTH_TIMEOUT_S = 3.0
+
+# Upstream error codes that are also contract codes keep their code, with this status.
+_PASSTHROUGH_STATUS = {
+    "capture_incomplete": 502,
+    "capture_rows_missing": 502,
+    "capture_preempted": 503,
+    "wrapper_saturated": 503,
+    "vllm_oom": 502,
+    "vllm_engine_dead": 502,
+    "position_steering_unavailable": 400,
+    "activation_prompt_too_long": 400,
+    "full_vocab_prompt_too_long": 400,
+    "weights_unverified": 503,
+    "kv_cache_unverified": 503,
+    "modal_cold_boot": 503,
+}
+_CONTEXT_WORDS = re.compile(r"context|maximum model length|too long", re.IGNORECASE)
+_OOM_WORDS = re.compile(r"out of memory|\boom\b", re.IGNORECASE)
+
+
+def circuit_keys(url: str) -> list[str]:
+    base = f"acs:cb:{{{url}}}"
+    return [f"{base}:open_until", f"{base}:probe", f"{base}:fails"]
+
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: open_until_i, probe_i, fails_i for each URL in round-robin order. ARGV: probe ms.
+# Returns {index (1-based) or 0, 'closed' | 'probe' | seconds until the first re-opens}.
+_PICK = (
+    _NOW
+    + """
+local soonest = nil
+for i = 1, #KEYS / 3 do
+  local open_until = redis.call('GET', KEYS[i * 3 - 2])
+  if not open_until then return {i, 'closed'} end
+  open_until = tonumber(open_until)
+  if now >= open_until then
+    if redis.call('SET', KEYS[i * 3 - 1], '1', 'NX', 'PX', ARGV[1]) then return {i, 'probe'} end
+    open_until = now + tonumber(ARGV[1])
+  end
+  if not soonest or open_until < soonest then soonest = open_until end
+end
+return {0, tostring(math.max(1, math.ceil((soonest - now) / 1000)))}
+"""
+)
+
+# KEYS: open_until, probe, fails. ARGV: member, threshold, window ms, open ms, was probe.
+_FAILURE = (
+    _NOW
+    + """
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+if ARGV[5] == '1' or redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[2]) then
+  redis.call('SET', KEYS[1], now + tonumber(ARGV[4]), 'PX', 86400000)
+  redis.call('DEL', KEYS[2], KEYS[3])
+  return 1
+end
+return 0
+"""
+)
+
+
+@dataclass
+class Target:
+    """The URL picked for one request and whether it is the half-open circuit's probe."""
+
+    url: str
+    probe: bool
+
+
+_round_robin: dict[tuple[str, ...], itertools.count] = {}
+_pick_scripts: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _scripts(client):
+    scripts = _pick_scripts.get(client)
+    if scripts is None:
+        scripts = _pick_scripts[client] = (
+            client.register_script(_PICK),
+            client.register_script(_FAILURE),
+        )
+    return scripts
+
+
+async def pick_target(urls: list[str]) -> Target:
+    """The next URL round-robin whose circuit lets a request through, or 503 circuit_open."""
+    if not urls:
+        raise ApiError(
+            503,
+            "activation_engine_unconfigured",
+            "This model has no upstream configured.",
+            should_retry=False,
+        )
+    counter = _round_robin.setdefault(tuple(urls), itertools.count())
+    start = next(counter) % len(urls)
+    ordered = urls[start:] + urls[:start]
+    pick, _ = _scripts(redis_client())
+    keys = [key for url in ordered for key in circuit_keys(url)]
+    index, state = await pick(keys=keys, args=[PROBE_MS])
+    state = state.decode() if isinstance(state, bytes) else state
+    if index == 0:
+        raise ApiError(
+            503,
+            "circuit_open",
+            "Every upstream of this model is failing; the gateway is letting them recover.",
+            retry_after=int(state),
+        )
+    return Target(url=ordered[index - 1], probe=state == "probe")
+
+
+async def record_failure(target: Target) -> None:
+    _, failure = _scripts(redis_client())
+    await failure(
+        keys=circuit_keys(target.url),
+        args=[
+            f"{time.time_ns()}-{secrets.token_hex(2)}",
+            FAILURE_THRESHOLD,
+            FAILURE_WINDOW_MS,
+            OPEN_MS,
+            "1" if target.probe else "0",
+        ],
+    )
+
+
+async def record_success(target: Target) -> None:
+    """Close the circuit after a successful probe (plain successes cost no Redis call)."""
+    if target.probe:
+        await redis_client().delete(*circuit_keys(target.url))
+
+
+# ---------------------------------------------------------------------------------------
+# Error mapping
+
+
+def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
+    """The contract's error for an upstream's non-2xx answer."""
+    upstream_code, message = _error_fields(content)
+    retry_after = _retry_after(headers)
+    if upstream_code in _PASSTHROUGH_STATUS:
+        return ApiError(
+            _PASSTHROUGH_STATUS[upstream_code], upstream_code, message, retry_after=retry_after
+        )
+    if status in (400, 422):
+        if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
+            upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
+        ):
+            return ApiError(400, "vllm_context_length", message or "The prompt is too long.")
+        return ApiError(400, "vllm_invalid_request", message or "The upstream refused the request.")
+    if status in (401, 403):
+        return ApiError(502, "upstream_auth", "The upstream refused the gateway's credentials.")
+    if status == 503 and upstream_code == "model_loading":
+        return ApiError(503, "modal_cold_boot", "The model is loading.", retry_after=retry_after)
+    if status in (429, 503):
+        return ApiError(
+            503,
+            "wrapper_saturated",
+            "The upstream is at capacity; retry after the delay given.",
+            retry_after=retry_after,
+        )
+    if status == 504:
+        return ApiError(504, "upstream_deadline", "The upstream ran out of time.")
+    if _OOM_WORDS.search(message or "") or upstream_code == "oom":
+        return ApiError(502, "vllm_oom", message, retry_after=retry_after)
+    return ApiError(
+        502,
+        "upstream_server_error",
+        f"The upstream failed with HTTP {status}" + (f": {message}" if message else "."),
+        retry_after=retry_after,
+        should_retry=retry_after is not None,
+    )
+
+
+def map_stream_error(payload: dict) -> ApiError:
+    """The contract's error for an `{"error": ...}` frame an upstream sent mid-stream."""
+    error = payload.get("error") if isinstance(payload.get("error"), dict) else {}
+    code, message = error.get("code") or "", error.get("message") or "The upstream failed."
+    if code in _PASSTHROUGH_STATUS:
+        return ApiError(_PASSTHROUGH_STATUS[code], code, message)
+    if _OOM_WORDS.search(message) or code == "oom":
+        return ApiError(502, "vllm_oom", message)
+    return ApiError(502, "upstream_server_error", message, should_retry=False)
+
+
+def _error_fields(content: bytes) -> tuple[str, str]:
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return "", content[:200].decode("utf-8", "replace").strip()
+    if isinstance(error, dict):
+        return str(error.get("code") or ""), str(error.get("message") or "")
+    return "", str(error or "")
+
+
+def _retry_after(headers) -> int | None:
+    value = headers.get("retry-after") if headers is not None else None
+    try:
+        return max(1, int(float(value))) if value is not None else None
+    except ValueError:
+        return None
+
+
+def unreachable(target_url: str) -> ApiError:
+    return ApiError(502, "upstream_unreachable", f"The upstream at {target_url} is unreachable.")
+
+
+def engine_dead() -> ApiError:
+    return ApiError(502, "vllm_engine_dead", "The upstream closed the connection mid-response.")
+
+
+def deadline() -> ApiError:
+    return ApiError(504, "upstream_deadline", "The upstream did not answer in time.")
+
+
+# ---------------------------------------------------------------------------------------
+# Calls
+
+
+@dataclass
+class UpstreamReply:
+    content: bytes
+    body: dict
+    upstream_ms: float
+
+
+async def _post(urls, path, payload, *, timeout, stream=False):
+    """POST to the next healthy URL (one retry on another URL when the connection fails)
+    and return `(target, response)`; the response is open when `stream`."""
+    content = json.dumps(payload, separators=(",", ":")).encode()
+    attempts = 2 if len(urls) > 1 else 1
+    for attempt in range(attempts):
+        target = await pick_target(urls)
+        client = http_client()
+        request = client.build_request(
+            "POST",
+            target.url.rstrip("/") + path,
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=timeout,
+        )
+        try:
+            return target, await client.send(request, stream=stream)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            await record_failure(target)
+            if attempt == attempts - 1:
+                raise unreachable(target.url) from error
+        except httpx.TimeoutException as error:
+            raise deadline() from error
+        except httpx.TransportError as error:
+            await record_failure(target)
+            raise engine_dead() from error
+    raise AssertionError("unreachable")
+
+
+async def _raise_for_status(target: Target, response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    content = await response.aread()
+    await response.aclose()
+    error = map_upstream_error(response.status_code, content, response.headers)
+    if response.status_code >= 500 and error.code != "modal_cold_boot":
+        await record_failure(target)
+    raise error
+
+
+async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
+    """A non-streaming completion; raises the contract's ApiError on any failure."""
+    started = time.perf_counter()
+    timeout = httpx.Timeout(NON_STREAMING_TIMEOUT_S, connect=5.0)
+    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout)
+    await _raise_for_status(target, response)
+    content = response.content
+    try:
+        body = json.loads(content)
+    except ValueError as error:
+        await record_failure(target)
+        raise ApiError(502, "upstream_server_error", "The upstream sent invalid JSON.") from error
+    await record_success(target)
+    return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
+
+
+async def upstream_completion(model, payload: dict) -> dict:
+    """Send one non-streaming completion body to `model`'s upstream (the activation upstream
+    for capture or steering) and return the response dict; raises ApiError."""
+    activation = bool(payload.get("output_residual_stream")) or bool(
+        payload.get("apply_steering_vectors")
+    )
+    payload = {**payload, "model": model.upstream_model_name}
+    return (await send_completion(model.urls_for(activation=activation), payload)).body
+
+
+@asynccontextmanager
+async def open_stream(urls: list[str], payload: dict):
+    """Open a streaming completion; yields an async iterator of SSE `data:` payloads (bytes,
+    without the `data: ` prefix). Failures before the first byte raise ApiError here;
+    failures while iterating raise ApiError from the iterator."""
+    timeout = httpx.Timeout(STREAM_IDLE_TIMEOUT_S, connect=5.0)
+    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, stream=True)
+    try:
+        await _raise_for_status(target, response)
+        yield _sse_payloads(target, response)
+    finally:
+        await response.aclose()
+
+
+async def _sse_payloads(target: Target, response: httpx.Response):
+    try:
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                yield line[5:].strip().encode()
+    except httpx.TimeoutException as error:
+        raise deadline() from error
+    except httpx.TransportError as error:
+        await record_failure(target)
+        raise engine_dead() from error
+    await record_success(target)
+
+
+async def upstream_health(urls: list[str]) -> dict:
+    """`{"warm": bool, "upstreams": [{url, ok, model_loaded}]}` from each URL's /health."""
+
+    async def one(url):
+        try:
+            response = await http_client().get(
+                url.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S
+            )
+            body = response.json() if response.content else {}
+        except (httpx.HTTPError, ValueError):
+            return {"url": url, "ok": False, "model_loaded": False}
+        loaded = response.status_code == 200 and body.get("model_loaded", True) is not False
+        return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
+
+    states = await asyncio.gather(*(one(url) for url in urls))
+    return {"warm": any(s["model_loaded"] for s in states), "upstreams": list(states)}
+
+
+async def fetch_tokenizer_json(url: str) -> bytes | None:
+    """The HF tokenizer JSON an upstream serves at /tokenizer.json, or None."""
+    try:
+        response = await http_client().get(url.rstrip("/") + "/tokenizer.json", timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    return response.content if response.status_code == 200 else None
+
+
+async def tokenize_remote(url: str, prompt, *, model_name: str, add_special_tokens: bool) -> int:
+    """Count one prompt's tokens with the upstream's POST /tokenize."""
+    try:
+        response = await http_client().post(
+            url.rstrip("/") + "/tokenize",
+            json={"model": model_name, "prompt": prompt, "add_special_tokens": add_special_tokens},
+            timeout=30.0,
+        )
+    except httpx.HTTPError as error:
+        raise ApiError(
+            503, "tokenizer_unavailable", "The model's tokenizer is unreachable."
+        ) from error
+    if response.status_code == 400:
+        raise map_upstream_error(400, response.content, response.headers)
+    if response.status_code != 200:
+        raise ApiError(503, "tokenizer_unavailable", "The model's tokenizer is unavailable.")
+    body = response.json()
+    return int(body.get("count", len(body.get("tokens", []))))

@@ -1,0 +1,215 @@
+"""Everything checked about a completion body before any upstream work."""
+
+from dataclasses import dataclass
+
+from .errors import ApiError
+from .models import LanguageModel
+from .schemas import (
+    CAPTURE_MAX_VALUES,
+    DEFAULT_MAX_TOKENS,
+    FULL_VOCAB_MAX_PROMPT_TOKENS,
+    FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
+    MAX_STOP_STRINGS,
+    NON_STREAMING_MAX_TOKENS,
+    OUTPUT_WORK_CAP,
+    CompletionRequest,
+    parse_body,
+)
+from .selectors import model_get
+from .tokenizer import count_prompt_tokens
+
+SUPPORTED_CODEC = {"dtype": "int16", "compression": "zstd", "original_dtype": "torch.bfloat16"}
+
+
+@dataclass
+class ValidCompletion:
+    """A completion body that passed every check, with what the budgets need."""
+
+    request: CompletionRequest
+    payload: dict
+    model: LanguageModel
+    prompt_tokens: int
+    max_tokens: int
+    completions: int
+    capture_layers: list[int] | None
+
+    @property
+    def activation(self) -> bool:
+        return self.request.is_activation_request
+
+    @property
+    def urls(self) -> list[str]:
+        return self.model.urls_for(activation=self.activation)
+
+    def upstream_payload(self, *, max_tokens: int) -> dict:
+        payload = {**self.payload, "model": self.model.upstream_model_name}
+        payload["max_tokens"] = max_tokens
+        if self.request.stream:
+            # The gateway always needs the final usage to settle the budget.
+            payload["stream_options"] = {"include_usage": True}
+        return payload
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_request", message)
+
+
+async def validate_completion(payload: object) -> ValidCompletion:
+    """Check a decoded completion body against the contract's limits and the model registry;
+    raise ApiError with the contract's code for the first problem found."""
+    request = parse_body(CompletionRequest, payload)
+    model = await model_get(request.model)
+    prompts = request.prompts()
+    _check_prompts(prompts, model)
+    if len(request.stop_strings()) > MAX_STOP_STRINGS:
+        raise _invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.")
+    if request.max_tokens is None and (len(prompts) > 1 or request.n > 1):
+        raise _invalid("Set 'max_tokens' explicitly when sending a prompt list or n > 1.")
+    max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+    completions = len(prompts) * request.n
+    if completions * max_tokens > OUTPUT_WORK_CAP:
+        raise _invalid(
+            f"prompt_count × n × max_tokens = {completions * max_tokens} exceeds the "
+            f"output-work cap of {OUTPUT_WORK_CAP}."
+        )
+    if not request.stream and max_tokens > NON_STREAMING_MAX_TOKENS:
+        raise ApiError(
+            400,
+            "deadline_infeasible",
+            f"A non-streaming request may set max_tokens to at most {NON_STREAMING_MAX_TOKENS};"
+            " lower max_tokens or set stream: true.",
+        )
+    if request.stream_options is not None and not request.stream:
+        raise _invalid("'stream_options' is only allowed with stream: true.")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, field)
+        if value is not None and value > model.max_logprobs:
+            raise _invalid(f"'{field}' may be at most {model.max_logprobs} for this model.")
+    if request.is_activation_request and not model.supports_activations:
+        raise ApiError(
+            503,
+            "activation_engine_unconfigured",
+            f"The model '{model.name}' serves no activations (capture or steering).",
+        )
+    capture_layers = request.capture_layers(model.n_layers)
+    if capture_layers is not None:
+        _check_capture(request, prompts, capture_layers, model)
+    for index, vector in enumerate(request.apply_steering_vectors or []):
+        _check_steering_vector(index, vector, model)
+
+    counts = await count_prompt_tokens(
+        model, prompts, add_special_tokens=request.add_special_tokens
+    )
+    for index, count in enumerate(counts):
+        if count + max_tokens > model.max_model_len:
+            where = f"Prompt {index} has" if len(counts) > 1 else "The prompt has"
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"{where} {count} tokens; with max_tokens {max_tokens} that exceeds the "
+                f"model's context of {model.max_model_len} tokens.",
+            )
+    prompt_tokens = sum(counts)
+    if request.prompt_logprobs == -1:
+        limit = (
+            FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE
+            if capture_layers is not None
+            else FULL_VOCAB_MAX_PROMPT_TOKENS
+        )
+        if prompt_tokens * request.n > limit:
+            raise ApiError(
+                400,
+                "full_vocab_prompt_too_long",
+                f"prompt_logprobs: -1 allows at most {limit} prompt tokens × n per request; "
+                f"this request has {prompt_tokens * request.n}.",
+            )
+    if capture_layers is not None:
+        values = len(capture_layers) * (prompt_tokens + max_tokens - 1) * model.hidden_size
+        if values > CAPTURE_MAX_VALUES:
+            raise ApiError(
+                400,
+                "activation_prompt_too_long",
+                f"Capturing {len(capture_layers)} layers over {prompt_tokens + max_tokens - 1} "
+                f"tokens exceeds the capture limit of {CAPTURE_MAX_VALUES} values; capture "
+                "fewer layers or send a shorter prompt.",
+            )
+    return ValidCompletion(
+        request=request,
+        payload=payload,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        completions=completions,
+        capture_layers=capture_layers,
+    )
+
+
+def _check_prompts(prompts: list, model: LanguageModel) -> None:
+    if not prompts:
+        raise _invalid("'prompt' must not be empty.")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise _invalid(f"'prompt' {index} is empty.")
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if t < 0 or t >= model.vocab_size), None)
+            if bad is not None:
+                raise _invalid(
+                    f"Token id {bad} in 'prompt' is outside the vocabulary "
+                    f"(0–{model.vocab_size - 1})."
+                )
+
+
+def _check_layers(field: str, layers: list[int], model: LanguageModel) -> None:
+    if not layers:
+        raise _invalid(f"'{field}' must name at least one layer.")
+    bad = next((layer for layer in layers if not 0 <= layer < model.n_layers), None)
+    if bad is not None:
+        raise _invalid(
+            f"Layer {bad} in '{field}' is out of range; this model has layers "
+            f"0–{model.n_layers - 1}."
+        )
+    if len(set(layers)) != len(layers):
+        raise _invalid(f"'{field}' names a layer twice.")
+
+
+def _check_capture(request, prompts, layers, model) -> None:
+    if len(prompts) != 1:
+        raise _invalid("'output_residual_stream' needs exactly one prompt.")
+    if request.n != 1:
+        raise _invalid("'output_residual_stream' needs n = 1.")
+    if request.stream:
+        raise _invalid("'output_residual_stream' cannot be streamed; set stream: false.")
+    _check_layers("output_residual_stream", layers, model)
+
+
+def _check_steering_vector(index: int, vector, model: LanguageModel) -> None:
+    field = f"apply_steering_vectors.{index}"
+    _check_layers(f"{field}.layer_indices", vector.layer_indices, model)
+    tensor = vector.activations
+    for name, expected in SUPPORTED_CODEC.items():
+        if getattr(tensor, name) != expected:
+            raise _invalid(f"'{field}.activations.{name}' must be '{expected}'.")
+    shape = tensor.shape
+    if len(shape) not in (2, 3):
+        raise _invalid(
+            f"'{field}.activations.shape' must be [layers, hidden] or [layers, positions, hidden]."
+        )
+    if shape[-1] != model.hidden_size:
+        raise _invalid(
+            f"'{field}.activations' has hidden size {shape[-1]}; the model's is "
+            f"{model.hidden_size}."
+        )
+    if shape[0] != len(vector.layer_indices):
+        raise _invalid(
+            f"'{field}.activations' has {shape[0]} rows but layer_indices names "
+            f"{len(vector.layer_indices)} layers."
+        )
+    positions = vector.position_indices
+    if positions is not None:
+        if not positions or any(p < 0 for p in positions):
+            raise _invalid(f"'{field}.position_indices' must list non-negative positions.")
+        if len(shape) == 3 and shape[1] != len(positions):
+            raise _invalid(
+                f"'{field}.activations' has {shape[1]} positions but position_indices lists "
+                f"{len(positions)}."
+            )

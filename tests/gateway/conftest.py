@@ -1,0 +1,116 @@
+"""A live gateway (uvicorn serving acs_portal.asgi in a thread of the test process, on the
+test database) in front of a stub upstream. Tests using them need
+`pytest.mark.django_db(transaction=True)` so the server's connections see the test's rows."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from django.db import connections
+
+from api import admission, completions, selectors
+from api.models import LanguageModel
+
+from .stub import StubUpstream, serve_in_thread, stop_server
+
+
+@pytest.fixture(scope="session")
+def stub_upstream():
+    stub = StubUpstream().start()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_url(tmp_path_factory):
+    from django.conf import settings
+
+    from acs_portal.asgi import application
+
+    settings.ACS_TOKENIZER_CACHE_DIR = str(tmp_path_factory.mktemp("tokenizers"))
+    # The server's worker threads must not keep connections open past a test: pytest-django
+    # empties (and finally drops) the test database between tests.
+    connections.settings["default"]["CONN_MAX_AGE"] = 0
+    server, thread, url = serve_in_thread(application)
+    yield url
+    stop_server(server, thread)
+
+
+@pytest.fixture
+def stub(stub_upstream, redis_client):
+    stub_upstream.reset()
+    yield stub_upstream
+    stub_upstream.reset()
+
+
+def make_model(url, **fields):
+    values = {
+        "name": "stub-model",
+        "upstream_urls": [url],
+        "max_model_len": 64,
+        "n_layers": 4,
+        "hidden_size": 8,
+        "vocab_size": 1000,
+        "supports_activations": True,
+        "is_default": True,
+    }
+    values.update(fields)
+    LanguageModel.objects.update_or_create(name=values.pop("name"), defaults=values)
+    selectors.registry_clear()
+
+
+@pytest.fixture
+def model(stub, transactional_db):
+    LanguageModel.objects.all().delete()
+    make_model(stub.url)
+    yield "stub-model"
+    wait_settled()  # before the database is emptied
+    selectors.registry_clear()
+
+
+def wait_settled(timeout=10.0) -> None:
+    """Wait until the gateway has written every background settlement and usage record."""
+    deadline = time.monotonic() + timeout
+    while completions.pending_settlements():
+        assert time.monotonic() < deadline, "settlements still pending"
+        time.sleep(0.005)
+
+
+def _settled_hook(response):
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        wait_settled()
+
+
+async def _async_settled_hook(response):
+    while completions.pending_settlements():
+        await asyncio.sleep(0.005)
+
+
+SETTLED_HOOKS = {"response": [_settled_hook]}
+ASYNC_SETTLED_HOOKS = {"response": [_async_settled_hook]}
+
+
+@pytest.fixture
+def client(gateway_url, api_secret, model):
+    """An httpx client with the test key; non-streaming responses return once the gateway
+    has settled and metered them (the gateway does that after sending the body)."""
+    with httpx.Client(
+        base_url=gateway_url,
+        headers={"Authorization": f"Bearer {api_secret}"},
+        timeout=30,
+        event_hooks=SETTLED_HOOKS,
+    ) as http:
+        yield http
+
+
+@pytest.fixture
+def limits(monkeypatch):
+    """Lets a test shrink admission and keepalive limits (the server runs in this process)."""
+
+    def set_limits(**values):
+        for name, value in values.items():
+            module = completions if name == "KEEPALIVE_S" else admission
+            monkeypatch.setattr(module, name, value)
+
+    return set_limits

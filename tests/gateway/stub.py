@@ -1,0 +1,220 @@
+"""A zero-latency vLLM-like upstream (raw ASGI, run by uvicorn in a thread) for gateway tests
+and the gateway benchmark. Its behaviour is switched through `StubUpstream.mode`."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+WORDS = ["[UNK]", "the", "capital", "of", "france", "is", "paris", "hello", "tok"]
+
+
+def build_tokenizer() -> Tokenizer:
+    """One token per whitespace-separated word."""
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    return tokenizer
+
+
+class StubUpstream:
+    """Completions generate `max_tokens` tokens " tok" per choice. `mode` keys:
+    `status` + `error` (answer every completion with that error), `retry_after`,
+    `die_after` (close the connection after that many stream frames), `gap` (seconds
+    between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
+    `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
+    threading.Event completions wait for)."""
+
+    def __init__(self):
+        self.tokenizer = build_tokenizer()
+        self.tokenizer_json = self.tokenizer.to_str().encode()
+        self.mode: dict = {"serve_tokenizer_json": True, "healthy": True}
+        self.requests: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.paths: list[str] = []
+        self.server = None
+        self.thread = None
+        self.url = ""
+
+    def count(self, prompt, add_special_tokens=True) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        return len(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        self.paths.append(path)
+        if path == "/health":
+            ok = self.mode.get("healthy", True)
+            await _json(send, {"status": "ok", "model_loaded": ok}, 200 if ok else 503)
+        elif path == "/tokenizer.json":
+            if self.mode.get("serve_tokenizer_json", True):
+                await _raw(send, self.tokenizer_json, 200)
+            else:
+                await _json(send, {"error": {"code": "not_found", "message": "no"}}, 404)
+        elif path == "/tokenize":
+            payload = json.loads(body)
+            count = self.count(payload["prompt"], payload.get("add_special_tokens", True))
+            await _json(send, {"tokens": list(range(count)), "count": count})
+        elif path == "/v1/completions":
+            await self.completions(json.loads(body), send)
+        else:
+            await _json(send, {"error": {"code": "not_found", "message": path}}, 404)
+
+    async def completions(self, payload, send):
+        self.requests.append(payload)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await self._completions(payload, send)
+        finally:
+            self.in_flight -= 1
+
+    def reset(self) -> None:
+        self.mode = {"serve_tokenizer_json": True, "healthy": True}
+        self.requests.clear()
+        self.paths.clear()
+        self.max_in_flight = 0
+
+    async def _completions(self, payload, send):
+        mode = self.mode
+        if mode.get("delay"):
+            await asyncio.sleep(mode["delay"])
+        while mode.get("gate") is not None and not mode["gate"].is_set():
+            await asyncio.sleep(0.01)
+        if mode.get("status"):
+            headers = {"Retry-After": str(mode["retry_after"])} if mode.get("retry_after") else {}
+            error = mode.get("error") or {"code": "boom", "message": "stub failure"}
+            await _json(send, {"error": {**error, "type": "x"}}, mode["status"], headers)
+            return
+        prompts = payload["prompt"]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n, max_tokens = payload.get("n", 1), payload.get("max_tokens", 16)
+        prompt_tokens = sum(self.count(p, payload.get("add_special_tokens", True)) for p in prompts)
+        completion_tokens = len(prompts) * n * max_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        header = {"id": "cmpl-stub", "object": "text_completion", "created": 1, "model": "stub"}
+        header["model"] = payload["model"]
+        if not payload.get("stream"):
+            choices = []
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    text = prompt if payload.get("echo") and isinstance(prompt, str) else ""
+                    choice = {
+                        "index": i * n + j,
+                        "text": text + " tok" * max_tokens,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                    if payload.get("prompt_logprobs") is not None:
+                        choice["prompt_logprobs"] = [None] + [
+                            {"1": {"logprob": -1.0, "rank": 1, "decoded_token": "the"}}
+                        ] * (self.count(prompt) - 1)
+                    choices.append(choice)
+            await _json(send, {**header, "choices": choices, "usage": usage})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        frames = 0
+        for step in range(max_tokens):
+            for index in range(len(prompts) * n):
+                if mode.get("die_after") is not None and frames >= mode["die_after"]:
+                    raise ConnectionAbortedError("stub dies mid-stream")
+                if mode.get("stream_error_after") is not None and (
+                    frames >= mode["stream_error_after"]
+                ):
+                    error = {"error": {"code": "vllm_oom", "message": "out of memory", "type": "x"}}
+                    await _frame(send, error)
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+                if mode.get("gap"):
+                    await asyncio.sleep(mode["gap"])
+                chunk = {
+                    **header,
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": " tok",
+                            "logprobs": None,
+                            "finish_reason": "length" if step == max_tokens - 1 else None,
+                        }
+                    ],
+                }
+                await _frame(send, chunk)
+                frames += 1
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            await _frame(send, {**header, "choices": [], "usage": usage})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    def start(self) -> "StubUpstream":
+        self.server, self.thread, self.url = serve_in_thread(self)
+        return self
+
+    def stop(self) -> None:
+        stop_server(self.server, self.thread)
+
+
+async def _frame(send, payload):
+    body = b"data: " + json.dumps(payload).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _raw(send, content: bytes, status: int = 200, headers=None):
+    raw_headers = [(b"content-type", b"application/json")]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": content})
+
+
+async def _json(send, payload, status=200, headers=None):
+    await _raw(send, json.dumps(payload).encode(), status, headers)
+
+
+def serve_in_thread(app, **config):
+    """Run an ASGI app under uvicorn on a free loopback port; returns (server, thread, url)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **config)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stop_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(timeout=10)

@@ -1,0 +1,176 @@
+"""Admission limits and budgets under real concurrency (Redis, PostgreSQL, live gateway)."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+from asgiref.sync import async_to_sync, sync_to_async
+from django.conf import settings
+from django.db.models import Sum
+
+from accounts.models import ApiKey, BudgetReservation, Period, UsagePeriod, UsageRecord
+from api import admission
+
+from .conftest import ASYNC_SETTLED_HOOKS
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY = {"model": "stub-model", "prompt": "hello", "max_tokens": 1}
+
+
+async def fire(gateway_url, secret, count, body=BODY):
+    headers = {"Authorization": f"Bearer {secret}"}
+    limits = httpx.Limits(max_connections=count + 10)
+    async with httpx.AsyncClient(
+        base_url=gateway_url,
+        headers=headers,
+        timeout=60,
+        limits=limits,
+        event_hooks=ASYNC_SETTLED_HOOKS,
+    ) as http:
+        return await asyncio.gather(
+            *(http.post("/v1/completions", json=body) for _ in range(count))
+        )
+
+
+async def test_sixteen_run_sixty_four_wait_and_the_rest_get_queue_full(
+    gateway_url, api_secret, api_key, stub, model
+):
+    gate = threading.Event()
+    stub.mode["gate"] = gate
+    batch = asyncio.ensure_future(fire(gateway_url, api_secret, 16 + 64 + 6))
+    deadline = time.monotonic() + 30
+    while stub.in_flight < 16 or (
+        batch.done() is False
+        and (await admission.admission_counts(api_key.pk) != {"running": 16, "waiting": 64})
+    ):
+        assert time.monotonic() < deadline, await admission.admission_counts(api_key.pk)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert stub.in_flight == 16
+    gate.set()
+    responses = await batch
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) == 80
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(refused) == 6
+    for response in refused:
+        assert response.json()["error"]["code"] == "queue_full"
+        assert int(response.headers["Retry-After"]) >= 1
+    assert stub.max_in_flight == 16
+    assert await admission.admission_counts(api_key.pk) == {"running": 0, "waiting": 0}
+
+
+async def test_limits_are_per_key(gateway_url, api_secret, api_key, stub, model, limits):
+    from accounts.services import api_key_create
+
+    limits(MAX_RUNNING=1, MAX_WAITING=0)
+    gate = threading.Event()
+    stub.mode["gate"] = gate
+    _, other_secret = await sync_to_async(api_key_create)(
+        user=await sync_to_async(lambda: api_key.user)(), name="second", acting_user=None
+    )
+    batch = asyncio.ensure_future(
+        asyncio.gather(fire(gateway_url, api_secret, 2), fire(gateway_url, other_secret, 1))
+    )
+    while stub.in_flight < 2:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    gate.set()
+    mine, theirs = await batch
+    assert sorted(r.status_code for r in mine) == [200, 429]
+    assert theirs[0].status_code == 200
+
+
+async def test_starts_per_minute_are_rate_limited(gateway_url, api_secret, stub, model, limits):
+    limits(STARTS_PER_MINUTE=5)
+    responses = []
+    async with httpx.AsyncClient(
+        base_url=gateway_url,
+        headers={"Authorization": f"Bearer {api_secret}"},
+        event_hooks=ASYNC_SETTLED_HOOKS,
+    ) as http:
+        for _ in range(6):
+            responses.append(await http.post("/v1/completions", json=BODY))
+    assert [r.status_code for r in responses] == [200] * 5 + [429]
+    error = responses[-1]
+    assert error.json()["error"]["code"] == "rate_limited"
+    assert 1 <= int(error.headers["Retry-After"]) <= 60
+    assert "X-Should-Retry" not in error.headers
+
+
+def test_slots_of_a_dead_replica_expire(client, api_key, stub):
+    """A crashed holder's leases run out: stale running members do not block the key."""
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    running_key = admission._keys(api_key.pk)[0]
+    expired = int(time.time() * 1000) - 1
+    r.zadd(running_key, {f"dead-{i}": expired for i in range(16)})
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    assert r.zcard(running_key) == 0
+
+
+def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits):
+    limits(MAX_RUNNING=1, MAX_WAITING=1)
+
+    async def scenario():
+        order = []
+
+        async def holder():
+            async with admission.admission_slot(api_key.pk):
+                order.append("holder in")
+                await asyncio.sleep(0.2)
+            order.append("holder out")
+
+        async def waiter():
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            async with admission.admission_slot(api_key.pk):
+                order.append("waiter in")
+                return time.monotonic() - started
+
+        _, waited = await asyncio.gather(holder(), waiter())
+        return order, waited
+
+    order, waited = async_to_sync(scenario)()
+    assert order == ["holder in", "holder out", "waiter in"]
+    # Woken by pub/sub, not by the 1 s safety poll.
+    assert waited < 0.5
+
+
+async def test_concurrent_requests_never_overspend_and_usage_matches_settlements(
+    gateway_url, api_secret, api_key, stub, model
+):
+    await sync_to_async(ApiKey.objects.filter(pk=api_key.pk).update)(daily_token_budget=100)
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 10}
+    responses = await fire(gateway_url, api_secret, 30, body)
+
+    def check():
+        codes = {r.status_code for r in responses}
+        assert codes <= {200, 429}
+        assert all(
+            r.json()["error"]["code"] == "budget_exceeded"
+            for r in responses
+            if r.status_code == 429
+        )
+        day = UsagePeriod.objects.get(key=api_key, period=Period.DAY)
+        assert day.used_tokens <= 100
+        assert day.reserved_tokens == 0
+        settled = BudgetReservation.objects.aggregate(
+            p=Sum("settled_prompt_tokens"), c=Sum("settled_completion_tokens")
+        )
+        assert day.used_tokens == settled["p"] + settled["c"]
+        recorded = UsageRecord.objects.filter(status_code=200).aggregate(
+            p=Sum("prompt_tokens"), c=Sum("completion_tokens")
+        )
+        assert day.used_tokens == recorded["p"] + recorded["c"]
+        delivered = sum(
+            r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200
+        )
+        assert delivered == day.used_tokens
+        assert UsageRecord.objects.count() == 30
+        assert sum(r.status_code == 200 for r in responses) >= 9
+
+    await sync_to_async(check)()

@@ -1,0 +1,167 @@
+import json
+
+import pytest
+
+from accounts.models import BudgetReservation, ReservationStatus, UsageRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_completion_returns_upstream_body_and_meters_it(client, stub, api_key):
+    response = client.post(
+        "/v1/completions",
+        json={"model": "stub-model", "prompt": "the capital of france is", "max_tokens": 3},
+        headers={"X-Acs-Workload": "batch"},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"] == " tok tok tok"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert response.headers["X-Request-Id"].startswith("req_")
+    assert "gateway;dur=" in response.headers["Server-Timing"]
+    assert "upstream;dur=" in response.headers["Server-Timing"]
+    record = UsageRecord.objects.get()
+    assert (record.prompt_tokens, record.completion_tokens, record.status_code) == (5, 3, 200)
+    assert record.workload == "batch"
+    assert record.upstream_latency_ms is not None
+    assert record.request_id == response.headers["X-Request-Id"]
+    reservation = BudgetReservation.objects.get()
+    assert reservation.status == ReservationStatus.SETTLED
+    assert reservation.settled_completion_tokens == 3
+
+
+def test_safe_inbound_request_id_is_echoed_and_unsafe_one_replaced(client, stub):
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 1}
+    echoed = client.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
+    assert echoed.headers["X-Request-Id"] == "trace-42"
+    replaced = client.post("/v1/completions", json=body, headers={"X-Request-Id": "bad id<>"})
+    assert replaced.headers["X-Request-Id"].startswith("req_")
+
+
+def test_unknown_v1_path_still_has_request_id(client):
+    response = client.get("/v1/nowhere")
+    assert response.status_code == 404
+    assert response.headers["X-Request-Id"]
+
+
+def test_large_body_is_gzipped_when_asked(client, stub):
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 40, "n": 8}
+    response = client.post("/v1/completions", json=body, headers={"Accept-Encoding": "gzip"})
+    assert response.headers["Content-Encoding"] == "gzip"
+    assert len(response.json()["choices"]) == 8
+    raw = client.post("/v1/completions", json=body, headers={"Accept-Encoding": "identity"})
+    assert "Content-Encoding" not in raw.headers
+    assert response.json()["choices"] == raw.json()["choices"]
+    assert int(response.headers["Content-Length"]) < len(raw.content)
+
+
+def test_upstream_gets_registry_limits_applied_and_model_name(client, stub):
+    client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert stub.requests[-1]["model"] == "stub-model"
+    assert stub.requests[-1]["max_tokens"] == 2
+
+
+def test_served_model_name_is_sent_upstream_and_renamed_back(client, stub):
+    from api.models import LanguageModel
+    from api.selectors import registry_clear
+
+    LanguageModel.objects.filter(name="stub-model").update(served_model_name="upstream-name")
+    registry_clear()
+    response = client.post("/v1/completions", json={"model": "stub-model", "prompt": "hello"})
+    assert stub.requests[-1]["model"] == "upstream-name"
+    assert response.json()["model"] == "stub-model"
+
+
+def test_streaming_relays_frames_usage_and_done(client, stub, api_key):
+    body = {
+        "model": "stub-model",
+        "prompt": "hello",
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["X-Request-Id"]
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    frames = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == " tok" * 4
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 4
+    record = UsageRecord.objects.get()
+    assert record.stream and record.completion_tokens == 4 and record.ttft_ms is not None
+
+
+def test_stream_without_include_usage_hides_the_usage_frame(client, stub):
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert stub.requests[-1]["stream_options"] == {"include_usage": True}
+    assert all("usage" not in json.loads(line[6:]) for line in lines[:-1])
+    assert lines[-1] == "data: [DONE]"
+    assert UsageRecord.objects.get().completion_tokens == 2
+
+
+def test_idle_stream_gets_keepalive_comments(client, stub, limits):
+    limits(KEEPALIVE_S=0.05)
+    stub.mode["gap"] = 0.3
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = list(response.iter_lines())
+    assert ": keepalive" in lines
+    assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines
+
+
+def test_upstream_dying_mid_stream_yields_one_error_frame_without_done(client, stub, api_key):
+    stub.mode["die_after"] = 2
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 10, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert "data: [DONE]" not in lines
+    error = json.loads(lines[-1][6:])["error"]
+    assert error["code"] == "vllm_engine_dead"
+    assert len(lines) == 3
+    record = UsageRecord.objects.get()
+    assert record.error_code == "vllm_engine_dead" and record.completion_tokens == 2
+    assert BudgetReservation.objects.get().status == ReservationStatus.SETTLED
+
+
+def test_upstream_error_frame_mid_stream_is_mapped(client, stub):
+    stub.mode["stream_error_after"] = 1
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 5, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert json.loads(lines[-1][6:])["error"]["code"] == "vllm_oom"
+    assert "data: [DONE]" not in lines
+
+
+def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, api_key):
+    import time
+
+    from asgiref.sync import async_to_sync
+
+    from api.admission import admission_counts
+
+    stub.mode["gap"] = 0.05
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 60, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+            if seen == 3:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reservation = BudgetReservation.objects.get()
+        if reservation.status == ReservationStatus.SETTLED:
+            break
+        time.sleep(0.05)
+    assert reservation.status == ReservationStatus.SETTLED
+    assert 3 <= reservation.settled_completion_tokens < 60
+    assert reservation.settled_prompt_tokens == 1
+    record = UsageRecord.objects.get()
+    assert record.status_code == 499 and record.error_code == "client_disconnected"
+    assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}

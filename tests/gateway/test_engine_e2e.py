@@ -1,0 +1,234 @@
+"""End to end against the real embedded engine (a subprocess of .venv-engine): logprobs,
+prompt logprobs, prompt-token counts, capture and steering through the gateway."""
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from django.conf import settings
+
+from acs_client.codec import decode, encode_vector
+from api import tokenizer
+from api.models import LanguageModel
+from api.selectors import registry_clear
+
+from .conftest import SETTLED_HOOKS, wait_settled
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def engine_url():
+    port = _free_port()
+    env = {**os.environ, "ACS_ENGINE_THREADS": "2"}
+    process = subprocess.Popen(
+        [
+            str(ENGINE_PYTHON),
+            "-m",
+            "engine",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, "the engine exited"
+            assert time.monotonic() < deadline, "the engine did not load in time"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def engine_model(engine_url, transactional_db, redis_client):
+    LanguageModel.objects.all().delete()
+    LanguageModel.objects.create(
+        name="smollm2-135m",
+        upstream_urls=[engine_url],
+        max_model_len=8192,
+        n_layers=30,
+        hidden_size=576,
+        vocab_size=49152,
+        supports_activations=True,
+        is_default=True,
+    )
+    registry_clear()
+    yield "smollm2-135m"
+    wait_settled()
+    registry_clear()
+
+
+@pytest.fixture
+def sdk(gateway_url, api_secret, engine_model):
+    return openai.OpenAI(
+        base_url=f"{gateway_url}/v1",
+        api_key=api_secret,
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.Client(event_hooks=SETTLED_HOOKS, timeout=120),
+    )
+
+
+def test_engine_logprobs_and_prompt_logprobs_through_the_sdk(sdk):
+    completion = sdk.completions.create(
+        model="smollm2-135m",
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0,
+        logprobs=3,
+        extra_body={"prompt_logprobs": 2},
+    )
+    choice = completion.choices[0]
+    assert choice.text.startswith(" Paris")
+    assert len(choice.logprobs.tokens) == 2
+    assert all(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == completion.usage.prompt_tokens
+    assert all(
+        entry["rank"] >= 1 for position in prompt_logprobs[1:] for entry in position.values()
+    )
+
+
+def test_gateway_prompt_token_count_matches_engine_usage(sdk, engine_url, api_key):
+    from accounts.models import BudgetReservation
+
+    prompts = [PROMPT, "Interpretability research reads the residual stream. 🙂 ünïcode"]
+    for source in ("tokenize endpoint", "local tokenizer.json"):
+        if source == "local tokenizer.json":
+            # The engine's own tokenizer file, as the gateway would have fetched and cached it.
+            tokenizer._tokenizers.clear()
+            tokenizer._missing_until.clear()
+            cached = tokenizer._cache_path("smollm2-135m", engine_url)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path.home() / ".cache/acs-engine/smollm2-135m/tokenizer.json", cached)
+        BudgetReservation.objects.all().delete()
+        completion = sdk.completions.create(
+            model="smollm2-135m", prompt=prompts, max_tokens=1, temperature=0
+        )
+        reservation = BudgetReservation.objects.get()
+        assert reservation.prompt_tokens == completion.usage.prompt_tokens, source
+    assert tokenizer._tokenizers, "the local tokenizer was used"
+
+
+def test_engine_capture_decodes_with_acs_client(client, engine_model):
+    response = client.post(
+        "/v1/completions",
+        json={
+            "model": "smollm2-135m",
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "output_residual_stream": [1, 5, 29],
+        },
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    residual = body["activations"]["residual_stream"]
+    values = decode(residual)
+    tokens = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
+    assert values.shape == (3, tokens, 576)
+    assert np.isfinite(values).all() and np.abs(values).max() > 0
+    from accounts.models import UsageRecord
+
+    assert UsageRecord.objects.get().activation_layers == [1, 5, 29]
+
+
+def test_engine_steering_scale_zero_is_a_no_op_and_large_scale_changes_text(client, engine_model):
+    base = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    plain = client.post("/v1/completions", json=base, timeout=120).json()
+    rng = np.random.default_rng(0)
+    vector = rng.standard_normal((1, 576)).astype(np.float32)
+
+    def steered(scale):
+        steering = [{"activations": encode_vector(vector), "layer_indices": [10], "scale": scale}]
+        response = client.post(
+            "/v1/completions", json={**base, "apply_steering_vectors": steering}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    assert steered(0.0)["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert steered(200.0)["choices"][0]["text"] != plain["choices"][0]["text"]
+    wrong = client.post(
+        "/v1/completions",
+        json={
+            **base,
+            "apply_steering_vectors": [
+                {"activations": encode_vector(np.ones((1, 64))), "layer_indices": [10]}
+            ],
+        },
+    )
+    assert wrong.status_code == 400 and "hidden size" in wrong.json()["error"]["message"]
+
+
+def test_engine_stream_through_the_gateway(sdk):
+    stream = sdk.completions.create(
+        model="smollm2-135m",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text.startswith(" Paris")
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_engine_model_status_is_warm(client, engine_model):
+    assert client.get("/v1/models/smollm2-135m/status").json()["warm"] is True
+
+
+def test_data_migration_points_smollm2_at_the_engine_url(transactional_db):
+    import importlib
+
+    from django.apps import apps
+
+    LanguageModel.objects.all().delete()
+    migration = importlib.import_module("api.migrations.0002_default_model")
+    migration.create_default_model(apps, None)
+    model = LanguageModel.objects.get(name="smollm2-135m")
+    assert model.upstream_urls == [settings.ENGINE_URL]
+    assert (model.n_layers, model.hidden_size, model.max_model_len, model.vocab_size) == (
+        30,
+        576,
+        8192,
+        49152,
+    )
+    assert model.is_default and model.supports_activations and model.status == "live"

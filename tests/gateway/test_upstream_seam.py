@@ -1,0 +1,39 @@
+"""The upstream seam as other callers (harvest, jobs) use it, and activation upstreams."""
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from api.errors import ApiError
+from api.models import LanguageModel
+from api.selectors import registry_clear
+from api.upstream import upstream_completion
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_upstream_completion_returns_the_body_with_the_served_model_name(stub, model):
+    row = LanguageModel.objects.get(name=model)
+    row.served_model_name = "served"
+    body = async_to_sync(upstream_completion)(row, {"prompt": "hello", "max_tokens": 2})
+    assert body["choices"][0]["text"] == " tok tok"
+    assert stub.requests[-1]["model"] == "served"
+
+
+def test_upstream_completion_raises_the_contract_error(stub, model):
+    stub.mode.update({"status": 500, "error": {"code": "x", "message": "out of memory"}})
+    with pytest.raises(ApiError) as raised:
+        async_to_sync(upstream_completion)(
+            LanguageModel.objects.get(name=model), {"prompt": "hello"}
+        )
+    assert (raised.value.status, raised.value.code) == (502, "vllm_oom")
+
+
+def test_activation_requests_go_to_the_activation_upstreams(client, stub):
+    LanguageModel.objects.update(activation_upstream_urls=["http://127.0.0.1:9"])
+    registry_clear()
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    captured = client.post("/v1/completions", json={**body, "output_residual_stream": [0]})
+    assert captured.status_code == 502
+    assert captured.json()["error"]["code"] == "upstream_unreachable"
+    assert len(stub.requests) == 1
