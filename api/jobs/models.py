@@ -1,1 +1,145 @@
-from django.db import models  # noqa: F401
+"""Completion jobs and harvest jobs: /v1 work that outlives the connection that asked for it.
+
+Both belong to the user of the key that created them: any key of that user may read them, any
+other user gets 404. Workers claim a job with a conditional status update and hold it for a
+lease. `lease_expires_at` of a running job is when the periodic sweep assumes its worker died
+(it re-queues or fails the job); of a waiting job, when the sweep re-sends its message if no
+worker took it.
+"""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class CompletionJobStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+class CompletionJob(models.Model):
+    """One POST /v1/completions body run by a worker. The row (request and result) is deleted
+    24 hours after the job ends."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="completion_jobs"
+    )
+    key = models.ForeignKey("accounts.ApiKey", on_delete=models.CASCADE, related_name="+")
+    idempotency_key = models.CharField(max_length=255)
+    # sha256 of the body's canonical JSON: the same key with another body is a conflict.
+    request_hash = models.CharField(max_length=64)
+    request = models.JSONField()
+    workload = models.CharField(max_length=16, blank=True)
+    status = models.CharField(
+        max_length=10, choices=CompletionJobStatus.choices, default=CompletionJobStatus.QUEUED
+    )
+    attempts = models.PositiveSmallIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    result_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    result_body = models.JSONField(null=True, blank=True)
+    result_headers = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "idempotency_key"], name="completion_job_idempotency_key"
+            )
+        ]
+        indexes = [
+            models.Index(fields=["status", "lease_expires_at"]),
+            models.Index(fields=["finished_at"]),
+            models.Index(fields=["user", "-created_at"]),
+        ]
+
+    def __str__(self):
+        return f"completion job {self.id} ({self.status})"
+
+    @property
+    def is_finished(self):
+        return self.status in (CompletionJobStatus.SUCCEEDED, CompletionJobStatus.FAILED)
+
+    @property
+    def error(self):
+        """The error object of a failed job, else None."""
+        if self.status != CompletionJobStatus.FAILED or not isinstance(self.result_body, dict):
+            return None
+        return self.result_body.get("error")
+
+
+class HarvestJobStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    RUNNING = "running", "Running"
+    DONE = "done", "Done"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+HARVEST_ACTIVE_STATUSES = (HarvestJobStatus.PENDING, HarvestJobStatus.RUNNING)
+
+
+class HarvestJob(models.Model):
+    """Residual-stream captures of many prompts, written as safetensors files under
+    `storage_prefix` in Django's default storage."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="harvest_jobs"
+    )
+    key = models.ForeignKey("accounts.ApiKey", on_delete=models.CASCADE, related_name="+")
+    model = models.CharField(max_length=64)
+    prompts = models.JSONField()
+    layers = models.JSONField()
+    add_special_tokens = models.BooleanField(default=True)
+    n_prompts = models.PositiveIntegerField()
+    prompts_done = models.PositiveIntegerField(default=0)
+    status = models.CharField(
+        max_length=10, choices=HarvestJobStatus.choices, default=HarvestJobStatus.PENDING
+    )
+    attempts = models.PositiveSmallIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    # Names of the files written, relative to storage_prefix, once the job is done.
+    files = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["key", "status"]),
+            models.Index(fields=["status", "lease_expires_at"]),
+            models.Index(fields=["user", "-created_at"]),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(prompts_done__lte=models.F("n_prompts")),
+                name="harvest_progress_within_total",
+            )
+        ]
+
+    def __str__(self):
+        return f"harvest job {self.id} ({self.status})"
+
+    @property
+    def storage_prefix(self):
+        return f"harvest/{self.id}/"
+
+    @property
+    def is_active(self):
+        return self.status in HARVEST_ACTIVE_STATUSES
+
+    @property
+    def progress(self):
+        """Fraction of prompts captured, 0..1."""
+        return self.prompts_done / self.n_prompts if self.n_prompts else 0.0

@@ -1,0 +1,26 @@
+"""Request bodies of the job endpoints, mirroring the wire format; unknown fields and
+mistyped values are rejected like every other /v1 body."""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_HARVEST_PROMPTS = 4096
+
+
+class HarvestRequest(BaseModel):
+    """The body of POST /v1/harvest. `layers` omitted means the quartile layers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    prompts: list[Annotated[str, StringConstraints(min_length=1)]] = Field(
+        min_length=1, max_length=MAX_HARVEST_PROMPTS
+    )
+    layers: list[int] | Literal["all"] | None = None
+    add_special_tokens: bool = True
+
+
+def quartile_layers(n_layers: int) -> list[int]:
+    """The layers a harvest captures by default: a quarter, half and three quarters deep."""
+    return sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4})

@@ -1,0 +1,81 @@
+"""Harvest output files: safetensors encoding (bfloat16 included, which numpy lacks) and
+reads and writes through Django's default storage (MEDIA_ROOT locally, any backend in
+production)."""
+
+import json
+import struct
+
+import numpy as np
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
+
+MANIFEST_NAME = "manifest.json"
+STATS_NAME = "stats.safetensors"
+
+_DTYPE_NAMES = {
+    np.dtype(np.float32): "F32",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.int64): "I64",
+}
+
+
+class Tensor:
+    """One tensor to write: its safetensors dtype name, shape and little-endian raw bytes."""
+
+    def __init__(self, dtype: str, shape, data: bytes):
+        self.dtype = dtype
+        self.shape = [int(size) for size in shape]
+        self.data = data
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> "Tensor":
+        array = np.ascontiguousarray(array)
+        little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        return cls(_DTYPE_NAMES[array.dtype], array.shape, little_endian.tobytes())
+
+    @classmethod
+    def bfloat16(cls, bits: np.ndarray) -> "Tensor":
+        """A bfloat16 tensor from its 16-bit patterns (uint16 or int16)."""
+        words = np.ascontiguousarray(bits).view(np.uint16).astype("<u2", copy=False)
+        return cls("BF16", words.shape, words.tobytes())
+
+
+def safetensors_bytes(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors file holding `tensors` in the given order: an 8-byte little-endian
+    header length, the JSON header (padded with spaces to 8 bytes), then the data."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        header[name] = {
+            "dtype": tensor.dtype,
+            "shape": tensor.shape,
+            "data_offsets": [offset, offset + len(tensor.data)],
+        }
+        offset += len(tensor.data)
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    return b"".join(
+        [struct.pack("<Q", len(header_bytes)), header_bytes, *(t.data for t in tensors.values())]
+    )
+
+
+def harvest_file_write(prefix: str, name: str, content: bytes) -> None:
+    """Write one file of a job, replacing any earlier copy (a retried job rewrites it)."""
+    path = prefix + name
+    if default_storage.exists(path):
+        default_storage.delete(path)
+    saved = default_storage.save(path, ContentFile(content))
+    if saved != path:
+        raise RuntimeError(f"storage saved {path!r} as {saved!r}")
+
+
+def harvest_file_open(prefix: str, name: str):
+    return default_storage.open(prefix + name, "rb")
+
+
+def harvest_file_exists(prefix: str, name: str) -> bool:
+    return default_storage.exists(prefix + name)
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, indent=1).encode()

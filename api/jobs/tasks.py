@@ -1,0 +1,25 @@
+"""Thin Celery tasks: ids in, call a service. Messages are acknowledged after the task ends
+(acks_late), so a worker killed mid-job leaves its message to be delivered again; the
+periodic `jobs_sweep` catches whatever that misses."""
+
+from celery import shared_task
+
+from . import services
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def completion_job_run(job_id: str) -> None:
+    services.completion_job_execute(job_id=job_id)
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def harvest_job_run(job_id: str) -> None:
+    services.harvest_job_execute(job_id=job_id)
+
+
+@shared_task(ignore_result=True)
+def jobs_sweep() -> None:
+    """Recover jobs whose worker died and delete completion jobs past their retention."""
+    services.completion_jobs_recover_stuck()
+    services.harvest_jobs_recover_stuck()
+    services.completion_jobs_expire()

@@ -1,0 +1,287 @@
+"""The /v1 job endpoints (async, like the rest of the gateway): completion jobs, harvest jobs
+and the signed harvest downloads. Thin: authenticate, read and validate the body, call one
+service, answer in the contract's shape."""
+
+from django.http import FileResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from accounts.services import BudgetExceeded
+from api.admission import admission_slot
+from api.auth import authenticate
+from api.completions import CompletionResult
+from api.db import run_db
+from api.errors import ApiError, error_response
+from api.schemas import parse_body
+from api.selectors import model_get
+from api.validation import validate_completion
+from api.views import _json, allow, read_json_body, request_id, result_response
+
+from . import selectors, services
+from .models import CompletionJob, HarvestJob
+from .schemas import HarvestRequest, quartile_layers
+from .signing import DownloadRefused, download_check
+from .storage import MANIFEST_NAME, harvest_file_open
+
+# How long a client polling a completion job's result is asked to wait.
+RESULT_POLL_SECONDS = 2
+# Retry-After for a key that already runs its maximum of harvest jobs.
+HARVEST_LIMIT_RETRY_SECONDS = 30
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
+
+
+def _timestamp(value):
+    return int(value.timestamp()) if value is not None else None
+
+
+def _not_found(what: str, job_id) -> ApiError:
+    return ApiError(404, "not_found", f"No {what} with id '{job_id}'.")
+
+
+# ---------------------------------------------------------------------------------------
+# Completion jobs
+
+
+def completion_job_body(job: CompletionJob) -> dict:
+    return {
+        "id": str(job.pk),
+        "object": "completion_job",
+        "status": job.status,
+        "created_at": _timestamp(job.created_at),
+        "started_at": _timestamp(job.started_at),
+        "finished_at": _timestamp(job.finished_at),
+        "error": job.error,
+    }
+
+
+def _idempotency_key(request) -> str:
+    value = request.headers.get("Idempotency-Key", "").strip()
+    if not value:
+        raise ApiError(
+            400,
+            "invalid_request",
+            "The Idempotency-Key header is required: send a unique value per job, and the "
+            "same value when you resend the same submit.",
+        )
+    if len(value) > MAX_IDEMPOTENCY_KEY_LENGTH:
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"The Idempotency-Key header may be at most {MAX_IDEMPOTENCY_KEY_LENGTH} characters.",
+        )
+    return value
+
+
+@csrf_exempt
+@allow("POST")
+async def completion_jobs(request):
+    """Submit a completion body as a job: 202 (new), 200 (the same key and body again),
+    409 idempotency_key_reused (the same key with another body)."""
+    rid = request_id(request)
+    try:
+        key = await authenticate(request)
+        idempotency_key = _idempotency_key(request)
+        payload = read_json_body(request)
+        valid = await validate_completion(payload)
+        if valid.request.stream:
+            raise ApiError(
+                400,
+                "invalid_request",
+                "'stream' is not allowed in a completion job; poll the job's result instead.",
+            )
+        async with admission_slot(key.pk):
+            job, created = await run_db(
+                services.completion_job_submit,
+                key=key,
+                idempotency_key=idempotency_key,
+                payload=payload,
+                workload=request.headers.get("X-Acs-Workload", "")[:16],
+            )
+    except services.IdempotencyKeyReused as conflict:
+        return error_response(
+            ApiError(
+                409,
+                "idempotency_key_reused",
+                f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
+                "different body; use a new key for a new job.",
+                should_retry=False,
+            ),
+            rid,
+        )
+    except ApiError as error:
+        return error_response(error, rid)
+    return _json(request, completion_job_body(job), status=202 if created else 200)
+
+
+async def _own_completion_job(request, job_id) -> CompletionJob:
+    key = await authenticate(request)
+    job = await run_db(selectors.completion_job_get, user_id=key.user_id, job_id=job_id)
+    if job is None:
+        raise _not_found("completion job", job_id)
+    return job
+
+
+@allow("GET")
+async def completion_job_detail(request, job_id):
+    try:
+        job = await _own_completion_job(request, job_id)
+    except ApiError as error:
+        return error_response(error, request_id(request))
+    return _json(request, completion_job_body(job))
+
+
+@allow("GET")
+async def completion_job_result(request, job_id):
+    """202 with Retry-After while the job waits or runs; then the stored completion (200)
+    or the stored error with its status."""
+    try:
+        job = await _own_completion_job(request, job_id)
+    except ApiError as error:
+        return error_response(error, request_id(request))
+    if not job.is_finished:
+        response = _json(request, completion_job_body(job), status=202)
+        response["Retry-After"] = str(RESULT_POLL_SECONDS)
+        return response
+    return result_response(
+        request, CompletionResult(job.result_status, job.result_body, dict(job.result_headers))
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Harvest jobs
+
+
+def _harvest_layers(requested, model) -> list[int]:
+    if requested is None:
+        return quartile_layers(model.n_layers)
+    if requested == "all":
+        return list(range(model.n_layers))
+    if not requested:
+        raise ApiError(400, "invalid_request", "'layers' must name at least one layer.")
+    bad = [layer for layer in requested if not 0 <= layer < model.n_layers]
+    if bad:
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"'layers' holds {bad[0]}; model {model.name} has layers 0 to {model.n_layers - 1}.",
+        )
+    if len(set(requested)) != len(requested):
+        raise ApiError(400, "invalid_request", "'layers' names a layer twice.")
+    return list(requested)
+
+
+def harvest_job_body(request, job: HarvestJob) -> dict:
+    body = {
+        "job_id": str(job.pk),
+        "object": "harvest_job",
+        "status": job.status,
+        "model": job.model,
+        "layers": job.layers,
+        "n_prompts": job.n_prompts,
+        "progress": {"prompts_done": job.prompts_done, "n_prompts": job.n_prompts},
+        "created_at": _timestamp(job.created_at),
+        "completed_at": _timestamp(job.completed_at),
+        "error": job.error,
+    }
+    links = selectors.harvest_download_links(job=job)
+    if links is not None:
+        body["result"] = {
+            "manifest_url": request.build_absolute_uri(links["manifest_url"]),
+            "shard_urls": [request.build_absolute_uri(url) for url in links["shard_urls"]],
+            "stats_url": request.build_absolute_uri(links["stats_url"]),
+            "urls_expire_at": _timestamp(links["urls_expire_at"]),
+        }
+    return body
+
+
+@csrf_exempt
+@allow("POST")
+async def harvest_jobs(request):
+    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`."""
+    rid = request_id(request)
+    try:
+        key = await authenticate(request)
+        harvest = parse_body(HarvestRequest, read_json_body(request))
+        model = await model_get(harvest.model)
+        if not model.supports_activations:
+            raise ApiError(
+                503,
+                "activation_engine_unconfigured",
+                f"Model {model.name} offers no activation capture; use another model.",
+                should_retry=False,
+            )
+        layers = _harvest_layers(harvest.layers, model)
+        async with admission_slot(key.pk):
+            job = await run_db(
+                services.harvest_job_submit,
+                key=key,
+                model=model.name,
+                prompts=harvest.prompts,
+                layers=layers,
+                add_special_tokens=harvest.add_special_tokens,
+            )
+    except services.HarvestLimitReached as limit:
+        return error_response(
+            ApiError(
+                429,
+                "harvest_jobs_limit",
+                str(limit) + " Retry when one ends.",
+                retry_after=HARVEST_LIMIT_RETRY_SECONDS,
+            ),
+            rid,
+        )
+    except BudgetExceeded as exceeded:
+        return error_response(
+            ApiError(429, exceeded.code, exceeded.message, should_retry=False), rid
+        )
+    except ApiError as error:
+        return error_response(error, rid)
+    return _json(
+        request,
+        {
+            "job_id": str(job.pk),
+            "status": job.status,
+            "model": job.model,
+            "n_prompts": job.n_prompts,
+        },
+        status=202,
+    )
+
+
+@csrf_exempt
+@allow("GET", "DELETE")
+async def harvest_job_detail(request, job_id):
+    """GET: the job's status, progress and (when done) signed download URLs. DELETE: cancel
+    a pending or running job (409 harvest_not_cancellable otherwise)."""
+    rid = request_id(request)
+    try:
+        key = await authenticate(request)
+        job = await run_db(selectors.harvest_job_get, user_id=key.user_id, job_id=job_id)
+        if job is None:
+            raise _not_found("harvest job", job_id)
+        if request.method == "DELETE":
+            job = await run_db(services.harvest_job_cancel, job=job)
+    except services.HarvestNotCancellable as refusal:
+        return error_response(
+            ApiError(409, "harvest_not_cancellable", str(refusal), should_retry=False), rid
+        )
+    except ApiError as error:
+        return error_response(error, rid)
+    return _json(request, harvest_job_body(request, job))
+
+
+@allow("GET")
+async def harvest_file(request, job_id, name):
+    """One file of a finished harvest, for anyone holding an unexpired signed URL."""
+    rid = request_id(request)
+    try:
+        download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
+    except DownloadRefused as refusal:
+        return error_response(ApiError(403, "download_url_invalid", str(refusal)), rid)
+    job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
+    if job is None or name not in job.files:
+        return error_response(ApiError(404, "not_found", f"No file '{name}' in this job."), rid)
+    handle = await run_db(harvest_file_open, job.storage_prefix, name)
+    content_type = "application/json" if name == MANIFEST_NAME else "application/octet-stream"
+    response = FileResponse(handle, as_attachment=True, filename=name, content_type=content_type)
+    response["X-Request-Id"] = rid
+    return response

@@ -1,0 +1,133 @@
+"""Fixtures for the job APIs: the real embedded engine (one per session), the registry row
+pointing at it, a temporary MEDIA_ROOT, and Celery sends recorded instead of delivered, so a
+test runs each worker step itself."""
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connections
+
+from api.jobs import tasks
+from api.models import LanguageModel
+from api.selectors import registry_clear
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
+ENGINE_MODEL = "smollm2-135m"
+STARTUP_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def engine_url():
+    """Base URL of a real `python -m engine serve` on a free loopback port."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [
+            str(ENGINE_PYTHON),
+            "-m",
+            "engine",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "ACS_ENGINE_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"engine exited with {process.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).json().get("model_loaded"):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine did not load its model in time")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def short_lived_connections(tmp_path_factory):
+    """The gateway's database calls run in worker threads; they must not keep connections
+    open past a test (pytest-django empties, and finally drops, the test database)."""
+    from django.conf import settings
+
+    connections.settings["default"]["CONN_MAX_AGE"] = 0
+    settings.ACS_TOKENIZER_CACHE_DIR = str(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture
+def engine_model(db, engine_url):
+    """The registry's smollm2-135m model, with both upstream lists pointing at the engine."""
+    model, _ = LanguageModel.objects.update_or_create(
+        name=ENGINE_MODEL,
+        defaults={
+            "upstream_urls": [engine_url],
+            "activation_upstream_urls": [engine_url],
+            "max_model_len": 8192,
+            "n_layers": 30,
+            "hidden_size": 576,
+            "vocab_size": 49152,
+            "supports_activations": True,
+            "is_default": True,
+        },
+    )
+    registry_clear()
+    yield model
+    registry_clear()
+
+
+@pytest.fixture
+def api_client(client, api_secret):
+    """Django's test client sending the approved user's key."""
+    client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {api_secret}"
+    return client
+
+
+@pytest.fixture(autouse=True)
+def media_root(settings, tmp_path):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    return settings.MEDIA_ROOT
+
+
+class SentTasks(list):
+    """`(task name, job id, countdown)` of every task a test enqueued."""
+
+    def ids(self, name):
+        return [job_id for task, job_id, _ in self if task == name]
+
+
+@pytest.fixture(autouse=True)
+def sent_tasks(monkeypatch):
+    sent = SentTasks()
+    for task in (tasks.completion_job_run, tasks.harvest_job_run):
+
+        def delay(job_id, _name=task.name):
+            sent.append((_name, job_id, None))
+
+        def apply_async(args, countdown=None, _name=task.name, **options):
+            sent.append((_name, args[0], countdown))
+
+        monkeypatch.setattr(task, "delay", delay)
+        monkeypatch.setattr(task, "apply_async", apply_async)
+    return sent

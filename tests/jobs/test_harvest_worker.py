@@ -1,0 +1,226 @@
+"""The harvest worker against the real embedded engine: safetensors shards, stats, manifest,
+progress, cancellation between batches, retries and the stuck-job sweep."""
+
+import json
+from datetime import timedelta
+
+import httpx
+import numpy as np
+import pytest
+from django.core.files.storage import default_storage
+from django.utils import timezone
+from safetensors import deserialize, safe_open
+
+from acs_client.codec import decode
+from api.jobs import services
+from api.jobs.models import HarvestJob, HarvestJobStatus
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Interpretability research reads the residual stream.",
+    "Paris",
+]
+LAYERS = [0, 7, 29]
+
+
+def _submit(api_key, prompts=PROMPTS, layers=LAYERS):
+    return services.harvest_job_submit(
+        key=api_key, model="smollm2-135m", prompts=prompts, layers=layers, add_special_tokens=True
+    )
+
+
+def _tensors(path):
+    """name → float32 (bf16 widened) or int32 array, parsed by the safetensors library."""
+    loaded = {}
+    for name, spec in deserialize(default_storage.open(path).read()):
+        if spec["dtype"] == "BF16":
+            words = np.frombuffer(bytes(spec["data"]), dtype="<u2").astype(np.uint32)
+            loaded[name] = (words << 16).view(np.float32).reshape(spec["shape"])
+        else:
+            assert spec["dtype"] == "I32", name
+            loaded[name] = np.frombuffer(bytes(spec["data"]), dtype="<i4").reshape(spec["shape"])
+    return loaded
+
+
+@pytest.mark.django_db
+def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
+    engine_model, engine_url, api_key, settings, redis_client
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 2
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.prompts_done == job.n_prompts == 3
+    assert job.files[-1] == "manifest.json"
+    manifest = json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
+    assert manifest["model"] == "smollm2-135m"
+    assert manifest["layers"] == LAYERS
+    assert manifest["dtype"] == "bfloat16"
+    assert manifest["n_prompts"] == 3
+    assert [shard["tensors"] for shard in manifest["shards"]] == [
+        ["prompt_0", "tokens_0", "prompt_1", "tokens_1"],
+        ["prompt_2", "tokens_2"],
+    ]
+    tensors = {}
+    for shard in manifest["shards"]:
+        path = default_storage.path(job.storage_prefix + shard["name"])
+        with safe_open(path, framework="np") as handle:
+            assert handle.get_slice("prompt_" + shard["tensors"][0][7:]).get_dtype() == "BF16"
+        tensors.update(_tensors(job.storage_prefix + shard["name"]))
+
+    for index, prompt in enumerate(PROMPTS):
+        tokens = httpx.post(f"{engine_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+        assert tensors[f"tokens_{index}"].dtype == np.int32
+        assert tensors[f"tokens_{index}"].tolist() == tokens
+        reply = httpx.post(
+            f"{engine_url}/v1/completions",
+            json={
+                "model": "smollm2-135m",
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0,
+                "output_residual_stream": LAYERS,
+            },
+            timeout=60,
+        ).json()
+        expected = decode(reply["activations"]["residual_stream"])
+        assert tensors[f"prompt_{index}"].shape == (len(LAYERS), len(tokens), 576)
+        np.testing.assert_allclose(tensors[f"prompt_{index}"], expected, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.django_db
+def test_harvest_stats_are_the_mean_and_std_over_all_positions_but_the_first(
+    engine_model, api_key, redis_client
+):
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.DONE, job.error
+    captures = []
+    for shard in json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())[
+        "shards"
+    ]:
+        loaded = _tensors(job.storage_prefix + shard["name"])
+        captures += [loaded[name] for name in shard["tensors"] if name.startswith("prompt_")]
+    positions = np.concatenate([c[:, 1:, :] for c in captures], axis=1).astype(np.float64)
+
+    with safe_open(default_storage.path(job.storage_prefix + "stats.safetensors"), "np") as f:
+        mean, std, norm_mean = f.get_tensor("mean"), f.get_tensor("std"), f.get_tensor("norm_mean")
+        assert f.get_tensor("positions").tolist() == [positions.shape[1]]
+    assert mean.dtype == std.dtype == np.float32
+    assert mean.shape == std.shape == (len(LAYERS), 576)
+    np.testing.assert_allclose(mean, positions.mean(axis=1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(std, positions.std(axis=1), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(norm_mean, np.linalg.norm(positions, axis=2).mean(axis=1), rtol=1e-4)
+
+
+@pytest.mark.django_db
+def test_a_cancelled_job_stops_before_its_next_batch(
+    engine_model, api_key, settings, monkeypatch, redis_client
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    job = _submit(api_key)
+    real_capture = services.capture_batch
+    batches = []
+
+    async def capture_then_cancel(*args, **kwargs):
+        batches.append(kwargs["first_index"])
+        result = await real_capture(*args, **kwargs)
+        await HarvestJob.objects.filter(pk=job.pk).aupdate(status=HarvestJobStatus.CANCELLED)
+        return result
+
+    monkeypatch.setattr(services, "capture_batch", capture_then_cancel)
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert batches == [0]
+    assert job.status == HarvestJobStatus.CANCELLED
+    assert not default_storage.exists(job.storage_prefix + "manifest.json")
+
+
+@pytest.mark.django_db
+def test_progress_is_recorded_after_every_batch(engine_model, api_key, settings, monkeypatch):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    job = _submit(api_key)
+    seen = []
+    real_capture = services.capture_batch
+
+    async def capture_and_look(*args, **kwargs):
+        seen.append((await HarvestJob.objects.aget(pk=job.pk)).prompts_done)
+        return await real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(services, "capture_batch", capture_and_look)
+    services.harvest_job_execute(job_id=job.pk)
+    assert seen == [0, 1, 2]
+    job.refresh_from_db()
+    assert (job.status, job.prompts_done, job.progress) == (HarvestJobStatus.DONE, 3, 1.0)
+
+
+@pytest.mark.django_db
+def test_a_prompt_longer_than_the_context_fails_the_job_with_a_message(
+    engine_model, api_key, redis_client
+):
+    engine_model.max_model_len = 8
+    engine_model.save(update_fields=["max_model_len"])
+    job = _submit(api_key, prompts=["short", "one two three four five six seven eight nine"])
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "context_length_exceeded"
+    assert "Prompt 1" in job.error["message"]
+
+
+@pytest.mark.django_db
+def test_a_capture_over_the_size_limit_fails_the_job_with_a_message(
+    engine_model, api_key, redis_client, monkeypatch
+):
+    monkeypatch.setattr("api.jobs.capture.CAPTURE_MAX_VALUES", 3 * 4 * 576)
+    job = _submit(api_key, prompts=["one two", "one two three four five six"])
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "activation_prompt_too_long"
+    assert "prompt 1" in job.error["message"]
+
+
+@pytest.mark.django_db
+def test_an_unreachable_upstream_puts_the_job_back_to_pending_until_attempts_run_out(
+    engine_model, api_key, settings, sent_tasks, redis_client
+):
+    engine_model.activation_upstream_urls = ["http://127.0.0.1:9"]
+    engine_model.save(update_fields=["activation_upstream_urls"])
+    job = _submit(api_key, prompts=["Paris"])
+    for attempt in range(1, settings.ACS_JOB_MAX_ATTEMPTS + 1):
+        services.harvest_job_execute(job_id=job.pk)
+        job.refresh_from_db()
+        assert job.attempts == attempt
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "upstream_unreachable"
+    retries = [c for name, _, c in sent_tasks if name.endswith("harvest_job_run") and c]
+    assert len(retries) == settings.ACS_JOB_MAX_ATTEMPTS - 1
+
+
+@pytest.mark.django_db
+def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, settings, sent_tasks):
+    job = _submit(api_key)
+    now = timezone.now()
+    HarvestJob.objects.filter(pk=job.pk).update(
+        status=HarvestJobStatus.RUNNING, attempts=1, prompts_done=2, lease_expires_at=now
+    )
+    assert services.harvest_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
+    assert services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
+    job.refresh_from_db()
+    assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 0)
+    assert sent_tasks.ids("api.jobs.tasks.harvest_job_run")[-1] == str(job.pk)
+
+    HarvestJob.objects.filter(pk=job.pk).update(
+        status=HarvestJobStatus.RUNNING,
+        attempts=settings.ACS_JOB_MAX_ATTEMPTS,
+        lease_expires_at=now,
+    )
+    services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1))
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "worker_lost"
