@@ -1,1 +1,145 @@
-from django.db import models  # noqa: F401
+"""Playground runs (one real /v1 request each) and the user's steering-vector library."""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class RunKind(models.TextChoices):
+    COMPLETION = "completion", "Completion"
+    CONTRAST = "contrast", "Contrast capture"
+    STEERING_BASELINE = "steering_baseline", "Steering baseline"
+    STEERING_STEERED = "steering_steered", "Steered"
+    SWEEP = "sweep", "Scale sweep"
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+class Run(models.Model):
+    """One request sent to /v1/completions with the user's playground key.
+
+    `request` is the body exactly as sent. Runs of one steering comparison, sweep or contrast
+    pair share a `group`; `scale` is the steering scale of that run (None when unsteered).
+    Status moves queued → running → succeeded | failed; a worker claims a run with a
+    conditional update, so only one worker ever runs it.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="playground_runs"
+    )
+    kind = models.CharField(max_length=20, choices=RunKind.choices, default=RunKind.COMPLETION)
+    group = models.UUIDField(null=True, blank=True, db_index=True)
+    scale = models.FloatField(null=True, blank=True)
+    # What the page needs besides the request: contrast role and vector name, sweep target.
+    meta = models.JSONField(default=dict, blank=True)
+    # The steering vector used or being built (contrast runs); kept for the run's page.
+    vector = models.ForeignKey(
+        "SteeringVector", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    request = models.JSONField()
+    status = models.CharField(
+        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
+    attempts = models.PositiveSmallIntegerField(default=0)
+    response = models.JSONField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+    request_id = models.CharField(max_length=64, blank=True)
+    queued_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    first_token_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    gateway_ms = models.FloatField(null=True, blank=True)
+    upstream_ms = models.FloatField(null=True, blank=True)
+    # Time to first token as the worker, a client of /v1, saw it (streamed runs).
+    api_ttft_ms = models.FloatField(null=True, blank=True)
+    usage = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-queued_at"]
+        indexes = [models.Index(fields=["user", "-queued_at"])]
+
+    def __str__(self):
+        return f"run {self.id} ({self.kind}, {self.status})"
+
+    @property
+    def request_model(self) -> str:
+        return self.request.get("model", "")
+
+    @property
+    def prompt_preview(self) -> str:
+        prompt = self.request.get("prompt", "")
+        return " | ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+
+    @property
+    def is_finished(self):
+        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+
+    @property
+    def queue_ms(self):
+        if self.started_at is None:
+            return None
+        return (self.started_at - self.queued_at).total_seconds() * 1000
+
+    @property
+    def first_token_ms(self):
+        if self.first_token_at is None or self.started_at is None:
+            return None
+        return (self.first_token_at - self.started_at).total_seconds() * 1000
+
+    @property
+    def total_ms(self):
+        if self.finished_at is None:
+            return None
+        return (self.finished_at - self.queued_at).total_seconds() * 1000
+
+
+class VectorMethod(models.TextChoices):
+    CONTRAST_LAST = "contrast_last", "Contrast prompts, last-token difference"
+    CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"
+    UPLOAD = "upload", "Uploaded .npy"
+
+
+class SteeringVector(models.Model):
+    """A vector of the user's library: one row of `hidden_size` values for block `layer`,
+    stored in the API's tensor codec (`acs_client.codec`) so it is sent as is."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="steering_vectors"
+    )
+    name = models.CharField(max_length=100)
+    model = models.CharField(max_length=64)
+    layer = models.PositiveSmallIntegerField()
+    method = models.CharField(max_length=16, choices=VectorMethod.choices)
+    details = models.JSONField(default=dict, blank=True)
+    hidden_size = models.PositiveIntegerField()
+    norm = models.FloatField()
+    # Mean residual norm at `layer` seen when the vector was built (contrast only); lets a
+    # scale be given as a multiple of the layer's typical norm.
+    layer_typical_norm = models.FloatField(null=True, blank=True)
+    data = models.JSONField()
+    # The contrast run pair that built it: at most one vector per pair.
+    source_group = models.UUIDField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["source_group"],
+                condition=Q(source_group__isnull=False),
+                name="one_vector_per_contrast_group",
+            )
+        ]
+
+    def __str__(self):
+        return f"{self.name} (layer {self.layer})"

@@ -1,1 +1,26 @@
-urlpatterns = []
+from django.urls import path
+
+from . import views
+
+app_name = "playground"
+
+urlpatterns = [
+    path("", views.playground_page, name="page"),
+    path("runs/", views.run_history, name="run_history"),
+    path("runs/new/", views.run_submit, name="run_submit"),
+    path("runs/<uuid:run_id>/", views.run_detail, name="run_detail"),
+    path("runs/<uuid:run_id>/events/", views.run_events, name="run_events"),
+    path("runs/<uuid:run_id>/rerun/", views.run_rerun, name="run_rerun"),
+    path("runs/<uuid:run_id>/edit/", views.run_edit, name="run_edit"),
+    path("runs/<uuid:run_id>/figures/<slug:name>/", views.run_figure, name="run_figure"),
+    path(
+        "runs/<uuid:run_id>/activations.<str:fmt>",
+        views.run_activations_download,
+        name="run_activations",
+    ),
+    path("vectors/contrast/", views.vector_contrast_create, name="vector_contrast"),
+    path("vectors/upload/", views.vector_upload, name="vector_upload"),
+    path("vectors/<int:vector_id>.npy", views.vector_download, name="vector_download"),
+    path("steer/", views.steering_submit, name="steer"),
+    path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
+]

@@ -1,0 +1,380 @@
+"""Playground forms. Limits shown next to each field are the API contract's; the API checks
+them again, and its error code is shown on the run if a request still fails there."""
+
+import io
+import math
+
+import numpy as np
+from django import forms
+from django.core.validators import MaxValueValidator
+
+from .models import SteeringVector, VectorMethod
+from .services import VectorError, vector_from_upload
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOKENS_NON_STREAMING = 15_600
+OUTPUT_WORK_CAP = 32_000
+DEFAULT_MAX_LOGPROBS = 100
+MAX_SWEEP_SCALES = 12
+
+
+def _int_list(text: str, *, field: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise forms.ValidationError(f"{field}: write whole numbers separated by commas.") from None
+    if not values:
+        raise forms.ValidationError(f"{field}: give at least one number.")
+    return values
+
+
+def _float_list(text: str, *, field: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise forms.ValidationError(f"{field}: write numbers separated by commas.") from None
+    if not values or not all(math.isfinite(value) for value in values):
+        raise forms.ValidationError(f"{field}: give at least one finite number.")
+    return values
+
+
+class ModelCapabilities:
+    """What the form needs from one `/v1/models` entry; unknown values get the contract's
+    defaults so the form still works when the model list cannot be read."""
+
+    def __init__(self, entry: dict | None):
+        entry = entry or {}
+        capabilities = entry.get("capabilities") or {}
+        self.id = entry.get("id", "")
+        self.max_model_len = capabilities.get("max_model_len")
+        self.max_logprobs = capabilities.get("max_logprobs") or DEFAULT_MAX_LOGPROBS
+        self.full_vocab_max_prompt_tokens = capabilities.get("full_vocab_max_prompt_tokens", 256)
+        self.activations = bool(capabilities.get("activations"))
+        self.n_layers = capabilities.get("n_layers")
+        self.hidden_size = capabilities.get("hidden_size")
+        self.max_steering_vectors = capabilities.get("max_steering_vectors", 8)
+
+    @property
+    def activations_reason(self) -> str:
+        """Why capture and steering are unavailable ("" when they are available)."""
+        if not self.id:
+            return "The model list could not be read, so activation support is unknown."
+        if not self.activations:
+            return f"{self.id} does not support activation capture or steering."
+        return ""
+
+
+class CompletionForm(forms.Form):
+    """Every field of POST /v1/completions, grouped in the template."""
+
+    model = forms.ChoiceField()
+    prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 4}), strip=False)
+    several_prompts = forms.BooleanField(
+        required=False, label="Several prompts", help_text="One prompt per line."
+    )
+    max_tokens = forms.IntegerField(
+        required=False,
+        min_value=1,
+        help_text=f"Needed with several prompts or n > 1; ≤ {MAX_TOKENS_NON_STREAMING:,} "
+        f"without streaming; prompts × n × max_tokens ≤ {OUTPUT_WORK_CAP:,}.",
+    )
+    temperature = forms.FloatField(required=False, min_value=0, help_text="≥ 0; default 1.0.")
+    top_p = forms.FloatField(required=False, min_value=0, max_value=1, help_text="(0, 1]; 1.0.")
+    top_k = forms.IntegerField(required=False, min_value=-1, help_text="−1 (off) or ≥ 1.")
+    seed = forms.IntegerField(required=False, help_text="Same seed, same output when idle.")
+    stop = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        strip=False,
+        help_text=f"Up to {MAX_STOP} strings, one per line.",
+    )
+    n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text="1–16.")
+    logprobs = forms.IntegerField(required=False, min_value=0)
+    prompt_logprobs = forms.IntegerField(required=False, min_value=-1)
+    echo = forms.BooleanField(required=False, help_text="Prefix the prompt to the text.")
+    stream = forms.BooleanField(required=False, initial=True, help_text="Tokens as they come.")
+    include_usage = forms.BooleanField(
+        required=False, initial=True, label="Usage frame", help_text="stream_options."
+    )
+    capture = forms.ChoiceField(
+        required=False,
+        choices=[("", "Off"), ("all", "All layers"), ("layers", "These layers")],
+        label="Capture residual stream",
+    )
+    capture_layers = forms.CharField(required=False, help_text="Layer indices, e.g. 0, 8, 16.")
+
+    def __init__(self, *args, models: list[dict], capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        self.fields["model"].choices = [(m["id"], m["id"]) for m in models] or [
+            (capabilities.id, capabilities.id or "(model list unavailable)")
+        ]
+        limit = capabilities.max_logprobs
+        self.fields["logprobs"].widget.attrs["max"] = limit
+        self.fields["logprobs"].help_text = f"Top-k per generated token, 0–{limit}."
+        self.fields["prompt_logprobs"].widget.attrs["max"] = limit
+        self.fields["prompt_logprobs"].help_text = (
+            f"−1 (whole vocabulary, ≤ {capabilities.full_vocab_max_prompt_tokens} prompt tokens"
+            f" × n) to {limit}."
+        )
+        if capabilities.n_layers:
+            self.fields[
+                "capture_layers"
+            ].help_text = f"Layer indices 0–{capabilities.n_layers - 1}, e.g. 0, 8, 16."
+        reason = capabilities.activations_reason
+        if reason:
+            for name in ("capture", "capture_layers"):
+                self.fields[name].disabled = True
+                self.fields[name].help_text = reason
+
+    def clean_stop(self):
+        stops = [line for line in self.cleaned_data["stop"].splitlines() if line]
+        if len(stops) > MAX_STOP:
+            raise forms.ValidationError(f"At most {MAX_STOP} stop strings; you gave {len(stops)}.")
+        return stops
+
+    def clean_logprobs(self):
+        return self._within_max_logprobs("logprobs")
+
+    def clean_prompt_logprobs(self):
+        return self._within_max_logprobs("prompt_logprobs")
+
+    def _within_max_logprobs(self, name):
+        value = self.cleaned_data[name]
+        if value is not None and value > self.capabilities.max_logprobs:
+            raise forms.ValidationError(f"At most {self.capabilities.max_logprobs} for this model.")
+        return value
+
+    def clean(self):
+        data = super().clean()
+        prompt = data.get("prompt") or ""
+        prompts = (
+            [line for line in prompt.splitlines() if line]
+            if data.get("several_prompts")
+            else [prompt]
+        )
+        data["prompts"] = prompts
+        n = data.get("n") or 1
+        max_tokens = data.get("max_tokens")
+        if (len(prompts) > 1 or n > 1) and max_tokens is None:
+            self.add_error("max_tokens", "Set max_tokens when sending several prompts or n > 1.")
+        if max_tokens and len(prompts) * n * max_tokens > OUTPUT_WORK_CAP:
+            self.add_error(
+                "max_tokens",
+                f"prompts × n × max_tokens = {len(prompts) * n * max_tokens:,} is over the "
+                f"output-work cap of {OUTPUT_WORK_CAP:,}.",
+            )
+        if max_tokens and not data.get("stream") and max_tokens > MAX_TOKENS_NON_STREAMING:
+            self.add_error(
+                "max_tokens",
+                f"Without streaming max_tokens is at most {MAX_TOKENS_NON_STREAMING:,}.",
+            )
+        capture = data.get("capture")
+        if capture == "layers":
+            try:
+                data["layers"] = _int_list(data.get("capture_layers") or "", field="Layers")
+            except forms.ValidationError as error:
+                self.add_error("capture_layers", error)
+            else:
+                n_layers = self.capabilities.n_layers
+                outside = [v for v in data["layers"] if v < 0 or (n_layers and v >= n_layers)]
+                if outside:
+                    self.add_error("capture_layers", f"No such layer: {outside[0]}.")
+        if capture:
+            if len(prompts) != 1 or n != 1:
+                self.add_error("capture", "Capture needs exactly one prompt and n = 1.")
+            if data.get("stream"):
+                self.add_error("stream", "Capture cannot be streamed; turn streaming off.")
+        return data
+
+    def to_request(self) -> dict:
+        """The request body exactly as it will be sent (empty fields left out)."""
+        data = self.cleaned_data
+        prompts = data["prompts"]
+        body = {"model": data["model"], "prompt": prompts if len(prompts) > 1 else prompts[0]}
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+            if data.get(name) is not None:
+                body[name] = data[name]
+        if data["stop"]:
+            body["stop"] = data["stop"]
+        for name in ("logprobs", "prompt_logprobs"):
+            if data.get(name) is not None:
+                body[name] = data[name]
+        if data.get("echo"):
+            body["echo"] = True
+        if data.get("stream"):
+            body["stream"] = True
+            if data.get("include_usage"):
+                body["stream_options"] = {"include_usage": True}
+        if data.get("capture") == "all":
+            body["output_residual_stream"] = True
+        elif data.get("capture") == "layers":
+            body["output_residual_stream"] = data["layers"]
+        return body
+
+    @staticmethod
+    def initial_from_request(request: dict) -> dict:
+        """Form values that reproduce a stored request (for edit-and-re-run)."""
+        prompt = request.get("prompt", "")
+        several = isinstance(prompt, list)
+        initial = {
+            "model": request.get("model"),
+            "prompt": "\n".join(prompt) if several else prompt,
+            "several_prompts": several,
+            "stop": "\n".join(request.get("stop") or []),
+            "echo": bool(request.get("echo")),
+            "stream": bool(request.get("stream")),
+            "include_usage": bool((request.get("stream_options") or {}).get("include_usage")),
+        }
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+            initial[name] = request.get(name)
+        initial["logprobs"] = request.get("logprobs")
+        initial["prompt_logprobs"] = request.get("prompt_logprobs")
+        capture = request.get("output_residual_stream")
+        if capture is True:
+            initial["capture"] = "all"
+        elif isinstance(capture, list):
+            initial["capture"] = "layers"
+            initial["capture_layers"] = ", ".join(str(layer) for layer in capture)
+        return initial
+
+
+def _limit_layer(field: forms.IntegerField, capabilities: ModelCapabilities) -> None:
+    if capabilities.n_layers:
+        top = capabilities.n_layers - 1
+        field.validators.append(MaxValueValidator(top))
+        field.widget.attrs["max"] = top
+        field.help_text = f"0–{top}."
+
+
+class ContrastVectorForm(forms.Form):
+    prefix = "contrast"
+    name = forms.CharField(max_length=100)
+    layer = forms.IntegerField(min_value=0)
+    positive = forms.CharField(label="Prompt towards", widget=forms.Textarea(attrs={"rows": 2}))
+    negative = forms.CharField(label="Prompt away from", widget=forms.Textarea(attrs={"rows": 2}))
+    method = forms.ChoiceField(
+        choices=[
+            (VectorMethod.CONTRAST_LAST, "Last token"),
+            (VectorMethod.CONTRAST_MEAN, "Mean over tokens"),
+        ]
+    )
+
+    def __init__(self, *args, capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        _limit_layer(self.fields["layer"], capabilities)
+
+
+class UploadVectorForm(forms.Form):
+    prefix = "upload"
+    name = forms.CharField(max_length=100)
+    layer = forms.IntegerField(min_value=0)
+    file = forms.FileField(label=".npy file", help_text="Shape [hidden] or [1, hidden].")
+
+    def __init__(self, *args, capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        _limit_layer(self.fields["layer"], capabilities)
+        if capabilities.hidden_size:
+            self.fields[
+                "file"
+            ].help_text = f"Shape [{capabilities.hidden_size}] or [1, {capabilities.hidden_size}]."
+
+    def clean_file(self):
+        upload = self.cleaned_data["file"]
+        if upload.size > 8 * 1024 * 1024:
+            raise forms.ValidationError("The file is larger than 8 MiB.")
+        try:
+            array = np.load(io.BytesIO(upload.read()), allow_pickle=False)
+        except (ValueError, OSError, EOFError):
+            raise forms.ValidationError("This is not a .npy file (numpy.save format).") from None
+        if not isinstance(array, np.ndarray):
+            raise forms.ValidationError("Upload one array saved with numpy.save, not an archive.")
+        hidden = self.capabilities.hidden_size
+        if not hidden:
+            raise forms.ValidationError("The model's hidden size is unknown; try again later.")
+        try:
+            return vector_from_upload(array, hidden_size=hidden)
+        except VectorError as error:
+            raise forms.ValidationError(str(error)) from None
+
+
+class SteeringForm(forms.Form):
+    """A baseline (scale 0) and steered runs with the same seed; several scales make a sweep."""
+
+    prefix = "steer"
+
+    vector = forms.ModelChoiceField(queryset=SteeringVector.objects.none())
+    prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), strip=False)
+    layers = forms.CharField(
+        required=False, help_text="Layers to add the vector at; empty: the vector's own layer."
+    )
+    scale_unit = forms.ChoiceField(
+        choices=[("absolute", "Absolute scale"), ("typical", "× layer's typical norm")],
+        initial="absolute",
+    )
+    scales = forms.CharField(
+        initial="4",
+        help_text=f"One scale, or up to {MAX_SWEEP_SCALES} separated by commas for a sweep.",
+    )
+    max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=16)
+    temperature = forms.FloatField(min_value=0, initial=0)
+    seed = forms.IntegerField(initial=0)
+    logprobs = forms.IntegerField(min_value=0, max_value=20, initial=5)
+    target_token = forms.CharField(
+        required=False, strip=False, help_text="For a sweep: token whose logprob to plot."
+    )
+
+    def __init__(self, *args, user, capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        self.fields["vector"].queryset = SteeringVector.objects.filter(user=user)
+        if capabilities.n_layers:
+            self.fields["layers"].help_text += f" 0–{capabilities.n_layers - 1}."
+
+    def clean(self):
+        data = super().clean()
+        vector = data.get("vector")
+        if vector is None:
+            return data
+        try:
+            data["layer_list"] = (
+                _int_list(data["layers"], field="Layers") if data.get("layers") else [vector.layer]
+            )
+        except forms.ValidationError as error:
+            self.add_error("layers", error)
+        n_layers = self.capabilities.n_layers
+        if n_layers and any(not 0 <= v < n_layers for v in data.get("layer_list", [])):
+            self.add_error("layers", f"Layers run from 0 to {n_layers - 1}.")
+        try:
+            scales = _float_list(data.get("scales") or "", field="Scales")
+        except forms.ValidationError as error:
+            self.add_error("scales", error)
+            return data
+        if len(scales) > MAX_SWEEP_SCALES:
+            self.add_error("scales", f"At most {MAX_SWEEP_SCALES} scales.")
+        if data.get("scale_unit") == "typical":
+            if not vector.layer_typical_norm or not vector.norm:
+                self.add_error(
+                    "scale_unit",
+                    "This vector has no typical layer norm (only contrast vectors do); "
+                    "use an absolute scale.",
+                )
+                return data
+            # A multiple m adds a vector whose norm is m × the layer's typical norm.
+            scales = [m * vector.layer_typical_norm / vector.norm for m in scales]
+        data["scale_list"] = [round(scale, 6) for scale in scales]
+        return data
+
+    def base_request(self) -> dict:
+        data = self.cleaned_data
+        return {
+            "model": data["vector"].model,
+            "prompt": data["prompt"],
+            "max_tokens": data["max_tokens"],
+            "temperature": data["temperature"],
+            "seed": data["seed"],
+            "logprobs": data["logprobs"],
+        }

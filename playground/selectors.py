@@ -1,0 +1,125 @@
+"""Reads of the playground: a user's runs and vectors (404 for anyone else's), the model list
+from /v1/models, and code that reproduces a run's request."""
+
+import json
+import logging
+import pprint
+import shlex
+
+import redis
+from django.conf import settings
+from django.http import Http404
+
+from acs_client.client import AcsApiError, AcsClient
+
+from .models import Run, SteeringVector
+
+logger = logging.getLogger(__name__)
+
+MODELS_CACHE_KEY = "playground:models"
+OPENAI_FIELDS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
+    "echo", "stream", "stream_options",
+}  # fmt: skip
+
+
+def runs_for_user(*, user, limit: int = 50) -> list[Run]:
+    """The user's latest runs, newest first, without the (possibly large) response."""
+    return list(Run.objects.filter(user=user).defer("response")[:limit])
+
+
+def run_for_user(*, user, run_id) -> Run:
+    """The run, or 404 when it does not exist or belongs to someone else."""
+    run = Run.objects.filter(pk=run_id, user=user).first()
+    if run is None:
+        raise Http404("No such run.")
+    return run
+
+
+def group_runs_for_user(*, user, group) -> list[Run]:
+    """The runs of one comparison, sweep or contrast pair, ordered by scale; 404 if none."""
+    runs = sorted(
+        Run.objects.filter(group=group, user=user),
+        key=lambda run: (run.scale if run.scale is not None else 0, run.meta.get("role", "")),
+    )
+    if not runs:
+        raise Http404("No such comparison.")
+    return runs
+
+
+def vectors_for_user(*, user) -> list[SteeringVector]:
+    return list(SteeringVector.objects.filter(user=user).defer("data"))
+
+
+def vector_for_user(*, user, vector_id) -> SteeringVector:
+    vector = SteeringVector.objects.filter(pk=vector_id, user=user).first()
+    if vector is None:
+        raise Http404("No such vector.")
+    return vector
+
+
+def models_available(*, user) -> tuple[list[dict], str]:
+    """The `/v1/models` entries as seen with the user's playground key, cached for
+    `PLAYGROUND_MODELS_CACHE_SECONDS`, and an error message ("" when the list was read)."""
+    from .services import playground_key_get_or_create
+
+    cache = redis.Redis.from_url(settings.REDIS_URL)
+    cached = cache.get(MODELS_CACHE_KEY)
+    if cached:
+        return json.loads(cached), ""
+    _, secret = playground_key_get_or_create(user=user)
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=secret, timeout=5.0)
+    try:
+        models = client.models()
+    except AcsApiError as error:
+        logger.warning("playground could not read /v1/models: %s", error)
+        return [], f"The model list could not be read ({error.code}: {error.message})."
+    cache.set(MODELS_CACHE_KEY, json.dumps(models), ex=settings.PLAYGROUND_MODELS_CACHE_SECONDS)
+    return models, ""
+
+
+def _python_literal(value) -> str:
+    return pprint.pformat(value, sort_dicts=False, width=88)
+
+
+def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
+    """Code that sends exactly `request`: curl, the openai SDK (non-OpenAI fields go in
+    extra_body) and acs_client."""
+    body = json.dumps(request)
+    curl = (
+        f"curl {shlex.quote(base_url + '/v1/completions')} \\\n"
+        '  -H "Authorization: Bearer $ACS_API_KEY" \\\n'
+        "  -H 'Content-Type: application/json' \\\n"
+        f"  -d {shlex.quote(body)}"
+    )
+    standard = {k: v for k, v in request.items() if k in OPENAI_FIELDS}
+    extra = {k: v for k, v in request.items() if k not in OPENAI_FIELDS}
+    arguments = "".join(f"    {key}={_python_literal(value)},\n" for key, value in standard.items())
+    if extra:
+        arguments += f"    extra_body={_python_literal(extra)},\n"
+    openai = (
+        "import os\n\nfrom openai import OpenAI\n\n"
+        f'client = OpenAI(base_url="{base_url}/v1", api_key=os.environ["ACS_API_KEY"])\n'
+        f"response = client.completions.create(\n{arguments})\n"
+    )
+    if request.get("stream"):
+        openai += (
+            "for chunk in response:\n    print(chunk.choices[0].text if chunk.choices else chunk)\n"
+        )
+    else:
+        openai += "print(response.choices[0].text)\n"
+    call = "stream_completions" if request.get("stream") else "completions"
+    acs = (
+        "import os\n\nfrom acs_client.client import AcsClient\n\n"
+        f'client = AcsClient(base_url="{base_url}", api_key=os.environ["ACS_API_KEY"])\n'
+        f"body = {_python_literal(request)}\n"
+    )
+    if call == "stream_completions":
+        acs += (
+            "with client.stream_completions(body) as stream:\n"
+            "    for frame in stream:\n"
+            "        print(frame)\n"
+        )
+    else:
+        acs += 'print(client.completions(body).body["choices"][0]["text"])\n'
+    return {"curl": curl, "openai": openai, "acs_client": acs}

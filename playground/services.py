@@ -1,0 +1,446 @@
+"""Writes of the playground: the managed playground key, runs and their execution, and the
+steering-vector library.
+
+A run is executed by a Celery worker (`tasks.run_execute`) that calls /v1 through
+`acs_client` with the user's playground key, exactly as an outside client would.
+"""
+
+import logging
+import time
+import uuid
+
+import numpy as np
+from cryptography.fernet import Fernet
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from accounts.models import ApiKey, User
+from accounts.services import api_key_create
+from acs_client.client import AcsApiError, AcsClient
+from acs_client.codec import decode, encode_vector
+
+from . import streams
+from .models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
+
+logger = logging.getLogger(__name__)
+
+PLAYGROUND_KEY_NAME = "Playground"
+
+
+# ---------------------------------------------------------------------------------------
+# The managed playground key
+
+
+def _fernet() -> Fernet:
+    return Fernet(settings.PLAYGROUND_KEY_ENCRYPTION_KEY.encode())
+
+
+def playground_key_secret(key: ApiKey) -> str:
+    """Decrypt a playground key's stored secret."""
+    return _fernet().decrypt(key.encrypted_secret.encode()).decode()
+
+
+def playground_key_get_or_create(*, user: User) -> tuple[ApiKey, str]:
+    """The user's playground key and its secret, creating the key on first use.
+
+    The secret is stored encrypted (Fernet, `PLAYGROUND_KEY_ENCRYPTION_KEY`); it is decrypted
+    here, so call this only where the secret is needed (the worker) or to create the key.
+    """
+    with transaction.atomic():
+        # Lock the user row so two first runs at once create one key, not two.
+        User.objects.select_for_update().filter(pk=user.pk).first()
+        key = ApiKey.objects.filter(user=user, is_playground=True).first()
+        if key is not None:
+            return key, playground_key_secret(key)
+        key, secret = api_key_create(
+            user=user, name=PLAYGROUND_KEY_NAME, acting_user=user, is_playground=True
+        )
+        # api_key_create makes the secret, so it can only be encrypted afterwards; same
+        # transaction, so no reader ever sees the key without it.
+        key.encrypted_secret = _fernet().encrypt(secret.encode()).decode()
+        key.save(update_fields=["encrypted_secret"])
+        return key, secret
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+
+
+def run_create(
+    *,
+    user: User,
+    request: dict,
+    kind: str = RunKind.COMPLETION,
+    group: uuid.UUID | None = None,
+    scale: float | None = None,
+    vector: SteeringVector | None = None,
+    meta: dict | None = None,
+) -> Run:
+    """Store a queued run and enqueue its execution once the transaction commits."""
+    from .tasks import run_execute
+
+    with transaction.atomic():
+        playground_key_get_or_create(user=user)
+        run = Run.objects.create(
+            user=user,
+            kind=kind,
+            group=group,
+            scale=scale,
+            vector=vector,
+            request=request,
+            meta=meta or {},
+        )
+        transaction.on_commit(lambda: run_execute.delay(str(run.id)))
+    return run
+
+
+def run_claim(*, run_id) -> Run | None:
+    """Move a queued run to running and return it; None if another worker has it or it has
+    finished. The conditional update makes the claim atomic across workers."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            # The claim is on the path to the first token; a claim lost in a crash only
+            # leaves the run queued again, so it need not wait for the WAL flush.
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        claimed = Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
+            status=RunStatus.RUNNING, started_at=timezone.now(), attempts=F("attempts") + 1
+        )
+    if not claimed:
+        return None
+    return Run.objects.select_related("user").get(pk=run_id)
+
+
+class RunRetry(Exception):
+    """A transient failure before any output: the run is queued again for a retry."""
+
+    def __init__(self, countdown: float):
+        super().__init__(f"retry in {countdown}s")
+        self.countdown = countdown
+
+
+def run_execute(*, run_id, final_attempt: bool) -> Run | None:
+    """Claim the run, send its request, publish its output and store the result.
+
+    Raises `RunRetry` for a transient error (unreachable API, 429/502/503 with a Retry-After
+    of at most `PLAYGROUND_RUN_MAX_RETRY_DELAY`) when nothing was published yet and this is
+    not the final attempt; any other error fails the run with the API's code and message.
+    Returns None if the run could not be claimed.
+    """
+    run = run_claim(run_id=run_id)
+    if run is None:
+        return None
+    streams.publish(run.id, {"type": "status", "status": RunStatus.RUNNING})
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(run.user))
+    progress = {"tokens": 0}
+    try:
+        if run.request.get("stream"):
+            result = _execute_streaming(run, client, progress)
+        else:
+            completion = client.completions(run.request)
+            result = {
+                "response": completion.body,
+                "request_id": completion.request_id,
+                "timing": completion.server_timing,
+            }
+    except AcsApiError as error:
+        countdown = error.retry_after if error.retry_after is not None else 1
+        retryable = error.should_retry and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
+        if retryable and not progress["tokens"] and not final_attempt:
+            _run_requeue(run)
+            raise RunRetry(countdown) from error
+        message = error.message
+        if retryable and final_attempt:
+            message = f"Gave up after {run.attempts} attempts. {message}"
+        return run_fail(run=run, code=error.code, message=message, request_id=error.request_id)
+    except Exception:
+        logger.exception("playground run %s failed", run.id)
+        return run_fail(
+            run=run,
+            code="playground_error",
+            message="The playground worker could not process the answer; see the worker log.",
+        )
+    run = _run_succeed(run=run, **result)
+    if run.kind == RunKind.CONTRAST:
+        steering_vector_from_contrast(group=run.group)
+    return run
+
+
+def _worker_secret(user: User) -> str:
+    # The key normally exists (run_create makes it); reading it without the lock keeps the
+    # worker's path to the first token short.
+    key = ApiKey.objects.filter(user=user, is_playground=True).first()
+    if key is None:
+        return playground_key_get_or_create(user=user)[1]
+    return playground_key_secret(key)
+
+
+def _run_requeue(run: Run) -> None:
+    streams.reset(run.id)
+    Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(status=RunStatus.QUEUED)
+
+
+def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
+    body = dict(run.request)
+    frames = []
+    sent = time.perf_counter()
+    with client.stream_completions(body) as stream:
+        for frame in stream:
+            frames.append(frame)
+            for choice in frame.get("choices") or []:
+                text = choice.get("text") or ""
+                if not text:
+                    continue
+                arrived = timezone.now()
+                streams.publish(
+                    run.id, {"type": "token", "choice": choice.get("index", 0), "text": text}
+                )
+                if not progress["tokens"]:
+                    Run.objects.filter(pk=run.pk).update(
+                        first_token_at=arrived, api_ttft_ms=(time.perf_counter() - sent) * 1000
+                    )
+                progress["tokens"] += 1
+        return {
+            "response": merge_stream_frames(frames),
+            "request_id": stream.request_id,
+            "timing": stream.server_timing,
+        }
+
+
+def merge_stream_frames(frames: list[dict]) -> dict:
+    """Rebuild the non-streaming body from streamed frames: text and logprobs concatenated
+    per choice, prompt_logprobs and finish_reason kept, usage from the final frame."""
+    choices: dict[int, dict] = {}
+    merged = {"object": "text_completion", "choices": [], "usage": None}
+    for frame in frames:
+        for field in ("id", "created", "model"):
+            if field in frame:
+                merged[field] = frame[field]
+        if frame.get("usage"):
+            merged["usage"] = frame["usage"]
+        for piece in frame.get("choices") or []:
+            index = piece.get("index", 0)
+            choice = choices.setdefault(
+                index, {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+            )
+            choice["text"] += piece.get("text") or ""
+            if piece.get("finish_reason"):
+                choice["finish_reason"] = piece["finish_reason"]
+            if piece.get("prompt_logprobs") is not None:
+                choice["prompt_logprobs"] = piece["prompt_logprobs"]
+            if piece.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = piece["prompt_token_ids"]
+            logprobs = piece.get("logprobs")
+            if logprobs:
+                if choice["logprobs"] is None:
+                    choice["logprobs"] = {
+                        "tokens": [],
+                        "token_logprobs": [],
+                        "top_logprobs": [],
+                        "text_offset": [],
+                    }
+                for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    choice["logprobs"][field].extend(logprobs.get(field) or [])
+    merged["choices"] = [choices[index] for index in sorted(choices)]
+    return merged
+
+
+def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
+    now = timezone.now()
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.SUCCEEDED,
+        response=response,
+        usage=response.get("usage"),
+        request_id=request_id,
+        gateway_ms=timing.get("gateway"),
+        upstream_ms=timing.get("upstream"),
+        finished_at=now,
+    )
+    streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
+    run.refresh_from_db()
+    return run
+
+
+def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
+    """Mark the run failed with a message a person can read, and end its stream."""
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.FAILED,
+        error_code=code,
+        error_message=message,
+        request_id=request_id,
+        finished_at=timezone.now(),
+    )
+    streams.publish(
+        run.id,
+        {"type": "end", "status": RunStatus.FAILED, "error": {"code": code, "message": message}},
+    )
+    run.refresh_from_db()
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# Steering vectors
+
+
+class VectorError(ValueError):
+    """An uploaded or built vector that cannot be used; the message names the problem."""
+
+
+def vector_from_upload(array: np.ndarray, *, hidden_size: int) -> np.ndarray:
+    """Check an uploaded array is `[hidden]` or `[1, hidden]` floats and return it as
+    float32 `[hidden]`."""
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise VectorError(f"The array has dtype {array.dtype}; upload float values.")
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1 or array.shape[0] != hidden_size:
+        raise VectorError(
+            f"The array has shape {list(array.shape)}; this model needs [{hidden_size}] "
+            f"or [1, {hidden_size}]."
+        )
+    if not np.all(np.isfinite(array)):
+        raise VectorError("The array contains NaN or infinite values.")
+    return array.astype(np.float32)
+
+
+def steering_vector_create(
+    *,
+    user: User,
+    name: str,
+    model: str,
+    layer: int,
+    method: str,
+    vector: np.ndarray,
+    details: dict | None = None,
+    layer_typical_norm: float | None = None,
+    source_group: uuid.UUID | None = None,
+) -> SteeringVector:
+    """Save a `[hidden]` vector in the user's library (stored in the API's codec)."""
+    return SteeringVector.objects.create(
+        user=user,
+        name=name,
+        model=model,
+        layer=layer,
+        method=method,
+        details=details or {},
+        hidden_size=int(vector.shape[0]),
+        norm=float(np.linalg.norm(vector)),
+        layer_typical_norm=layer_typical_norm,
+        data=encode_vector(vector),
+        source_group=source_group,
+    )
+
+
+def contrast_runs_create(
+    *, user: User, model: str, name: str, layer: int, method: str, positive: str, negative: str
+) -> uuid.UUID:
+    """Queue the two capture runs of a contrast vector; the vector is saved when both have
+    succeeded (`steering_vector_from_contrast`). Returns the pair's group id."""
+    group = uuid.uuid4()
+    with transaction.atomic():
+        for role, prompt in (("positive", positive), ("negative", negative)):
+            run_create(
+                user=user,
+                kind=RunKind.CONTRAST,
+                group=group,
+                request={
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "output_residual_stream": [layer],
+                },
+                meta={"role": role, "vector_name": name, "layer": layer, "method": method},
+            )
+    return group
+
+
+def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: str) -> np.ndarray:
+    """The steering direction from two `[tokens, hidden]` captures at one layer."""
+    if method == VectorMethod.CONTRAST_MEAN:
+        return positive.mean(axis=0) - negative.mean(axis=0)
+    return positive[-1] - negative[-1]
+
+
+def steering_vector_from_contrast(*, group) -> SteeringVector | None:
+    """Build and save the vector of a contrast pair once both captures have succeeded;
+    idempotent (the pair's `group` is unique among vectors)."""
+    runs = {run.meta.get("role"): run for run in Run.objects.filter(group=group)}
+    positive, negative = runs.get("positive"), runs.get("negative")
+    if not positive or not negative:
+        return None
+    if positive.status != RunStatus.SUCCEEDED or negative.status != RunStatus.SUCCEEDED:
+        return None
+    existing = SteeringVector.objects.filter(source_group=group).first()
+    if existing:
+        return existing
+    captures = [
+        decode(run.response["activations"]["residual_stream"])[0] for run in (positive, negative)
+    ]
+    meta = positive.meta
+    vector = contrast_difference(*captures, method=meta["method"])
+    typical_norm = float(np.mean([np.linalg.norm(c, axis=-1).mean() for c in captures]))
+    try:
+        with transaction.atomic():
+            created = steering_vector_create(
+                user=positive.user,
+                name=meta["vector_name"],
+                model=positive.request["model"],
+                layer=meta["layer"],
+                method=meta["method"],
+                vector=vector,
+                details={
+                    "positive": positive.request["prompt"],
+                    "negative": negative.request["prompt"],
+                    "runs": [str(positive.id), str(negative.id)],
+                },
+                layer_typical_norm=typical_norm,
+                source_group=group,
+            )
+    except IntegrityError:
+        # The other capture's worker saved it first.
+        return SteeringVector.objects.get(source_group=group)
+    Run.objects.filter(group=group).update(vector=created)
+    return created
+
+
+def steering_runs_create(
+    *,
+    user: User,
+    base_request: dict,
+    vector: SteeringVector,
+    layers: list[int],
+    scales: list[float],
+    kind: str,
+    target_token: str = "",
+) -> uuid.UUID:
+    """Queue a baseline (scale 0) and one steered run per scale, all with the same request
+    and seed, adding `vector` at `layers`. Returns the group id of the comparison."""
+    group = uuid.uuid4()
+    with transaction.atomic():
+        for scale in [0.0, *scales]:
+            request = dict(base_request)
+            request["apply_steering_vectors"] = [
+                {
+                    "activations": encode_vector(
+                        np.tile(decode(vector.data)[None, :], (len(layers), 1))
+                    ),
+                    "layer_indices": layers,
+                    "scale": scale,
+                }
+            ]
+            run_kind = kind
+            if kind == RunKind.STEERING_STEERED and scale == 0.0:
+                run_kind = RunKind.STEERING_BASELINE
+            run_create(
+                user=user,
+                kind=run_kind,
+                group=group,
+                scale=scale,
+                vector=vector,
+                request=request,
+                meta={"target_token": target_token, "layers": layers},
+            )
+    return group

@@ -1,0 +1,481 @@
+"""Playground pages. Thin function views: check access (another user's run or vector is a
+404), validate, call one service, render a page or its htmx partial."""
+
+import functools
+import io
+import json
+
+import numpy as np
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import reswap, retarget, trigger_client_event
+from safetensors.numpy import save as safetensors_save
+
+from acs_client.codec import decode
+
+from . import figures, selectors, services, streams
+from .forms import (
+    CompletionForm,
+    ContrastVectorForm,
+    ModelCapabilities,
+    SteeringForm,
+    UploadVectorForm,
+)
+from .models import Run, RunKind, RunStatus, VectorMethod
+
+# Responses above this size are shown shortened on the run page (downloads stay exact).
+RESPONSE_SHOWN_CHARS = 200_000
+
+
+def approved_required(view):
+    """Logged in and approved; anyone else gets 403 (the playground spends their budget)."""
+
+    @login_required
+    @functools.wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_approved:
+            raise PermissionDenied("The playground is open to approved accounts.")
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+def _models(request) -> tuple[list[dict], str, ModelCapabilities]:
+    models, error = selectors.models_available(user=request.user)
+    wanted = request.GET.get("model") or request.POST.get("model")
+    entry = next((m for m in models if m["id"] == wanted), models[0] if models else None)
+    return models, error, ModelCapabilities(entry)
+
+
+def _forms(request, capabilities, models, *, completion=None, initial=None):
+    return {
+        "form": completion
+        or CompletionForm(
+            models=models,
+            capabilities=capabilities,
+            initial=initial or {"model": capabilities.id, "stream": True, "include_usage": True},
+        ),
+        "contrast_form": ContrastVectorForm(capabilities=capabilities),
+        "upload_form": UploadVectorForm(capabilities=capabilities),
+        "steering_form": SteeringForm(user=request.user, capabilities=capabilities),
+    }
+
+
+def _page_context(request, **overrides):
+    models, models_error, capabilities = _models(request)
+    context = {
+        "models": models,
+        "models_error": models_error,
+        "capabilities": capabilities,
+        "runs": selectors.runs_for_user(user=request.user),
+        "vectors": selectors.vectors_for_user(user=request.user),
+    }
+    context.update(_forms(request, capabilities, models, initial=overrides.pop("initial", None)))
+    context.update(overrides)
+    return context
+
+
+# Parts of the page that htmx reloads on their own (element id → partial name).
+PAGE_PARTIALS = {
+    "completion-form": "completion_form",
+    "vectors": "vectors",
+    "steering-box": "steering_form",
+}
+
+
+@approved_required
+@require_GET
+def playground_page(request):
+    context = _page_context(request)
+    if request.htmx and request.htmx.target in PAGE_PARTIALS:
+        partial = PAGE_PARTIALS[request.htmx.target]
+        return render(request, f"playground/page.html#{partial}", context)
+    return render(request, "playground/page.html", context)
+
+
+@approved_required
+@require_GET
+def run_edit(request, run_id):
+    """The playground with the form filled from a stored run (edit and re-run)."""
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    initial = CompletionForm.initial_from_request(run.request)
+    return render(request, "playground/page.html", _page_context(request, initial=initial))
+
+
+@approved_required
+@require_POST
+def run_submit(request):
+    models, _, capabilities = _models(request)
+    form = CompletionForm(request.POST, models=models, capabilities=capabilities)
+    if not form.is_valid():
+        context = _page_context(request)
+        context["form"] = form
+        if request.htmx:
+            response = render(request, "playground/page.html#completion_form", context)
+            return reswap(retarget(response, "#completion-form"), "outerHTML")
+        return render(request, "playground/page.html", context, status=400)
+    run = services.run_create(user=request.user, request=form.to_request())
+    return _run_created(request, run)
+
+
+def _run_created(request, run: Run):
+    if not request.htmx:
+        return redirect("playground:run_detail", run_id=run.id)
+    response = render(request, "playground/run_detail.html#run_panel", _run_context(run))
+    return trigger_client_event(response, "runCreated")
+
+
+@approved_required
+@require_POST
+def run_rerun(request, run_id):
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    return _run_created(request, services.run_create(user=request.user, request=run.request))
+
+
+@approved_required
+@require_GET
+def run_history(request):
+    context = {"runs": selectors.runs_for_user(user=request.user)}
+    if request.htmx:
+        return render(request, "playground/history.html#history", context)
+    return render(request, "playground/history.html", context)
+
+
+def _figure(name: str, figure) -> dict:
+    return {"name": name, "data": json.loads(figure.to_json())}
+
+
+def _pretty_response(response: dict | None) -> str:
+    if response is None:
+        return ""
+    shown = json.loads(json.dumps(response))
+    stream = (shown.get("activations") or {}).get("residual_stream")
+    if stream and isinstance(stream.get("data"), str):
+        stream["data"] = f"<{len(stream['data']):,} characters of base64; download below>"
+    text = json.dumps(shown, indent=2, ensure_ascii=False)
+    if len(text) > RESPONSE_SHOWN_CHARS:
+        return text[:RESPONSE_SHOWN_CHARS] + f"\n… {len(text) - RESPONSE_SHOWN_CHARS:,} more"
+    return text
+
+
+def _pretty_request(request: dict) -> str:
+    shown = json.loads(json.dumps(request))
+    for vector in shown.get("apply_steering_vectors") or []:
+        data = (vector.get("activations") or {}).get("data")
+        if isinstance(data, str) and len(data) > 80:
+            vector["activations"]["data"] = data[:60] + f"…({len(data):,} characters)"
+    return json.dumps(shown, indent=2, ensure_ascii=False)
+
+
+def _run_context(run: Run) -> dict:
+    context = {
+        "run": run,
+        "request_json": _pretty_request(run.request),
+        "snippets": selectors.run_code_snippets(run.request, base_url=settings.SITE_URL),
+        "figures": [],
+        "choices": [],
+    }
+    if run.status != RunStatus.SUCCEEDED or not run.response:
+        return context
+    response = run.response
+    context["response_json"] = _pretty_response(response)
+    context["choices"] = response.get("choices") or []
+    if not context["choices"]:
+        return context
+    positions = figures.token_positions(run.request, response)
+    if any(p["logprob"] is not None for p in positions):
+        context["positions"] = positions
+        context["figures"].append(_figure("tokens", figures.token_strip_figure(positions)))
+        selected = next((p for p in reversed(positions) if p["top"]), None)
+        if selected:
+            context["figures"].append(_figure("topk", figures.top_k_figure(selected)))
+    if any(p["source"] == "prompt" and p["logprob"] is not None for p in positions):
+        context["figures"].append(_figure("surprisal", figures.prompt_surprisal_figure(positions)))
+    if run.request.get("prompt_logprobs") == -1:
+        prompt_logprobs = context["choices"][0].get("prompt_logprobs") or []
+        context["distribution_positions"] = range(1, len(prompt_logprobs))
+        if len(prompt_logprobs) > 1:
+            context["figures"].append(
+                _figure("distribution", figures.prompt_distribution_figure(prompt_logprobs, 1))
+            )
+    if (response.get("activations") or {}).get("residual_stream"):
+        tensor, layers = figures.activations(run.request, response)
+        context["capture"] = {"layers": layers, "positions": range(tensor.shape[1])}
+        last = tensor.shape[1] - 1
+        context["figures"] += [
+            _figure("heatmap", figures.activation_norm_heatmap(tensor, layers)),
+            _figure("norm_by_layer", figures.activation_norm_by_layer(tensor, layers, last)),
+            _figure("cosine", figures.activation_cosine_figure(tensor, layers, layers[0])),
+            _figure("pca", figures.activation_pca_figure(tensor, layers, layers[0])),
+        ]
+    return context
+
+
+@approved_required
+@require_GET
+def run_detail(request, run_id):
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    context = _run_context(run)
+    if request.htmx:
+        return render(request, "playground/run_detail.html#run_panel", context)
+    return render(request, "playground/run_detail.html", context)
+
+
+def _int_param(request, name: str, *, upper: int) -> int:
+    try:
+        value = int(request.GET.get(name, ""))
+    except ValueError:
+        raise Http404(f"Give {name} as a whole number.") from None
+    if not 0 <= value < upper:
+        raise Http404(f"{name} must be between 0 and {upper - 1}.")
+    return value
+
+
+@approved_required
+@require_GET
+def run_figure(request, run_id, name):
+    """One figure of a run for a chosen position or layer (htmx partial)."""
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    if run.status != RunStatus.SUCCEEDED:
+        raise Http404("The run has no result.")
+    response = run.response
+    if name == "topk":
+        positions = figures.token_positions(run.request, response)
+        position = positions[_int_param(request, "position", upper=len(positions))]
+        figure = figures.top_k_figure(position)
+    elif name == "distribution":
+        prompt_logprobs = response["choices"][0].get("prompt_logprobs") or []
+        if run.request.get("prompt_logprobs") != -1 or len(prompt_logprobs) < 2:
+            raise Http404("This run has no full-vocabulary prompt logprobs.")
+        position = _int_param(request, "position", upper=len(prompt_logprobs))
+        figure = figures.prompt_distribution_figure(prompt_logprobs, max(position, 1))
+    elif name in ("norm_by_layer", "cosine", "pca"):
+        if not (response.get("activations") or {}).get("residual_stream"):
+            raise Http404("This run captured no activations.")
+        tensor, layers = figures.activations(run.request, response)
+        if name == "norm_by_layer":
+            position = _int_param(request, "position", upper=tensor.shape[1])
+            figure = figures.activation_norm_by_layer(tensor, layers, position)
+        else:
+            layer = layers[_int_param(request, "row", upper=len(layers))]
+            build = (
+                figures.activation_cosine_figure
+                if name == "cosine"
+                else figures.activation_pca_figure
+            )
+            figure = build(tensor, layers, layer)
+    else:
+        raise Http404("No such figure.")
+    return render(request, "playground/_figure.html", {"figure": _figure(name, figure)})
+
+
+@approved_required
+@require_GET
+def run_activations_download(request, run_id, fmt):
+    """The captured residual stream as float32 `.npy` or safetensors (`residual_stream`,
+    plus `layers`)."""
+    if fmt not in ("npy", "safetensors"):
+        raise Http404("Download as .npy or .safetensors.")
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    if run.status != RunStatus.SUCCEEDED or not (run.response.get("activations") or {}):
+        raise Http404("This run captured no activations.")
+    tensor, layers = figures.activations(run.request, run.response)
+    if fmt == "npy":
+        buffer = io.BytesIO()
+        np.save(buffer, tensor)
+        content = buffer.getvalue()
+    else:
+        content = safetensors_save(
+            {"residual_stream": tensor, "layers": np.asarray(layers, dtype=np.int32)}
+        )
+    response = HttpResponse(content, content_type="application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="run-{run.id}-activations.{fmt}"'
+    return response
+
+
+def _sse(entry_id, event) -> str:
+    prefix = f"id: {entry_id}\n" if entry_id else ""
+    return f"{prefix}data: {json.dumps(event)}\n\n"
+
+
+async def run_events(request, run_id):
+    """Server-sent events of a run: everything published so far, then the rest as it comes,
+    ending with the `end` event. `Last-Event-ID` resumes after a reconnect."""
+    user = await request.auser()
+    if not user.is_authenticated or not user.is_approved:
+        raise Http404("No such run.")
+    run = await Run.objects.filter(pk=run_id, user=user).only("id", "status").afirst()
+    if run is None:
+        raise Http404("No such run.")
+    after = request.headers.get("Last-Event-ID") or "0"
+
+    async def events():
+        yield ": connected\n\n"
+        async for entry_id, event in streams.follow(run.id, after=after):
+            if event is not None:
+                yield _sse(entry_id, event)
+                continue
+            # Nothing new for a while: end if the run finished and its stream has expired.
+            current = await Run.objects.filter(pk=run.id).only("status", "error_code").afirst()
+            if current.is_finished and not await streams.exists(run.id):
+                yield _sse(None, {"type": "end", "status": current.status})
+                return
+            yield ": keepalive\n\n"
+
+    if run.is_finished and not await streams.exists(run.id):
+        # Finished long ago: its stream has expired; the page has the stored result.
+        async def finished():
+            yield _sse(None, {"type": "end", "status": run.status})
+
+        body = finished()
+    else:
+        body = events()
+    response = StreamingHttpResponse(body, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+# ---------------------------------------------------------------------------------------
+# Steering
+
+
+def _vector_form_error(request, form, template_partial: str):
+    context = _page_context(request)
+    context[template_partial] = form
+    if request.htmx:
+        response = render(request, "playground/page.html#vectors", context)
+        return reswap(retarget(response, "#vectors"), "outerHTML")
+    return render(request, "playground/page.html", context, status=400)
+
+
+@approved_required
+@require_POST
+def vector_contrast_create(request):
+    _, _, capabilities = _models(request)
+    if capabilities.activations_reason:
+        raise PermissionDenied(capabilities.activations_reason)
+    form = ContrastVectorForm(request.POST, capabilities=capabilities)
+    if not form.is_valid():
+        return _vector_form_error(request, form, "contrast_form")
+    data = form.cleaned_data
+    group = services.contrast_runs_create(
+        user=request.user,
+        model=capabilities.id,
+        name=data["name"],
+        layer=data["layer"],
+        method=data["method"],
+        positive=data["positive"],
+        negative=data["negative"],
+    )
+    return _group_response(request, group)
+
+
+@approved_required
+@require_POST
+def vector_upload(request):
+    _, _, capabilities = _models(request)
+    form = UploadVectorForm(request.POST, request.FILES, capabilities=capabilities)
+    if not form.is_valid():
+        return _vector_form_error(request, form, "upload_form")
+    services.steering_vector_create(
+        user=request.user,
+        name=form.cleaned_data["name"],
+        model=capabilities.id,
+        layer=form.cleaned_data["layer"],
+        method=VectorMethod.UPLOAD,
+        vector=form.cleaned_data["file"],
+        details={"filename": request.FILES["upload-file"].name},
+    )
+    if request.htmx:
+        context = _page_context(request)
+        return render(request, "playground/page.html#vectors", context)
+    return redirect("playground:page")
+
+
+@approved_required
+@require_GET
+def vector_download(request, vector_id):
+    """A library vector as a float32 `[hidden]` .npy file."""
+    vector = selectors.vector_for_user(user=request.user, vector_id=vector_id)
+    buffer = io.BytesIO()
+    np.save(buffer, decode(vector.data))
+    response = HttpResponse(buffer.getvalue(), content_type="application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="vector-{vector.pk}.npy"'
+    return response
+
+
+@approved_required
+@require_POST
+def steering_submit(request):
+    _, _, capabilities = _models(request)
+    form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
+    if not form.is_valid():
+        context = _page_context(request)
+        context["steering_form"] = form
+        if request.htmx:
+            response = render(request, "playground/page.html#steering_form", context)
+            return reswap(retarget(response, "#steering-box"), "outerHTML")
+        return render(request, "playground/page.html", context, status=400)
+    data = form.cleaned_data
+    scales = data["scale_list"]
+    group = services.steering_runs_create(
+        user=request.user,
+        base_request=form.base_request(),
+        vector=data["vector"],
+        layers=data["layer_list"],
+        scales=scales,
+        kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
+        target_token=data.get("target_token") or "",
+    )
+    return _group_response(request, group)
+
+
+def _group_response(request, group):
+    if request.htmx:
+        context = _group_context(selectors.group_runs_for_user(user=request.user, group=group))
+        return render(request, "playground/group.html#group_panel", context)
+    return redirect("playground:group_detail", group=group)
+
+
+def _group_context(runs: list[Run]) -> dict:
+    context = {"runs": runs, "group": runs[0].group, "kind": runs[0].kind, "figures": []}
+    context["finished"] = all(run.is_finished for run in runs)
+    if runs[0].kind == RunKind.CONTRAST:
+        context["kind"] = RunKind.CONTRAST
+        context["vector"] = next((run.vector for run in runs if run.vector_id), None)
+        return context
+    succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
+    baseline = next((run for run in succeeded if run.scale == 0), None)
+    context["baseline"] = baseline
+    context["steered"] = [run for run in runs if run.scale != 0]
+    if baseline is None:
+        return context
+    for run in succeeded:
+        if run.scale == 0:
+            continue
+        figure = figures.steering_difference_figure(baseline.response, run.response)
+        figure.update_layout(title={"text": f"Per-token logprob difference, scale {run.scale:g}"})
+        context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
+    if len(runs) > 2 and context["finished"]:
+        target = runs[0].meta.get("target_token", "")
+        points = figures.sweep_points([(run.scale, run.response) for run in succeeded], target)
+        context["figures"].insert(0, _figure("sweep", figures.scale_sweep_figure(points, target)))
+    return context
+
+
+@approved_required
+@require_GET
+def group_detail(request, group):
+    context = _group_context(selectors.group_runs_for_user(user=request.user, group=group))
+    if not request.htmx:
+        return render(request, "playground/group.html", context)
+    response = render(request, "playground/group.html#group_panel", context)
+    if context.get("vector"):
+        # The contrast pair has just produced its vector: refresh the library and form.
+        response = trigger_client_event(response, "vectorsChanged")
+    return response

@@ -1,0 +1,117 @@
+// Playground: live run output over server-sent events, plotly figures, copy buttons.
+// Model output is only ever inserted with textContent, never as HTML.
+(function () {
+  "use strict";
+
+  // Timings of the latest run, read by the latency benchmark and the browser tests.
+  window.playgroundTimings = window.playgroundTimings || {};
+
+  function renderFigures(root) {
+    if (!window.Plotly) return;
+    root.querySelectorAll("[data-plot]").forEach(function (div) {
+      if (div.dataset.rendered) return;
+      var data = document.getElementById(div.dataset.plot);
+      if (!data) return;
+      div.dataset.rendered = "1";
+      var figure = JSON.parse(data.textContent);
+      window.Plotly.newPlot(div, figure.data, figure.layout, { responsive: true, displaylogo: false });
+      if (div.dataset.plot === "tokens") {
+        div.on("plotly_click", function (event) {
+          var position = event.points[0].customdata[1];
+          var select = div.closest(".run-panel").querySelector("[data-topk-position]");
+          if (position < 0 || !select) return;
+          select.value = String(position);
+          select.dispatchEvent(new Event("change", { bubbles: true }));
+        });
+      }
+    });
+  }
+
+  function reloadPanel(panel) {
+    window.htmx.ajax("GET", panel.dataset.detailUrl, { target: panel, swap: "outerHTML" });
+  }
+
+  function followRun(panel) {
+    if (panel.dataset.following || !panel.dataset.eventsUrl) return;
+    panel.dataset.following = "1";
+    var runId = panel.dataset.runId;
+    var timing = (window.playgroundTimings[runId] = window.playgroundTimings[runId] || {});
+    timing.streamOpened = performance.now();
+    var source = new EventSource(panel.dataset.eventsUrl);
+    var badge = panel.querySelector("[data-run-badge]");
+    source.onmessage = function (message) {
+      var event = JSON.parse(message.data);
+      if (event.type === "status") {
+        badge.textContent = event.status;
+        badge.className = "badge " + event.status;
+        panel.dataset.runStatus = event.status;
+      } else if (event.type === "token") {
+        var output = panel.querySelector('[data-choice-output="' + event.choice + '"]');
+        if (!output) {
+          output = document.createElement("pre");
+          output.className = "output live";
+          output.dataset.choiceOutput = event.choice;
+          panel.querySelector("[data-live-output]").after(output);
+        }
+        if (timing.firstToken === undefined) timing.firstToken = performance.now();
+        timing.tokens = (timing.tokens || 0) + 1;
+        output.appendChild(document.createTextNode(event.text));
+      } else if (event.type === "end") {
+        source.close();
+        timing.end = performance.now();
+        panel.dataset.runStatus = event.status;
+        if (event.error) {
+          var box = panel.querySelector("[data-run-error]");
+          box.hidden = false;
+          box.textContent = "";
+          var code = document.createElement("code");
+          code.textContent = event.error.code;
+          var strong = document.createElement("strong");
+          strong.appendChild(code);
+          box.appendChild(strong);
+          box.appendChild(document.createTextNode(" " + event.error.message));
+        }
+        reloadPanel(panel);
+        window.htmx.trigger(document.body, "runFinished");
+      }
+    };
+  }
+
+  function start(root) {
+    root.querySelectorAll(".run-panel[data-events-url]").forEach(followRun);
+    renderFigures(root);
+  }
+
+  document.addEventListener("click", function (event) {
+    var button = event.target.closest("[data-copy]");
+    if (!button) return;
+    var text = document.getElementById(button.dataset.copy).textContent;
+    navigator.clipboard.writeText(text).then(function () {
+      button.dataset.copied = "1";
+      button.textContent = "Copied";
+    });
+  });
+
+  document.addEventListener("submit", function (event) {
+    if (event.target.matches("[data-submit-form]")) {
+      window.playgroundTimings.lastSubmit = performance.now();
+    }
+  });
+
+  // afterSwap, not afterSettle: the event stream opens as soon as the panel is in the page.
+  document.addEventListener("htmx:afterSwap", function (event) {
+    var panel = event.detail.elt.querySelector && event.detail.elt.querySelector(".run-panel");
+    if (panel && window.playgroundTimings.lastSubmit && !panel.dataset.following) {
+      var timing = (window.playgroundTimings[panel.dataset.runId] =
+        window.playgroundTimings[panel.dataset.runId] || {});
+      if (timing.submitted === undefined) timing.submitted = window.playgroundTimings.lastSubmit;
+    }
+    start(event.detail.elt.parentNode || document);
+  });
+
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", function () { start(document); });
+  } else {
+    start(document);
+  }
+})();

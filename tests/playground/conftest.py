@@ -1,0 +1,59 @@
+"""Playground fixtures: recorded /v1 answers of the embedded engine (smollm2-135m) and an
+httpx mock of the gateway for the worker."""
+
+import functools
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from acs_client.client import AcsClient
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def recorded(name: str):
+    """A recorded answer: parsed JSON for .json files, the raw text otherwise."""
+    text = (FIXTURES / name).read_text()
+    return json.loads(text) if name.endswith(".json") else text
+
+
+@pytest.fixture
+def gateway(monkeypatch):
+    """Route the worker's /v1 calls to `gateway.handler(request) -> httpx.Response`; every
+    request is kept in `gateway.requests`."""
+
+    class Gateway:
+        requests: list[httpx.Request] = []
+        handler = None
+
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            self.requests.append(request)
+            return self.handler(request)
+
+    fake = Gateway()
+    fake.requests = []
+    transport = httpx.MockTransport(fake)
+    monkeypatch.setattr(
+        "playground.services.AcsClient", functools.partial(AcsClient, transport=transport)
+    )
+    return fake
+
+
+@pytest.fixture
+def no_enqueue(monkeypatch):
+    """Record enqueued run ids instead of sending them to the broker."""
+    queued = []
+    monkeypatch.setattr("playground.tasks.run_execute.delay", queued.append)
+    return queued
+
+
+@pytest.fixture
+async def async_db_connections_closed():
+    """Close the connections the async ORM opened in its worker thread, so the test database
+    can be dropped at the end of the session."""
+    yield
+    await sync_to_async(connections.close_all)()

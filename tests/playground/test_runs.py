@@ -1,0 +1,268 @@
+"""The run state machine: queued → running → succeeded | failed, claimed once, retried only
+on transient errors; the managed playground key."""
+
+import threading
+
+import httpx
+import pytest
+from cryptography.fernet import Fernet
+from django.conf import settings
+from django.db import connection
+
+from accounts.models import ApiKey, AuditLog
+from accounts.services import api_key_authenticate
+from playground import services, streams, tasks
+from playground.models import Run, RunKind, RunStatus
+
+from .conftest import recorded
+
+REQUEST = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 6}
+TIMING = {"server-timing": "gateway;dur=14.5, upstream;dur=11.25", "x-request-id": "req-9"}
+
+
+def error(status, code, headers=None):
+    body = {"error": {"code": code, "message": f"{code} happened", "type": "x"}}
+    return httpx.Response(status, json=body, headers=headers or {})
+
+
+@pytest.fixture
+def queued_run(approved_user, no_enqueue):
+    return services.run_create(user=approved_user, request=REQUEST)
+
+
+def test_playground_key_is_created_once_with_an_encrypted_secret(approved_user):
+    key, secret = services.playground_key_get_or_create(user=approved_user)
+    again, same_secret = services.playground_key_get_or_create(user=approved_user)
+    assert again.pk == key.pk and same_secret == secret
+    assert key.is_playground and key.name == "Playground"
+    assert secret not in key.encrypted_secret
+    fernet = Fernet(settings.PLAYGROUND_KEY_ENCRYPTION_KEY.encode())
+    assert fernet.decrypt(key.encrypted_secret.encode()).decode() == secret
+    assert api_key_authenticate(f"Bearer {secret}").pk == key.pk
+    assert AuditLog.objects.filter(action="key.create", target_id=str(key.pk)).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_first_uses_at_once_make_one_key(approved_user):
+    barrier = threading.Barrier(2)
+    secrets = []
+
+    def first_use():
+        barrier.wait()
+        try:
+            secrets.append(services.playground_key_get_or_create(user=approved_user)[1])
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=first_use) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(secrets) == 2 and secrets[0] == secrets[1]
+    assert ApiKey.objects.filter(user=approved_user, is_playground=True).count() == 1
+
+
+def test_run_is_enqueued_only_after_commit(
+    approved_user, no_enqueue, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        run = services.run_create(user=approved_user, request=REQUEST)
+    assert no_enqueue == [] and len(callbacks) == 1
+    callbacks[0]()
+    assert no_enqueue == [str(run.id)]
+    assert run.status == RunStatus.QUEUED and run.request == REQUEST
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_workers_racing_claim_a_run_once(approved_user, no_enqueue):
+    run = services.run_create(user=approved_user, request=REQUEST)
+    barrier = threading.Barrier(8)
+    claims = []
+
+    def worker():
+        barrier.wait()
+        try:
+            claims.append(services.run_claim(run_id=run.id))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [claim for claim in claims if claim is not None]
+    assert len(claims) == 8 and len(winners) == 1
+    assert winners[0].status == RunStatus.RUNNING
+    assert services.run_claim(run_id=run.id) is None
+
+
+def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, redis_client):
+    gateway.handler = lambda request: httpx.Response(
+        200, json=recorded("completion_logprobs.json"), headers=TIMING
+    )
+    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.response["choices"][0]["text"] == " Paris.\n\nThe answer"
+    assert (run.gateway_ms, run.upstream_ms, run.request_id) == (14.5, 11.25, "req-9")
+    assert run.usage == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    assert run.started_at >= run.queued_at and run.finished_at >= run.started_at
+    sent = gateway.requests[0]
+    assert sent.url.path == "/v1/completions"
+    assert httpx.Response(200, content=sent.content).json() == REQUEST
+    _, secret = services.playground_key_get_or_create(user=queued_run.user)
+    assert sent.headers["authorization"] == f"Bearer {secret}"
+    assert [event["type"] for event in streams.replay(run.id)] == ["status", "end"]
+
+
+def test_streamed_run_publishes_tokens_and_merges_the_frames(
+    approved_user, no_enqueue, gateway, redis_client
+):
+    run = services.run_create(user=approved_user, request={**REQUEST, "stream": True})
+    gateway.handler = lambda request: httpx.Response(
+        200, text=recorded("stream.txt"), headers=TIMING
+    )
+    run = services.run_execute(run_id=run.id, final_attempt=False)
+    events = streams.replay(run.id)
+    assert [e["text"] for e in events if e["type"] == "token"] == ["\n", "//", " create"]
+    assert events[-1] == {"type": "end", "status": "succeeded"}
+    choice = run.response["choices"][0]
+    assert choice["text"] == "\n// create"
+    assert choice["logprobs"]["tokens"] == ["\n", "//", " create"]
+    assert len(choice["prompt_logprobs"]) == 11  # prompt_tokens
+    assert choice["finish_reason"] == "length"
+    assert run.usage["completion_tokens"] == 3
+    assert run.first_token_at is not None and run.first_token_at <= run.finished_at
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        error(503, "circuit_open", {"retry-after": "2"}),
+        error(502, "upstream_unreachable", {"retry-after": "1"}),
+        error(429, "queue_full", {"retry-after": "1"}),
+    ],
+)
+def test_transient_error_requeues_the_run_for_a_retry(queued_run, gateway, redis_client, answer):
+    gateway.handler = lambda request: answer
+    with pytest.raises(services.RunRetry):
+        services.run_execute(run_id=queued_run.id, final_attempt=False)
+    queued_run.refresh_from_db()
+    assert queued_run.status == RunStatus.QUEUED and queued_run.attempts == 1
+    assert streams.replay(queued_run.id) == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "code"),
+    [
+        (error(400, "invalid_request", {"x-should-retry": "false"}), "invalid_request"),
+        (error(429, "budget_exceeded"), "budget_exceeded"),
+        (error(429, "spend_cap", {"retry-after": "3600"}), "spend_cap"),
+        (error(502, "upstream_server_error"), "upstream_server_error"),
+        (error(401, "key_disabled"), "key_disabled"),
+    ],
+)
+def test_permanent_error_fails_the_run_with_the_api_code(
+    queued_run, gateway, redis_client, answer, code
+):
+    gateway.handler = lambda request: answer
+    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    assert run.status == RunStatus.FAILED
+    assert run.error_code == code and run.error_message == f"{code} happened"
+    assert streams.replay(run.id)[-1]["error"]["code"] == code
+
+
+def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
+    queued_run, gateway, redis_client
+):
+    gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "1"})
+    run = services.run_execute(run_id=queued_run.id, final_attempt=True)
+    assert run.status == RunStatus.FAILED and run.error_code == "circuit_open"
+    assert run.error_message == "Gave up after 1 attempts. circuit_open happened"
+
+
+def test_error_frame_after_tokens_fails_without_retry(
+    approved_user, no_enqueue, gateway, redis_client
+):
+    run = services.run_create(user=approved_user, request={**REQUEST, "stream": True})
+    body = 'data: {"choices":[{"index":0,"text":"Hi"}]}\n\n' + (
+        'data: {"error":{"code":"vllm_engine_dead","message":"engine died"}}\n\n'
+    )
+    gateway.handler = lambda request: httpx.Response(200, text=body)
+    run = services.run_execute(run_id=run.id, final_attempt=False)
+    assert (run.status, run.error_code, run.error_message) == (
+        RunStatus.FAILED, "vllm_engine_dead", "engine died"
+    )  # fmt: skip
+    assert [e["type"] for e in streams.replay(run.id)] == ["status", "token", "end"]
+
+
+def test_unreadable_answer_fails_the_run_instead_of_leaving_it_running(
+    queued_run, gateway, redis_client
+):
+    gateway.handler = lambda request: httpx.Response(200, text="not json")
+    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    assert run.status == RunStatus.FAILED and run.error_code == "playground_error"
+
+
+def test_finished_run_is_not_executed_again(queued_run, gateway, redis_client):
+    gateway.handler = lambda request: httpx.Response(200, json=recorded("completion_logprobs.json"))
+    services.run_execute(run_id=queued_run.id, final_attempt=False)
+    assert services.run_execute(run_id=queued_run.id, final_attempt=False) is None
+    assert len(gateway.requests) == 1
+
+
+def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_client, settings):
+    answers = iter(
+        [
+            error(503, "circuit_open", {"retry-after": "0"}),
+            error(502, "upstream_unreachable", {"retry-after": "0"}),
+            httpx.Response(200, json=recorded("completion_logprobs.json")),
+        ]
+    )
+    gateway.handler = lambda request: next(answers)
+    tasks.run_execute.apply(args=[str(queued_run.id)])
+    queued_run.refresh_from_db()
+    assert queued_run.status == RunStatus.SUCCEEDED and queued_run.attempts == 3
+
+
+def test_task_does_not_retry_a_permanent_error(queued_run, gateway, redis_client):
+    gateway.handler = lambda request: error(400, "context_length_exceeded")
+    tasks.run_execute.apply(args=[str(queued_run.id)])
+    queued_run.refresh_from_db()
+    assert queued_run.status == RunStatus.FAILED and queued_run.attempts == 1
+    assert len(gateway.requests) == 1
+
+
+def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_client):
+    gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "0"})
+    tasks.run_execute.apply(args=[str(queued_run.id)])
+    queued_run.refresh_from_db()
+    assert queued_run.status == RunStatus.FAILED
+    assert len(gateway.requests) == settings.PLAYGROUND_RUN_MAX_RETRIES + 1
+    assert queued_run.error_message.startswith("Gave up after 4 attempts.")
+
+
+def test_contrast_pair_builds_one_vector_from_both_captures(
+    approved_user, no_enqueue, gateway, redis_client
+):
+    group = services.contrast_runs_create(
+        user=approved_user,
+        model="smollm2-135m",
+        name="happy",
+        layer=4,
+        method="contrast_last",
+        positive="I love this",
+        negative="I hate this",
+    )
+    gateway.handler = lambda request: httpx.Response(200, json=recorded("capture.json"))
+    runs = list(Run.objects.filter(group=group, kind=RunKind.CONTRAST))
+    assert {r.request["output_residual_stream"][0] for r in runs} == {4}
+    services.run_execute(run_id=runs[0].id, final_attempt=False)
+    assert not approved_user.steering_vectors.exists()
+    services.run_execute(run_id=runs[1].id, final_attempt=False)
+    vector = approved_user.steering_vectors.get()
+    assert (vector.name, vector.layer, vector.hidden_size) == ("happy", 4, 576)
+    assert vector.norm == 0.0  # both captures are the same recording
+    assert vector.layer_typical_norm > 0
+    assert services.steering_vector_from_contrast(group=group).pk == vector.pk

@@ -1,0 +1,496 @@
+"""Playground pages: access (another user's run or vector is a 404), htmx partials with and
+without HX-Request, model output shown as text, the SSE replay, downloads and forms."""
+
+import ast
+import io
+import json
+
+import numpy as np
+import pytest
+from django.urls import reverse
+from safetensors.numpy import load as safetensors_load
+
+from playground import selectors, services, streams
+from playground.models import Run, RunKind, RunStatus, SteeringVector
+
+from .conftest import recorded
+
+MODEL = {
+    "id": "smollm2-135m",
+    "object": "model",
+    "status": "live",
+    "capabilities": {
+        "max_model_len": 8192,
+        "max_logprobs": 20,
+        "full_vocab_max_prompt_tokens": 256,
+        "activations": True,
+        "n_layers": 30,
+        "hidden_size": 576,
+        "max_steering_vectors": 8,
+    },
+}
+HTMX = {"HTTP_HX_REQUEST": "true"}
+EVIL = "<script>alert('pwned')</script><b>bold</b>"
+
+
+@pytest.fixture(autouse=True)
+def model_list(monkeypatch):
+    monkeypatch.setattr(selectors, "models_available", lambda *, user: ([MODEL], ""))
+
+
+@pytest.fixture
+def user_client(client, approved_user):
+    client.force_login(approved_user)
+    return client
+
+
+def finished_run(user, *, request=None, response=None, **fields):
+    run = Run.objects.create(
+        user=user,
+        request=request or {"model": "smollm2-135m", "prompt": "The capital of France is"},
+        status=RunStatus.SUCCEEDED,
+        response=response or recorded("completion_logprobs.json"),
+        **fields,
+    )
+    return run
+
+
+def evil_response():
+    response = recorded("completion_logprobs.json")
+    response["choices"][0]["text"] = EVIL
+    response["choices"][0]["logprobs"]["tokens"][0] = "<script>"
+    return response
+
+
+def test_page_lists_every_request_field_with_limits(user_client):
+    page = user_client.get(reverse("playground:page")).content.decode()
+    for name in (
+        "prompt", "several_prompts", "max_tokens", "temperature", "top_p", "top_k", "seed",
+        "stop", "name=\"n\"", "logprobs", "prompt_logprobs", "echo", "stream", "capture",
+    ):  # fmt: skip
+        assert name in page
+    assert "0–20" in page  # the model's max_logprobs
+    assert "Layer indices 0–29" in page
+    assert '<option value="smollm2-135m" selected>' in page
+
+
+def test_model_without_activations_disables_capture_with_the_reason(user_client, monkeypatch):
+    plain = {**MODEL, "capabilities": {**MODEL["capabilities"], "activations": False}}
+    monkeypatch.setattr(selectors, "models_available", lambda *, user: ([plain], ""))
+    page = user_client.get(reverse("playground:page")).content.decode()
+    assert "smollm2-135m does not support activation capture or steering." in page
+    assert 'name="capture" disabled' in page or 'disabled id="id_capture"' in page
+
+
+def test_page_needs_an_approved_login(client, pending_user):
+    assert client.get(reverse("playground:page")).status_code == 302
+    client.force_login(pending_user)
+    assert client.get(reverse("playground:page")).status_code == 403
+
+
+def test_htmx_submit_creates_the_run_and_returns_its_panel(
+    user_client, no_enqueue, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        response = user_client.post(
+            reverse("playground:run_submit"),
+            {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": "8", "stream": "on",
+             "include_usage": "on", "logprobs": "3", "stop": "\n\nEND", "seed": "7"},
+            **HTMX,
+        )  # fmt: skip
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert "<html" not in body and 'data-events-url="/playground/runs/' in body
+    assert json.loads(response["HX-Trigger"]) == {"runCreated": {}}
+    run = Run.objects.get()
+    assert run.request == {
+        "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8, "seed": 7,
+        "stop": ["END"], "logprobs": 3, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    assert no_enqueue == [str(run.id)]
+
+
+def test_plain_submit_redirects_to_the_permalink(user_client, no_enqueue):
+    response = user_client.post(
+        reverse("playground:run_submit"), {"model": "smollm2-135m", "prompt": "Hello"}
+    )
+    run = Run.objects.get()
+    assert response.status_code == 302
+    assert response["Location"] == reverse("playground:run_detail", args=[run.id])
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        ({"n": "2"}, "max_tokens", "Set max_tokens when sending several prompts or n &gt; 1."),
+        ({"stop": "a\nb\nc\nd\ne", "max_tokens": "1"}, "stop", "At most 4 stop strings"),
+        ({"logprobs": "21"}, "logprobs", "At most 20 for this model."),
+        ({"capture": "all", "stream": "on"}, "stream", "Capture cannot be streamed"),
+        ({"capture": "layers", "capture_layers": "3, x"}, "capture_layers", "whole numbers"),
+        ({"capture": "layers", "capture_layers": "30"}, "capture_layers", "No such layer: 30."),
+    ],
+)
+def test_invalid_htmx_submit_shows_the_error_next_to_the_field(user_client, data, field, message):
+    response = user_client.post(
+        reverse("playground:run_submit"),
+        {"model": "smollm2-135m", "prompt": "Hi", **data},
+        **HTMX,
+    )
+    body = response.content.decode()
+    assert response["HX-Retarget"] == "#completion-form" and response["HX-Reswap"] == "outerHTML"
+    assert message in body
+    assert f'id="id_{field}"' in body.split(message)[0]
+    assert not Run.objects.exists()
+
+
+def test_invalid_plain_submit_renders_the_page_with_400(user_client):
+    response = user_client.post(reverse("playground:run_submit"), {"model": "smollm2-135m"})
+    assert response.status_code == 400
+    assert "This field is required." in response.content.decode()
+
+
+def test_another_users_run_is_404_everywhere(user_client, other_user):
+    request = {"model": "m", "prompt": "x", "output_residual_stream": [0, 4, 8]}
+    run = finished_run(other_user, response=recorded("capture.json"), request=request)
+    urls = [
+        reverse("playground:run_detail", args=[run.id]),
+        reverse("playground:run_edit", args=[run.id]),
+        reverse("playground:run_figure", args=[run.id, "cosine"]) + "?row=0",
+        reverse("playground:run_activations", args=[run.id, "npy"]),
+        reverse("playground:group_detail", args=[run.id]),
+    ]
+    for url in urls:
+        assert user_client.get(url).status_code == 404, url
+        assert user_client.get(url, **HTMX).status_code == 404, url
+    assert user_client.post(reverse("playground:run_rerun", args=[run.id])).status_code == 404
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_another_users_run_events_are_404(
+    async_db_connections_closed, async_client, approved_user, other_user
+):
+    run = await Run.objects.acreate(user=other_user, request={"prompt": "x"})
+    await async_client.aforce_login(approved_user)
+    response = await async_client.get(reverse("playground:run_events", args=[run.id]))
+    assert response.status_code == 404
+
+
+def test_another_users_vector_is_404_and_not_selectable(user_client, other_user, no_enqueue):
+    vector = services.steering_vector_create(
+        user=other_user, name="theirs", model="smollm2-135m", layer=3, method="upload",
+        vector=np.ones(576, dtype=np.float32),
+    )  # fmt: skip
+    url = reverse("playground:vector_download", args=[vector.pk])
+    assert user_client.get(url).status_code == 404
+    response = user_client.post(
+        reverse("playground:steer"),
+        {
+            "steer-vector": vector.pk,
+            "steer-prompt": "I think",
+            "steer-scale_unit": "absolute",
+            "steer-scales": "4",
+            "steer-max_tokens": 4,
+            "steer-temperature": 0,
+            "steer-seed": 1,
+            "steer-logprobs": 2,
+        },
+        **HTMX,
+    )
+    assert "Select a valid choice" in response.content.decode()
+    assert not Run.objects.exists()
+
+
+def test_model_output_with_html_is_shown_as_text_everywhere(user_client, approved_user):
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": EVIL, "logprobs": 5, "prompt_logprobs": 3},
+        response=evil_response(),
+        error_code="",
+    )
+    Run.objects.create(
+        user=approved_user, request={"model": "m", "prompt": "x"}, status=RunStatus.FAILED,
+        error_code="invalid_request", error_message=EVIL,
+    )  # fmt: skip
+    pages = [
+        user_client.get(reverse("playground:run_detail", args=[run.id])),
+        user_client.get(reverse("playground:run_detail", args=[run.id]), **HTMX),
+        user_client.get(reverse("playground:run_history")),
+        user_client.get(reverse("playground:page")),
+        user_client.get(reverse("playground:run_figure", args=[run.id, "topk"]) + "?position=5"),
+    ]
+    for page in pages:
+        body = page.content.decode()
+        assert page.status_code == 200
+        assert "<script>alert" not in body and "<b>bold" not in body
+        assert '<script>"' not in body
+    detail = pages[0].content.decode()
+    assert "&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;" in detail
+    assert "\\u0026lt;script\\u0026gt;" in detail  # figure JSON keeps the token escaped
+
+
+def test_run_page_shows_request_response_timings_usage_and_figures(user_client, approved_user):
+    request = {"model": "smollm2-135m", "prompt": "The capital of France is", "logprobs": 5,
+               "prompt_logprobs": 3, "max_tokens": 6}  # fmt: skip
+    usage = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    run = finished_run(
+        approved_user, request=request, gateway_ms=14.5, upstream_ms=11.25, usage=usage
+    )
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert "14.5 ms" in body and "11.3 ms" in body
+    assert "5 prompt + 6 completion = 11 tokens" in body
+    assert "&quot;prompt_logprobs&quot;: 3" in body
+    for name in ("tokens", "topk", "surprisal"):
+        assert f'data-plot="{name}"' in body
+    assert "Copy as Python (openai SDK)" in body and "Edit and re-run" in body
+
+
+def test_htmx_run_panel_is_a_partial(user_client, approved_user):
+    run = finished_run(approved_user)
+    partial = user_client.get(reverse("playground:run_detail", args=[run.id]), **HTMX)
+    assert "<html" not in partial.content.decode()
+    assert 'class="run-panel"' in partial.content.decode()
+    full = user_client.get(reverse("playground:run_detail", args=[run.id]))
+    assert "<html" in full.content.decode()
+
+
+def test_history_with_and_without_htmx(user_client, approved_user):
+    finished_run(approved_user)
+    partial = user_client.get(reverse("playground:run_history"), **HTMX).content.decode()
+    full = user_client.get(reverse("playground:run_history")).content.decode()
+    assert "<html" not in partial and 'id="history"' in partial
+    assert "<html" in full and "The capital of France is" in full
+
+
+def test_capture_run_has_activation_figures_and_downloads(user_client, approved_user):
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
+                 "output_residual_stream": [0, 4, 8]},
+        response=recorded("capture.json"),
+    )  # fmt: skip
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    for name in ("heatmap", "norm_by_layer", "cosine", "pca"):
+        assert f'data-plot="{name}"' in body
+    npy = user_client.get(reverse("playground:run_activations", args=[run.id, "npy"]))
+    tensor = np.load(io.BytesIO(b"".join([npy.content])))
+    assert tensor.shape == (3, 5, 576) and tensor.dtype == np.float32
+    st = user_client.get(reverse("playground:run_activations", args=[run.id, "safetensors"]))
+    loaded = safetensors_load(st.content)
+    assert np.array_equal(loaded["residual_stream"], tensor)
+    assert loaded["layers"].tolist() == [0, 4, 8]
+    figure = user_client.get(
+        reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=2", **HTMX
+    )
+    assert "PCA of positions, layer 8" in figure.content.decode()
+    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=9")
+    assert bad.status_code == 404
+
+
+def test_rerun_sends_the_same_request_again(user_client, approved_user, no_enqueue):
+    run = finished_run(approved_user)
+    response = user_client.post(reverse("playground:run_rerun", args=[run.id]), **HTMX)
+    again = Run.objects.exclude(pk=run.pk).get()
+    assert again.request == run.request and again.status == RunStatus.QUEUED
+    assert str(again.id) in response.content.decode()
+
+
+def test_edit_and_rerun_fills_the_form_from_the_request(user_client, approved_user):
+    request = {"model": "smollm2-135m", "prompt": ["one", "two"], "max_tokens": 5,
+               "stop": ["x", "y"], "output_residual_stream": [1, 2], "n": 1}  # fmt: skip
+    run = finished_run(approved_user, request=request)
+    body = user_client.get(reverse("playground:run_edit", args=[run.id])).content.decode()
+    assert ">\none\ntwo</textarea>" in body and ">\nx\ny</textarea>" in body
+    assert 'value="1, 2"' in body and 'id="id_several_prompts" checked' in body
+
+
+def test_code_snippets_reproduce_the_exact_request():
+    request = {"model": "smollm2-135m", "prompt": "It's \"true\"", "max_tokens": 4,
+               "prompt_logprobs": -1, "echo": True, "top_k": 5}  # fmt: skip
+    snippets = selectors.run_code_snippets(request, base_url="http://h")
+    assert "'" + json.dumps(request).replace("'", "'\"'\"'") + "'" in snippets["curl"]
+    for name in ("openai", "acs_client"):
+        ast.parse(snippets[name])
+    tree = ast.parse(snippets["openai"])
+    call = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "create"
+    )
+    arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert arguments.pop("extra_body") == {"prompt_logprobs": -1, "top_k": 5}
+    assert arguments == {k: v for k, v in request.items() if k not in ("prompt_logprobs", "top_k")}
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_sse_replays_what_is_published_then_ends(
+    async_db_connections_closed, async_client, approved_user, redis_client
+):
+    run = await Run.objects.acreate(user=approved_user, request={"prompt": "x"})
+    for event in ({"type": "status", "status": "running"},
+                  {"type": "token", "choice": 0, "text": "<b>Hi"},
+                  {"type": "end", "status": "succeeded"}):  # fmt: skip
+        streams.publish(run.id, event)
+    await async_client.aforce_login(approved_user)
+    response = await async_client.get(reverse("playground:run_events", args=[run.id]))
+    assert response["Content-Type"] == "text/event-stream"
+    chunks = [chunk.decode() async for chunk in response.streaming_content]
+    events = [
+        json.loads(line[6:]) for c in chunks for line in c.splitlines() if line.startswith("data: ")
+    ]
+    assert [e["type"] for e in events] == ["status", "token", "end"]
+    ids = [line[4:] for c in chunks for line in c.splitlines() if line.startswith("id: ")]
+    resumed = await async_client.get(
+        reverse("playground:run_events", args=[run.id]), headers={"Last-Event-ID": ids[1]}
+    )
+    rest = "".join([chunk.decode() async for chunk in resumed.streaming_content])
+    assert '"type": "end"' in rest and "<b>Hi" not in rest
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_sse_of_a_run_whose_stream_expired_ends_at_once(
+    async_db_connections_closed, async_client, approved_user, redis_client
+):
+    run = await Run.objects.acreate(
+        user=approved_user, request={"prompt": "x"}, status=RunStatus.FAILED, error_code="x"
+    )
+    await async_client.aforce_login(approved_user)
+    response = await async_client.get(reverse("playground:run_events", args=[run.id]))
+    body = "".join([chunk.decode() async for chunk in response.streaming_content])
+    assert json.loads(body.split("data: ")[1]) == {"type": "end", "status": "failed"}
+
+
+def test_upload_rejects_a_wrong_shape_with_a_clear_error(user_client):
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((2, 576), dtype=np.float32))
+    buffer.name = "v.npy"
+    buffer.seek(0)
+    response = user_client.post(
+        reverse("playground:vector_upload"),
+        {"upload-name": "v", "upload-layer": 3, "upload-file": buffer},
+        **HTMX,
+    )
+    assert "The array has shape [2, 576]; this model needs [576] or [1, 576]." in (
+        response.content.decode()
+    )
+    assert response["HX-Retarget"] == "#vectors"
+    assert not SteeringVector.objects.exists()
+
+
+def test_upload_rejects_a_file_that_is_not_npy(user_client):
+    garbage = io.BytesIO(b"not numpy")
+    garbage.name = "v.npy"
+    response = user_client.post(
+        reverse("playground:vector_upload"),
+        {"upload-name": "v", "upload-layer": 3, "upload-file": garbage},
+    )
+    assert response.status_code == 400
+    assert "This is not a .npy file" in response.content.decode()
+
+
+def test_upload_saves_a_one_by_hidden_vector(user_client, approved_user):
+    buffer = io.BytesIO()
+    np.save(buffer, np.full((1, 576), 0.5, dtype=np.float32))
+    buffer.name = "v.npy"
+    buffer.seek(0)
+    response = user_client.post(
+        reverse("playground:vector_upload"),
+        {"upload-name": "half", "upload-layer": 3, "upload-file": buffer},
+        **HTMX,
+    )
+    vector = SteeringVector.objects.get(user=approved_user)
+    assert vector.norm == pytest.approx(0.5 * 576**0.5) and vector.hidden_size == 576
+    assert "half" in response.content.decode()
+    download = user_client.get(reverse("playground:vector_download", args=[vector.pk]))
+    assert np.load(io.BytesIO(download.content)).tolist() == [0.5] * 576
+
+
+def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueue):
+    response = user_client.post(
+        reverse("playground:vector_contrast"),
+        {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "Love",
+         "contrast-negative": "Hate", "contrast-method": "contrast_mean"},
+        **HTMX,
+    )  # fmt: skip
+    runs = Run.objects.filter(kind=RunKind.CONTRAST)
+    assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"]
+    assert all(r.request["output_residual_stream"] == [12] for r in runs)
+    assert 'hx-trigger="load delay:700ms"' in response.content.decode()
+
+
+def test_steering_runs_baseline_and_steered_with_the_same_seed(
+    user_client, approved_user, no_enqueue
+):
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {
+            "steer-vector": vector.pk,
+            "steer-prompt": "I think",
+            "steer-scale_unit": "typical",
+            "steer-scales": "0.5",
+            "steer-max_tokens": 4,
+            "steer-temperature": 0,
+            "steer-seed": 11,
+            "steer-logprobs": 2,
+            "steer-layers": "3, 5",
+        },
+        **HTMX,
+    )
+    runs = sorted(Run.objects.all(), key=lambda r: r.scale)
+    assert [r.kind for r in runs] == [RunKind.STEERING_BASELINE, RunKind.STEERING_STEERED]
+    assert {r.request["seed"] for r in runs} == {11}
+    steering = [r.request["apply_steering_vectors"][0] for r in runs]
+    assert [s["scale"] for s in steering] == [0.0, pytest.approx(0.5 * 96 / 48)]
+    assert steering[1]["layer_indices"] == [3, 5]
+    assert steering[1]["activations"]["shape"] == [2, 576]
+    assert runs[0].group == runs[1].group
+
+
+def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
+        vector=np.ones(576, dtype=np.float32),
+    )  # fmt: skip
+    response = user_client.post(
+        reverse("playground:steer"),
+        {
+            "steer-vector": vector.pk,
+            "steer-prompt": "I",
+            "steer-scale_unit": "typical",
+            "steer-scales": "1",
+            "steer-max_tokens": 4,
+            "steer-temperature": 0,
+            "steer-seed": 1,
+            "steer-logprobs": 2,
+        },
+        **HTMX,
+    )
+    assert "This vector has no typical layer norm" in response.content.decode()
+    assert response["HX-Retarget"] == "#steering-box"
+
+
+def test_comparison_page_shows_both_texts_and_the_difference(user_client, approved_user):
+    group = "6f1d7f5e-0000-4000-8000-000000000001"
+    for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json")):
+        finished_run(approved_user, group=group, scale=scale, response=recorded(name),
+                     kind=RunKind.STEERING_BASELINE if scale == 0 else RunKind.STEERING_STEERED,
+                     meta={"target_token": "'s"})  # fmt: skip
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    assert "Baseline (scale 0)" in body and "Steered, scale 4" in body
+    assert "&#x27;s a great idea." in body
+    assert 'data-plot="diff-4"' in body
+    partial = user_client.get(reverse("playground:group_detail", args=[group]), **HTMX)
+    assert "<html" not in partial.content.decode()
+
+
+def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_user):
+    group = "6f1d7f5e-0000-4000-8000-000000000002"
+    for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
+                        (4.0, "steer_steered.json")):  # fmt: skip
+        finished_run(approved_user, group=group, scale=scale, response=recorded(name),
+                     kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    assert 'data-plot="sweep"' in body
