@@ -12,11 +12,6 @@ from accounts.services import usage_record_create
 _request_ids = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def usage_urls(settings):
-    settings.ROOT_URLCONF = "tests.usage.urls"
-
-
 def utc(*args) -> dt.datetime:
     return dt.datetime(*args, tzinfo=dt.UTC)
 
