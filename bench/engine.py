@@ -1,0 +1,143 @@
+"""Benchmark the embedded engine: `.venv-engine/bin/python bench/engine.py`.
+
+Starts `python -m engine serve` on a free loopback port, then prints medians over a few
+repetitions of: single-stream decode tokens/s, aggregate tokens/s with 1, 4 and 16 concurrent
+requests (and the ratio to one request), and time to first token for a 256-token prompt.
+"""
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+REPETITIONS = 3
+DECODE_TOKENS = 48
+CONCURRENCY_LEVELS = (1, 4, 16)
+TTFT_PROMPT_TOKENS = 256
+PROMPTS = [
+    "Once upon a time",
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "My favourite recipe is",
+]
+
+
+def start_engine() -> tuple[subprocess.Popen, httpx.Client]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=os.environ.copy())
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                return process, client
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("engine did not start")
+
+
+def token_times(client: httpx.Client, body: dict) -> list[float]:
+    """Arrival time of each generated token of a streamed completion (logprobs count them)."""
+    times = []
+    payload = {"model": MODEL, "stream": True, "logprobs": 0, **body}
+    with client.stream("POST", "/v1/completions", json=payload) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    tokens = (choice.get("logprobs") or {}).get("tokens", [])
+                    times += [time.perf_counter()] * len(tokens)
+    return times
+
+
+def single_stream_decode(client: httpx.Client) -> float:
+    body = {"prompt": PROMPTS[0], "max_tokens": DECODE_TOKENS, "ignore_eos": True}
+    times = token_times(client, body)
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def aggregate_throughput(client: httpx.Client, concurrency: int) -> float:
+    def one(index: int) -> int:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPTS[index % len(PROMPTS)],
+            "max_tokens": DECODE_TOKENS,
+            "ignore_eos": True,
+            "seed": index,
+        }
+        return client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(concurrency)))
+    return tokens / (time.perf_counter() - started)
+
+
+def time_to_first_token(client: httpx.Client) -> float:
+    prompt = [(1000 + 37 * i) % 40000 for i in range(TTFT_PROMPT_TOKENS)]
+    started = time.perf_counter()
+    times = token_times(client, {"prompt": [prompt], "max_tokens": 1})
+    return times[0] - started
+
+
+def measure_all(client: httpx.Client) -> dict:
+    """Every measure once per repetition, interleaved, so that load changes hit them alike."""
+    samples: dict = {}
+    for repetition in range(REPETITIONS):
+        results = {"decode": single_stream_decode(client), "ttft": time_to_first_token(client)}
+        for level in CONCURRENCY_LEVELS:
+            results[level] = aggregate_throughput(client, level)
+        for key, value in results.items():
+            samples.setdefault(key, []).append(value)
+        print(f"repetition {repetition + 1}: {results}", file=sys.stderr, flush=True)
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def main() -> None:
+    process, client = start_engine()
+    try:
+        aggregate_throughput(client, 2)  # warm-up
+        median = measure_all(client)
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=30)
+    decode, ttft = median["decode"], median["ttft"]
+    aggregates = {level: median[level] for level in CONCURRENCY_LEVELS}
+    print(
+        f"engine bench ({os.cpu_count()} CPUs, bfloat16, {DECODE_TOKENS} tokens/request, "
+        f"median of {REPETITIONS})"
+    )
+    print("| measure | value | vs 1 request |")
+    print("|---|---|---|")
+    print(f"| single-stream decode | {decode:.1f} tok/s | |")
+    for level, value in aggregates.items():
+        ratio = value / aggregates[1]
+        print(f"| aggregate, {level} concurrent | {value:.1f} tok/s | {ratio:.1f}x |")
+    print(f"| time to first token, {TTFT_PROMPT_TOKENS}-token prompt | {ttft * 1000:.0f} ms | |")
+
+
+if __name__ == "__main__":
+    main()

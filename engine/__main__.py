@@ -1,0 +1,27 @@
+"""`python -m engine serve [--host 127.0.0.1] [--port 8001]`: run the embedded model server."""
+
+import argparse
+import logging
+
+import uvicorn
+
+from engine.config import EngineConfig
+from engine.server import create_app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the model over HTTP")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8001)
+    serve.add_argument("--log-level", default="info")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper())
+    uvicorn.run(
+        create_app(EngineConfig()), host=args.host, port=args.port, log_level=args.log_level
+    )
+
+
+if __name__ == "__main__":
+    main()

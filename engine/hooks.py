@@ -1,0 +1,77 @@
+"""Forward hooks on the decoder blocks: steering additions and residual-stream capture.
+
+Hooks are registered for one forward pass at a time and only on the blocks some row needs, so
+a batch without steering or capture runs the plain model.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from engine.preparation import SteeringAddition
+
+
+@dataclass
+class RowHooks:
+    """What one batch row needs: its steering additions per layer, its capture store (layer ->
+    list of [tokens, hidden] tensors, or None), and the absolute positions of its input tokens."""
+
+    steering: dict[int, list[SteeringAddition]]
+    capture: dict[int, list[torch.Tensor]] | None
+    positions: list[int]
+
+    def layers(self) -> set[int]:
+        return set(self.steering) | set(self.capture or ())
+
+
+@contextmanager
+def block_hooks(blocks: torch.nn.ModuleList, rows: list[RowHooks]):
+    """Within the block, forward passes steer and capture as `rows` (one per batch row) say."""
+    needed = set().union(*(row.layers() for row in rows)) if rows else set()
+    handles = [blocks[layer].register_forward_hook(_block_hook(layer, rows)) for layer in needed]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _block_hook(layer: int, rows: list[RowHooks]):
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        for row_index, row in enumerate(rows):
+            for addition in row.steering.get(layer, ()):
+                add_steering(hidden[row_index], addition, row.positions)
+            # Captured after steering: a capture records the steered state.
+            if row.capture is not None and layer in row.capture:
+                row.capture[layer].append(hidden[row_index].clone())
+        return output
+
+    return hook
+
+
+def add_steering(hidden: torch.Tensor, addition: SteeringAddition, positions: list[int]) -> None:
+    """Add `addition` in place to `hidden` [tokens, size], whose rows sit at `positions`."""
+    if addition.positions is None:
+        token_rows = torch.arange(hidden.shape[0])
+        vectors = addition.vector.expand(hidden.shape[0], -1)
+    else:
+        row_of_position = {position: row for row, position in enumerate(positions)}
+        pairs = [
+            (row_of_position[position], index)
+            for index, position in enumerate(addition.positions)
+            if position in row_of_position
+        ]
+        if not pairs:
+            return
+        token_rows = torch.tensor([row for row, _ in pairs])
+        if addition.vector.ndim == 1:
+            vectors = addition.vector.expand(len(pairs), -1)
+        else:
+            vectors = addition.vector[torch.tensor([index for _, index in pairs])]
+    states = hidden[token_rows].float()
+    if addition.norm_match:
+        vector_norms = vectors.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        vectors = vectors / vector_norms * states.norm(dim=-1, keepdim=True)
+    hidden[token_rows] = (states + addition.scale * vectors).to(hidden.dtype)

@@ -1,0 +1,260 @@
+"""Turn a parsed request into the engine's work description, validating it all up front.
+
+Everything that could fail because of the request (token ids, lengths, layers, steering vector
+shapes, codec data) fails here with a RequestError, before any model work starts.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from acs_client.codec import decode as decode_tensor
+from engine.loader import MODEL_ID, LoadedModel
+from engine.protocol import MAX_STOP_STRINGS, CompletionRequest, RequestError, TokenizeRequest
+
+# Full-vocabulary prompt logprobs are ~3 MB of JSON per position; the API caps them like this.
+FULL_VOCAB_MAX_PROMPT_TOKENS = 256
+FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and what to report for them; see CompletionRequest for meanings."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    echo: bool
+
+    @property
+    def needs_prompt_scores(self) -> bool:
+        """Whether the prompt's own token logprobs are reported (prompt_logprobs, echo+logprobs)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
+
+@dataclass(frozen=True)
+class SteeringAddition:
+    """One vector row added to one block's output: `vector` is [hidden] (every position, or
+    each of `positions`) or [len(positions), hidden] (row p at absolute position positions[p])."""
+
+    vector: torch.Tensor
+    scale: float
+    norm_match: bool
+    positions: tuple[int, ...] | None
+
+
+@dataclass
+class PreparedRequest:
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    capture_layers: list[int] | None
+    steering: dict[int, list[SteeringAddition]] = field(default_factory=dict)
+
+    @property
+    def sequence_count(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def hooked_layers(self) -> set[int]:
+        return set(self.steering) | set(self.capture_layers or ())
+
+
+def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> PreparedRequest:
+    """Validate `request` against the model and build the work description (RequestError if bad)."""
+    check_model_id(request.model)
+    stop = request.stop_strings()
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings")
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true")
+    prompts = tokenize_prompts(request.prompt, request.add_special_tokens, loaded)
+    check_lengths(prompts, request.max_tokens, loaded.max_model_len)
+    capture_layers = capture_layer_list(request, len(prompts), loaded.n_layers)
+    check_full_vocab_limit(request, prompts, capture_layers is not None)
+    return PreparedRequest(
+        prompts=prompts,
+        n=request.n,
+        params=SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k if request.top_k > 0 else 0,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            stop=tuple(stop),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            echo=request.echo,
+        ),
+        seed=request.seed,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        capture_layers=capture_layers,
+        steering=steering_additions(request, loaded),
+    )
+
+
+def prepare_tokenize(request: TokenizeRequest, loaded: LoadedModel) -> list[int]:
+    if request.model is not None:
+        check_model_id(request.model)
+    return tokenize_prompts(request.prompt, request.add_special_tokens, loaded)[0]
+
+
+def check_model_id(model: str) -> None:
+    if model != MODEL_ID:
+        raise RequestError(
+            f"model {model!r} does not exist; this engine serves {MODEL_ID!r}",
+            code="model_not_found",
+        )
+
+
+def tokenize_prompts(prompt, add_special_tokens: bool, loaded: LoadedModel) -> list[list[int]]:
+    """Token ids for each prompt; token-id prompts are checked against the vocabulary."""
+    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompt_list = [prompt] if single else prompt
+    if not prompt_list:
+        raise RequestError("'prompt' must not be empty")
+    tokenized = []
+    for index, item in enumerate(prompt_list):
+        if isinstance(item, str):
+            ids = loaded.tokenizer(item, add_special_tokens=add_special_tokens)["input_ids"]
+        else:
+            ids = list(item)
+            bad = [token for token in ids if not 0 <= token < loaded.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt {index} has token id {bad[0]} outside the vocabulary "
+                    f"[0, {loaded.vocab_size})"
+                )
+        if not ids:
+            raise RequestError(f"prompt {index} is empty")
+        tokenized.append(ids)
+    return tokenized
+
+
+def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+    for index, ids in enumerate(prompts):
+        if len(ids) + max_tokens > max_model_len:
+            raise RequestError(
+                f"prompt {index} has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                f"{len(ids) + max_tokens} is more than the context length of {max_model_len}",
+                code="context_length_exceeded",
+            )
+
+
+def capture_layer_list(request: CompletionRequest, prompt_count: int, n_layers: int):
+    """The layers to capture, in request order, or None when there is no capture."""
+    wanted = request.output_residual_stream
+    if wanted is None or wanted is False:
+        return None
+    if prompt_count != 1 or request.n != 1 or request.stream:
+        raise RequestError("output_residual_stream needs one prompt, n = 1 and no streaming")
+    if wanted is True:
+        return list(range(n_layers))
+    if not wanted:
+        raise RequestError("output_residual_stream must be true or a non-empty list of layers")
+    check_layers(wanted, n_layers, "output_residual_stream")
+    if len(set(wanted)) != len(wanted):
+        raise RequestError("output_residual_stream lists a layer more than once")
+    return list(wanted)
+
+
+def check_layers(layers: list[int], n_layers: int, what: str) -> None:
+    for layer in layers:
+        if not 0 <= layer < n_layers:
+            raise RequestError(
+                f"{what}: layer {layer} is out of range; layers are 0..{n_layers - 1}"
+            )
+
+
+def check_full_vocab_limit(request: CompletionRequest, prompts, with_capture: bool) -> None:
+    if request.prompt_logprobs != -1:
+        return
+    limit = (
+        FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE if with_capture else FULL_VOCAB_MAX_PROMPT_TOKENS
+    )
+    tokens = sum(len(ids) for ids in prompts) * request.n
+    if tokens > limit:
+        raise RequestError(
+            f"prompt_logprobs: -1 allows at most {limit} prompt tokens x n; "
+            f"this request has {tokens}",
+            code="full_vocab_prompt_too_long",
+        )
+
+
+def steering_additions(request: CompletionRequest, loaded: LoadedModel):
+    """Decode and check every steering vector; group the rows by the layer they are added to."""
+    by_layer: dict[int, list[SteeringAddition]] = {}
+    for index, spec in enumerate(request.apply_steering_vectors or []):
+        what = f"apply_steering_vectors[{index}]"
+        check_layers(spec.layer_indices, loaded.n_layers, what)
+        if not math.isfinite(spec.scale):
+            raise RequestError(f"{what}: scale must be a finite number")
+        vectors = decode_steering_tensor(spec, loaded.hidden_size, what)
+        if spec.scale == 0:
+            continue  # an exact no-op, so the forward pass stays bit-identical
+        positions = tuple(spec.position_indices) if spec.position_indices is not None else None
+        for row, layer in enumerate(spec.layer_indices):
+            by_layer.setdefault(layer, []).append(
+                SteeringAddition(
+                    vector=torch.from_numpy(vectors[row].copy()),
+                    scale=spec.scale,
+                    norm_match=spec.norm_match,
+                    positions=positions,
+                )
+            )
+    return by_layer
+
+
+def decode_steering_tensor(spec, hidden_size: int, what: str) -> np.ndarray:
+    try:
+        vectors = decode_tensor(spec.activations)
+    except ValueError as error:
+        raise RequestError(f"{what}.activations: {error}") from None
+    layers = len(spec.layer_indices)
+    positions = spec.position_indices
+    if positions is not None:
+        if not positions:
+            raise RequestError(f"{what}: position_indices must not be empty")
+        if any(position < 0 for position in positions):
+            raise RequestError(f"{what}: position_indices must be non-negative")
+    if vectors.ndim == 2:
+        expected = (layers, hidden_size)
+    elif vectors.ndim == 3 and positions is not None:
+        expected = (layers, len(positions), hidden_size)
+    elif vectors.ndim == 3:
+        raise RequestError(f"{what}: a 3-D vector needs position_indices")
+    else:
+        raise RequestError(
+            f"{what}: activations must be 2-D or 3-D, got shape {list(vectors.shape)}"
+        )
+    if vectors.shape[-1] != hidden_size:
+        raise RequestError(
+            f"{what}: hidden size {vectors.shape[-1]} does not match the model's {hidden_size}"
+        )
+    if vectors.shape != expected:
+        raise RequestError(
+            f"{what}: activations shape {list(vectors.shape)} does not match layer_indices "
+            f"(expected {list(expected)})"
+        )
+    if not np.isfinite(vectors).all():
+        raise RequestError(f"{what}: activations contain inf or nan")
+    return vectors

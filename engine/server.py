@@ -1,0 +1,286 @@
+"""The HTTP surface (Starlette): vLLM-compatible completions, models, tokenize and health.
+
+The server starts answering at once and loads the model on a background thread; until it is
+loaded, /health and the model endpoints answer 503.
+"""
+
+import asyncio
+import json
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.config import EngineConfig
+from engine.loader import MODEL_ID, LoadedModel, load_model
+from engine.outputs import ChoiceDelta, RequestDone, RequestFailed
+from engine.preparation import prepare_completion, prepare_tokenize
+from engine.protocol import CompletionRequest, RequestError, TokenizeRequest, parse_model
+from engine.scheduler import EngineRequest, Overloaded, Scheduler
+
+log = logging.getLogger(__name__)
+
+CLIENT_GONE = object()  # event-queue marker: the HTTP client disconnected
+
+
+class EngineState:
+    """The model and scheduler once loaded in the background; `load_error` if loading failed."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.loaded: LoadedModel | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+
+    def load(self) -> None:
+        try:
+            loaded = load_model(self.config.cache_dir)
+            scheduler = Scheduler(
+                loaded, self.config.max_active, self.config.max_waiting, self.config.threads
+            )
+            scheduler.start()
+            self.loaded, self.scheduler = loaded, scheduler
+            log.info("model %s loaded", MODEL_ID)
+        except Exception as error:
+            log.exception("loading the model failed")
+            self.load_error = str(error)
+
+    def require_loaded(self) -> tuple[LoadedModel, Scheduler]:
+        if self.scheduler is None:
+            message = (
+                f"model failed to load: {self.load_error}"
+                if self.load_error
+                else "model is loading"
+            )
+            raise RequestError(message, code="model_loading", status=503, error_type="server_error")
+        return self.loaded, self.scheduler
+
+
+def create_app(config: EngineConfig) -> Starlette:
+    state = EngineState(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=state.load, name="engine-loader", daemon=True).start()
+        yield
+        if state.scheduler is not None:
+            state.scheduler.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/tokenizer.json", tokenizer_json, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.engine = state
+    return app
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(
+        json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def error_response(error: RequestError) -> Response:
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return json_response(error.body(), status=error.status, headers=headers)
+
+
+async def health(request: Request) -> Response:
+    state: EngineState = request.app.state.engine
+    if state.load_error is not None:
+        body = {"status": "failed", "model_loaded": False, "error": state.load_error}
+        return json_response(body, status=503)
+    if state.scheduler is None:
+        return json_response({"status": "loading", "model_loaded": False}, status=503)
+    return json_response({"status": "ok", "model_loaded": True, **state.scheduler.stats()})
+
+
+async def models(request: Request) -> Response:
+    try:
+        loaded, _ = request.app.state.engine.require_loaded()
+    except RequestError as error:
+        return error_response(error)
+    card = {
+        "id": MODEL_ID,
+        "object": "model",
+        "owned_by": "acs",
+        "max_model_len": loaded.max_model_len,
+        "n_layers": loaded.n_layers,
+        "hidden_size": loaded.hidden_size,
+        "vocab_size": loaded.vocab_size,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: Request) -> Response:
+    try:
+        loaded, _ = request.app.state.engine.require_loaded()
+        parsed = parse_model(TokenizeRequest, await read_json(request))
+        tokens = await run_in_threadpool(prepare_tokenize, parsed, loaded)
+    except RequestError as error:
+        return error_response(error)
+    return json_response(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": loaded.max_model_len}
+    )
+
+
+async def tokenizer_json(request: Request) -> Response:
+    """The model's tokenizer in the HF `tokenizers` JSON format, so the gateway can count
+    prompt tokens itself instead of asking /tokenize on every request."""
+    try:
+        loaded, _ = request.app.state.engine.require_loaded()
+    except RequestError as error:
+        return error_response(error)
+    return Response(loaded.tokenizer.backend_tokenizer.to_str(), media_type="application/json")
+
+
+async def completions(request: Request) -> Response:
+    try:
+        loaded, scheduler = request.app.state.engine.require_loaded()
+        parsed = parse_model(CompletionRequest, await read_json(request))
+        prepared = await run_in_threadpool(prepare_completion, parsed, loaded)
+        engine_request = EngineRequest(prepared, asyncio.get_running_loop())
+        scheduler.submit(engine_request)
+    except RequestError as error:
+        return error_response(error)
+    except Overloaded as error:
+        return error_response(
+            RequestError(str(error), "engine_overloaded", status=503, error_type="server_error")
+        )
+    watcher = asyncio.ensure_future(watch_disconnect(request, engine_request))
+    if prepared.stream:
+        frames = stream_frames(scheduler, engine_request, watcher)
+        return StreamingResponse(frames, media_type="text/event-stream")
+    try:
+        return await complete(engine_request)
+    finally:
+        scheduler.cancel(engine_request)  # a no-op once finished; frees slots if the client left
+        watcher.cancel()
+
+
+async def read_json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the body is not valid JSON: {error}", code="bad_json") from None
+
+
+async def watch_disconnect(request: Request, engine_request: EngineRequest) -> None:
+    """Put CLIENT_GONE on the request's event queue when the client disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    engine_request.events.put_nowait(CLIENT_GONE)
+
+
+async def complete(engine_request: EngineRequest) -> Response:
+    prepared = engine_request.prepared
+    choices = [new_choice(index) for index in range(prepared.sequence_count)]
+    while True:
+        event = await engine_request.events.get()
+        if event is CLIENT_GONE:
+            return Response(status_code=499)
+        if isinstance(event, ChoiceDelta):
+            add_delta(choices[event.index], event, prepared.params.logprobs is not None)
+        elif isinstance(event, RequestFailed):
+            error = RequestError(event.message, event.code, status=500, error_type="server_error")
+            return error_response(error)
+        elif isinstance(event, RequestDone):
+            body = completion_header(engine_request)
+            body["choices"] = choices
+            body["usage"] = event.usage
+            if event.activations is not None:
+                body["activations"] = event.activations
+            return json_response(body)
+
+
+def new_choice(index: int) -> dict:
+    return {
+        "index": index,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
+
+
+def add_delta(choice: dict, delta: ChoiceDelta, with_logprobs: bool) -> None:
+    choice["text"] += delta.text
+    if with_logprobs and delta.logprobs is not None:
+        if choice["logprobs"] is None:
+            choice["logprobs"] = delta.logprobs.to_json()
+        else:
+            for key, values in delta.logprobs.to_json().items():
+                choice["logprobs"][key] += values
+    if delta.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = delta.prompt_logprobs
+    if delta.finish_reason is not None:
+        choice["finish_reason"] = delta.finish_reason
+        choice["stop_reason"] = delta.stop_reason
+
+
+def completion_header(engine_request: EngineRequest) -> dict:
+    return {
+        "id": engine_request.id,
+        "object": "text_completion",
+        "created": engine_request.created,
+        "model": MODEL_ID,
+    }
+
+
+async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.Future):
+    """SSE frames: one per choice delta, the usage frame if asked, then [DONE]."""
+    try:
+        while True:
+            event = await engine_request.events.get()
+            if event is CLIENT_GONE:
+                return
+            if isinstance(event, ChoiceDelta):
+                frame = completion_header(engine_request)
+                frame["choices"] = [delta_json(event)]
+                yield sse(frame)
+            elif isinstance(event, RequestFailed):
+                yield sse(RequestError(event.message, event.code, error_type="server_error").body())
+                return
+            elif isinstance(event, RequestDone):
+                if engine_request.prepared.include_usage:
+                    frame = completion_header(engine_request)
+                    frame["choices"] = []
+                    frame["usage"] = event.usage
+                    yield sse(frame)
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        scheduler.cancel(engine_request)
+        watcher.cancel()
+
+
+def delta_json(delta: ChoiceDelta) -> dict:
+    choice = {
+        "index": delta.index,
+        "text": delta.text,
+        "logprobs": delta.logprobs.to_json() if delta.logprobs is not None else None,
+        "finish_reason": delta.finish_reason,
+        "stop_reason": delta.stop_reason,
+    }
+    if delta.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = delta.prompt_logprobs
+    return choice
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,168 @@
+"""Bad input is a 400 naming the problem, before any model work; overload and disconnects."""
+
+import base64
+import time
+
+import numpy as np
+import pytest
+import zstandard
+from conftest import MODEL, EngineProcess
+
+from acs_client.codec import encode_vector
+
+HIDDEN = 576
+
+
+def codec(shape) -> dict:
+    return encode_vector(np.ones(shape, dtype=np.float32))
+
+
+def steer(**spec) -> dict:
+    return {"apply_steering_vectors": [{"layer_indices": [3], **spec}]}
+
+
+BAD_REQUESTS = [
+    ({"bogus": 1}, "invalid_request", "unknown field 'bogus'"),
+    ({"model": "gpt-9"}, "model_not_found", "gpt-9"),
+    ({"n": 17}, "invalid_request", "'n'"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
+    ({"logprobs": 101}, "invalid_request", "'logprobs'"),
+    ({"prompt_logprobs": -2}, "invalid_request", "'prompt_logprobs'"),
+    ({"max_tokens": "5"}, "invalid_request", "'max_tokens'"),
+    ({"prompt": ""}, "invalid_request", "empty"),
+    ({"prompt": []}, "invalid_request", "empty"),
+    ({"prompt": [1, 49152]}, "invalid_request", "49152"),
+    ({"prompt": [[5, -1]]}, "invalid_request", "-1"),
+    ({"max_tokens": 8192}, "context_length_exceeded", "8192"),
+    ({"output_residual_stream": [30]}, "invalid_request", "layer 30 is out of range"),
+    ({"output_residual_stream": [1, 1]}, "invalid_request", "more than once"),
+    ({"output_residual_stream": True, "n": 2}, "invalid_request", "one prompt"),
+    ({"output_residual_stream": True, "prompt": ["a", "b"]}, "invalid_request", "one prompt"),
+    ({"output_residual_stream": True, "stream": True}, "invalid_request", "no streaming"),
+    ({"prompt": "word " * 300, "prompt_logprobs": -1}, "full_vocab_prompt_too_long", "256"),
+    (steer(activations=codec((1, HIDDEN)), layer_indices=[31]), "invalid_request", "layer 31"),
+    (steer(activations=codec((1, 100))), "invalid_request", "hidden size 100"),
+    (steer(activations=codec((2, HIDDEN))), "invalid_request", "does not match layer_indices"),
+    (steer(activations=codec((1, 2, HIDDEN))), "invalid_request", "needs position_indices"),
+    (
+        steer(activations=codec((1, 3, HIDDEN)), position_indices=[0, 1]),
+        "invalid_request",
+        "does not match layer_indices",
+    ),
+    (steer(activations=codec((HIDDEN,))), "invalid_request", "2-D or 3-D"),
+    (
+        steer(activations={**codec((1, HIDDEN)), "data": "not base64!!"}),
+        "invalid_request",
+        "not valid base64",
+    ),
+    (
+        steer(activations={**codec((1, HIDDEN)), "data": base64.b64encode(b"junk").decode()}),
+        "invalid_request",
+        "zstd",
+    ),
+    (steer(activations={**codec((1, HIDDEN)), "shape": [1, 577]}), "invalid_request", "bytes"),
+    (steer(activations={**codec((1, HIDDEN)), "dtype": "float32"}), "invalid_request", "dtype"),
+    (steer(activations={**codec((1, HIDDEN)), "compression": "gzip"}), "invalid_request", "gzip"),
+    (steer(activations=codec((1, HIDDEN)), extra=1), "invalid_request", "extra"),
+    (
+        steer(activations=encode_vector(np.full((1, HIDDEN), np.inf, dtype=np.float32))),
+        "invalid_request",
+        "inf or nan",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, code, message", BAD_REQUESTS)
+def test_bad_request_is_a_400_naming_the_problem(client, fields, code, message):
+    body = {"model": MODEL, "prompt": "Hello", **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert message in error["message"]
+    assert error["type"]
+
+
+def test_bad_json_is_a_400(client):
+    response = client.post("/v1/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "bad_json"
+
+
+def test_zstd_frame_of_wrong_size_is_rejected(client):
+    frame = zstandard.ZstdCompressor().compress(b"\x00" * 10)
+    activations = {**codec((1, HIDDEN)), "data": base64.b64encode(frame).decode()}
+    body = {"model": MODEL, "prompt": "Hello", **steer(activations=activations)}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "needs 1152" in response.json()["error"]["message"]
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def long_stream_body() -> dict:
+    return {
+        "model": MODEL,
+        "prompt": "Count:",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(engine):
+    with engine.client.stream("POST", "/v1/completions", json=long_stream_body()) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine.stats()["active_sequences"] == 1
+    wait_for(lambda: engine.stats()["active_sequences"] == 0, timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    process = EngineProcess({"ACS_ENGINE_MAX_ACTIVE": "1", "ACS_ENGINE_MAX_WAITING": "1"})
+    try:
+        process.wait_until_loaded()
+        yield process
+    finally:
+        process.close()
+
+
+def test_queue_overflow_is_a_503_with_retry_after(tiny_engine):
+    client = tiny_engine.client
+    with client.stream("POST", "/v1/completions", json=long_stream_body()) as running:
+        running_lines = running.iter_lines()  # keep it: a dropped iterator closes the stream
+        next(running_lines)
+        with client.stream("POST", "/v1/completions", json=long_stream_body()) as waiting:
+            wait_for(lambda: tiny_engine.stats()["waiting_sequences"] == 1)
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+            refused = client.post("/v1/completions", json=body)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "engine_overloaded"
+            assert waiting.status_code == 200
+            assert tiny_engine.stats()["active_sequences"] == 1
+    idle = {"active_sequences": 0, "waiting_sequences": 0}
+    wait_for(lambda: tiny_engine.stats().items() >= idle.items(), timeout_s=5)
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_health_and_completions_are_503_while_the_model_loads(tmp_path):
+    from starlette.testclient import TestClient
+
+    from engine.config import EngineConfig
+    from engine.server import create_app
+
+    # Without entering the client, the lifespan (which starts loading) never runs.
+    client = TestClient(create_app(EngineConfig(cache_dir=tmp_path)))
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["model_loaded"] is False
+    refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "model_loading"
+    assert refused.headers["retry-after"] == "1"
