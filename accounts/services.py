@@ -17,7 +17,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -150,19 +150,39 @@ class _Windows:
     account_month: UsagePeriod
 
 
-def _period_filter(*, key_id, user_id, month, day):
-    return (
-        Q(key_id=key_id, period=Period.MONTH, start=month)
-        | Q(key_id=key_id, period=Period.DAY, start=day)
-        | Q(key__isnull=True, user_id=user_id, period=Period.MONTH, start=month)
-    )
+# The budget hot path runs on every API request, so it is written in plain SQL: building
+# the equivalent ORM queries cost several milliseconds of CPU per request on these machines.
+_PERIODS = UsagePeriod._meta.db_table
+_RESERVATIONS = BudgetReservation._meta.db_table
+_WINDOWS_WHERE = (
+    "(key_id = %s AND ((period = 'month' AND start = %s) OR (period = 'day' AND start = %s)))"
+    " OR (key_id IS NULL AND user_id = %s AND period = 'month' AND start = %s)"
+)
+
+
+def _windows_params(*, key_id, user_id, month, day):
+    adapt = connection.ops.adapt_datefield_value
+    return [key_id, adapt(month), adapt(day), user_id, adapt(month)]
+
+
+def _lock_window_ids(*, key_id, user_id, month, day) -> list[int]:
+    """Lock the key's month and day rows and the account's month row, in id order (so
+    concurrent requests cannot deadlock), and return their ids."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}",
+            _windows_params(key_id=key_id, user_id=user_id, month=month, day=day),
+        )
+        return [row[0] for row in cursor.fetchall()]
 
 
 def _lock_windows(*, key: ApiKey, month, day) -> _Windows:
-    """Lock the key's month and day rows and the account's month row, creating them if
-    needed. Rows are always locked in id order so concurrent requests cannot deadlock."""
-    where = _period_filter(key_id=key.pk, user_id=key.user_id, month=month, day=day)
-    rows = list(UsagePeriod.objects.select_for_update().filter(where).order_by("id"))
+    """Lock (creating them if needed) and read the key's and account's budget windows."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    sql = f"SELECT * FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}"
+    params = _windows_params(key_id=key.pk, user_id=key.user_id, month=month, day=day)
+    rows = list(UsagePeriod.objects.raw(sql, params))
     if len(rows) < 3:
         UsagePeriod.objects.bulk_create(
             [
@@ -172,13 +192,24 @@ def _lock_windows(*, key: ApiKey, month, day) -> _Windows:
             ],
             ignore_conflicts=True,
         )
-        rows = list(UsagePeriod.objects.select_for_update().filter(where).order_by("id"))
+        rows = list(UsagePeriod.objects.raw(sql, params))
     by_role = {("key" if row.key_id else "account", row.period): row for row in rows}
     return _Windows(
         key_month=by_role[("key", Period.MONTH)],
         key_day=by_role[("key", Period.DAY)],
         account_month=by_role[("account", Period.MONTH)],
     )
+
+
+def _skip_commit_flush_wait():
+    """On PostgreSQL, let the current transaction's COMMIT return before its WAL reaches disk
+    (`synchronous_commit = off` for this transaction only). Locks, constraints and
+    consistency are unchanged; only a crash of the database server itself can lose the last
+    fraction of a second of holds and usage. That trade saves one disk flush (about 3 ms on
+    this project's machines) on every API request's hot path."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit = off")
 
 
 def _remaining(limit, *counters):
@@ -220,6 +251,7 @@ def budget_reserve(
     now = now or timezone.now()
     month, day = month_start(now), day_start(now)
     with transaction.atomic():
+        _skip_commit_flush_wait()
         windows = _lock_windows(key=key, month=month, day=day)
         if activation and windows.key_month.activation_requests >= key.monthly_activation_quota:
             raise BudgetExceeded(
@@ -244,16 +276,8 @@ def budget_reserve(
                 "This request does not fit in the remaining token budget of the key or account.",
             )
         output_tokens = applied * completions
-        UsagePeriod.objects.filter(
-            pk__in=[windows.key_month.pk, windows.key_day.pk, windows.account_month.pk]
-        ).update(
-            reserved_tokens=F("reserved_tokens") + prompt_tokens + output_tokens,
-            reserved_input=F("reserved_input") + prompt_tokens,
-            reserved_output=F("reserved_output") + output_tokens,
-            requests=F("requests") + 1,
-            activation_requests=F("activation_requests") + int(activation),
-        )
-        return BudgetReservation.objects.create(
+        window_ids = [windows.key_month.pk, windows.key_day.pk, windows.account_month.pk]
+        reservation = BudgetReservation(
             key=key,
             user_id=key.user_id,
             created_at=now,
@@ -265,6 +289,42 @@ def budget_reserve(
             max_tokens_applied=applied,
             activation=activation,
         )
+        ops = connection.ops
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s,"
+                " reserved_input = reserved_input + %s, reserved_output = reserved_output + %s,"
+                " requests = requests + 1, activation_requests = activation_requests + %s"
+                " WHERE id IN (%s, %s, %s)",
+                [
+                    prompt_tokens + output_tokens,
+                    prompt_tokens,
+                    output_tokens,
+                    int(activation),
+                    *window_ids,
+                ],
+            )
+            cursor.execute(
+                f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, month_start,"
+                " day_start, prompt_tokens, output_tokens, max_tokens_requested,"
+                " max_tokens_applied, activation, status)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                [
+                    key.pk,
+                    key.user_id,
+                    ops.adapt_datetimefield_value(now),
+                    ops.adapt_datefield_value(month),
+                    ops.adapt_datefield_value(day),
+                    prompt_tokens,
+                    output_tokens,
+                    max_tokens,
+                    applied,
+                    activation,
+                    ReservationStatus.RESERVED,
+                ],
+            )
+            reservation.pk = cursor.fetchone()[0]
+        return reservation
 
 
 def budget_settle(
@@ -272,47 +332,46 @@ def budget_settle(
 ) -> bool:
     """Replace a reservation's hold by the actual usage. Idempotent: settling twice changes
     nothing and returns False. `release=True` marks a reservation freed by the sweep."""
-    with transaction.atomic():
-        reservation = (
-            BudgetReservation.objects.select_for_update()
-            .filter(pk=reservation_id, status=ReservationStatus.RESERVED)
-            .first()
+    status = ReservationStatus.RELEASED if release else ReservationStatus.SETTLED
+    # savepoint=False: callers (the gateway's metering) often settle inside their own
+    # transaction, and a savepoint would cost two more round-trips for nothing.
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        _skip_commit_flush_wait()
+        # The conditional update is the lock and the idempotency check at once.
+        cursor.execute(
+            f"UPDATE {_RESERVATIONS} SET status = %s, settled_prompt_tokens = %s,"
+            " settled_completion_tokens = %s, settled_at = %s"
+            " WHERE id = %s AND status = %s"
+            " RETURNING key_id, user_id, month_start, day_start, prompt_tokens, output_tokens",
+            [
+                status,
+                prompt_tokens,
+                completion_tokens,
+                connection.ops.adapt_datetimefield_value(timezone.now()),
+                reservation_id,
+                ReservationStatus.RESERVED,
+            ],
         )
-        if reservation is None:
+        row = cursor.fetchone()
+        if row is None:
             return False
-        where = _period_filter(
-            key_id=reservation.key_id,
-            user_id=reservation.user_id,
-            month=reservation.month_start,
-            day=reservation.day_start,
-        )
-        ids = list(
-            UsagePeriod.objects.select_for_update()
-            .filter(where)
-            .order_by("id")
-            .values_list("id", flat=True)
-        )
-        UsagePeriod.objects.filter(pk__in=ids).update(
-            reserved_tokens=F("reserved_tokens")
-            - reservation.prompt_tokens
-            - reservation.output_tokens,
-            reserved_input=F("reserved_input") - reservation.prompt_tokens,
-            reserved_output=F("reserved_output") - reservation.output_tokens,
-            used_tokens=F("used_tokens") + prompt_tokens + completion_tokens,
-            used_input=F("used_input") + prompt_tokens,
-            used_output=F("used_output") + completion_tokens,
-        )
-        reservation.status = ReservationStatus.RELEASED if release else ReservationStatus.SETTLED
-        reservation.settled_prompt_tokens = prompt_tokens
-        reservation.settled_completion_tokens = completion_tokens
-        reservation.settled_at = timezone.now()
-        reservation.save(
-            update_fields=[
-                "status",
-                "settled_prompt_tokens",
-                "settled_completion_tokens",
-                "settled_at",
-            ]
+        key_id, user_id, month, day, held_prompt, held_output = row
+        window_ids = _lock_window_ids(key_id=key_id, user_id=user_id, month=month, day=day)
+        cursor.execute(
+            f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
+            " reserved_input = reserved_input - %s, reserved_output = reserved_output - %s,"
+            " used_tokens = used_tokens + %s, used_input = used_input + %s,"
+            " used_output = used_output + %s"
+            f" WHERE id IN ({', '.join(['%s'] * len(window_ids))})",
+            [
+                held_prompt + held_output,
+                held_prompt,
+                held_output,
+                prompt_tokens + completion_tokens,
+                prompt_tokens,
+                completion_tokens,
+                *window_ids,
+            ],
         )
         return True
 
@@ -369,7 +428,8 @@ def usage_record_create(
 ) -> UsageRecord:
     """Write one request's metadata and add it to the daily roll-up, atomically."""
     now = now or timezone.now()
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
+        _skip_commit_flush_wait()
         record = UsageRecord.objects.create(
             created_at=now,
             request_id=request_id,

@@ -2,17 +2,15 @@
 staff's view of one user's usage. Every period is whole UTC days."""
 
 import csv
-from functools import wraps
 
 import plotly.io
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
 from . import usage_selectors
+from .access import approved_required, staff_required
 from .models import ApiKey, ServiceSettings, User
 from .periods import day_start
 from .usage_forms import RequestLogFilterForm, UsageFilterForm, cursor_encode
@@ -30,32 +28,6 @@ TABLE_COLUMNS = [
     "total_tokens",
     "latency_ms_avg",
 ]
-
-
-def approved_required(view):
-    """Logged in (else the login page) and approved (else 403)."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_approved:
-            raise PermissionDenied("Usage is shown to approved accounts only.")
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
-
-def staff_required(view):
-    """Logged in (else the login page) and staff (else 403)."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_staff:
-            raise PermissionDenied("This page is for staff.")
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,11 +4,8 @@ Views are thin: load (another user's key is a 404), validate a form, call one se
 redirect (plain POST) or render the page's partial (htmx), so every page works without JS.
 """
 
-from functools import wraps
-
 from django.contrib import messages
 from django.contrib.auth import login
-from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db.models import Q
@@ -16,6 +13,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from . import selectors, services
+from .access import approved_required, forbidden, staff_required
 from .forms import (
     ApplicationForm,
     AuditFilterForm,
@@ -39,45 +37,6 @@ from .models import (
     User,
     UserStatus,
 )
-
-
-def forbidden(request, message, *, title="Not available"):
-    return render(
-        request, "accounts/forbidden.html", {"title": title, "message": message}, status=403
-    )
-
-
-def approved_required(view):
-    """Logged in and approved; anyone else gets a 403 page saying why."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_approved:
-            reasons = {
-                UserStatus.PENDING: "Your application is still being reviewed.",
-                UserStatus.REJECTED: "Your application was not approved; you may apply again.",
-                UserStatus.SUSPENDED: "Your account is suspended.",
-            }
-            return forbidden(
-                request,
-                f"API keys are for approved accounts. {reasons.get(request.user.status, '')}",
-            )
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
-
-def staff_required(view):
-    @login_required
-    @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_staff:
-            return forbidden(request, "This page is for ACS staff.", title="Staff only")
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
 
 # ---------------------------------------------------------------------------------------
 # Landing page and dashboard

@@ -185,6 +185,12 @@ PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3)
 PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30)
 # How long the model list from /v1/models is cached for the playground form (seconds).
 PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60)
+# A run queued or running longer than this (the API's 14-minute limit, plus margin) is failed.
+PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60)
+CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
+    "task": "playground.tasks.runs_sweep",
+    "schedule": 60.0,
+}
 
 # --- /v1 gateway (api/) ---
 # Every /v1 response carries X-Request-Id (outermost, so error pages get it too).
@@ -195,3 +201,7 @@ ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" /
 # it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
 # playground's path to the first token.
 CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
+
+# --- ASGI split (acs_portal/asgi.py) ---
+# The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
+GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]

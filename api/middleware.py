@@ -1,5 +1,6 @@
 """Gives every /v1 request an id (a safe inbound X-Request-Id is kept) and every /v1
-response its X-Request-Id header."""
+response its X-Request-Id header, and a Content-Length when it is not streamed (the gateway's
+lean middleware chain has no CommonMiddleware to add it)."""
 
 import re
 import uuid
@@ -37,4 +38,6 @@ class RequestIdMiddleware:
     def _tag(request, response):
         if request.path.startswith("/v1/") and not response.has_header("X-Request-Id"):
             response["X-Request-Id"] = request.request_id
+        if not response.streaming and not response.has_header("Content-Length"):
+            response["Content-Length"] = str(len(response.content))
         return response

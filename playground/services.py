@@ -5,6 +5,7 @@ A run is executed by a Celery worker (`tasks.run_execute`) that calls /v1 throug
 `acs_client` with the user's playground key, exactly as an outside client would.
 """
 
+import datetime as dt
 import logging
 import time
 import uuid
@@ -13,7 +14,7 @@ import numpy as np
 from cryptography.fernet import Fernet
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from accounts.models import ApiKey, User
@@ -278,6 +279,33 @@ def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
     )
     run.refresh_from_db()
     return run
+
+
+def runs_fail_stuck(*, now=None) -> int:
+    """Fail runs that can no longer finish: running past the API's 14-minute request limit
+    (their worker died; a redelivered task cannot claim a running run) or still queued after
+    as long (no worker took them). Returns how many were failed. Run by beat every minute."""
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    stuck = Run.objects.filter(
+        Q(status=RunStatus.RUNNING, started_at__lt=cutoff)
+        | Q(status=RunStatus.QUEUED, queued_at__lt=cutoff)
+    )
+    failed = 0
+    for run in stuck:
+        was_running = run.status == RunStatus.RUNNING
+        # Conditional, so a run that finished meanwhile is left alone.
+        if Run.objects.filter(pk=run.pk, status=run.status).update(status=RunStatus.FAILED):
+            run_fail(
+                run=run,
+                code="worker_lost" if was_running else "not_started",
+                message=(
+                    "The worker running this request stopped before it finished; re-run it."
+                    if was_running
+                    else "No worker picked this run up in time; re-run it."
+                ),
+            )
+            failed += 1
+    return failed
 
 
 # ---------------------------------------------------------------------------------------

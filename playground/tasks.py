@@ -13,3 +13,9 @@ def run_execute(self, run_id: str) -> None:
         services.run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
     except services.RunRetry as retry:
         raise self.retry(countdown=retry.countdown) from None
+
+
+@shared_task
+def runs_sweep() -> int:
+    """Fail playground runs stuck in queued or running (see `services.runs_fail_stuck`)."""
+    return services.runs_fail_stuck()

@@ -1,13 +1,11 @@
 """Playground pages. Thin function views: check access (another user's run or vector is a
 404), validate, call one service, render a page or its htmx partial."""
 
-import functools
 import io
 import json
 
 import numpy as np
 from django.conf import settings
-from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
@@ -15,6 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 from safetensors.numpy import save as safetensors_save
 
+from accounts.access import approved_required
 from acs_client.codec import decode
 
 from . import figures, selectors, services, streams
@@ -29,19 +28,6 @@ from .models import Run, RunKind, RunStatus, VectorMethod
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
 RESPONSE_SHOWN_CHARS = 200_000
-
-
-def approved_required(view):
-    """Logged in and approved; anyone else gets 403 (the playground spends their budget)."""
-
-    @login_required
-    @functools.wraps(view)
-    def wrapped(request, *args, **kwargs):
-        if not request.user.is_approved:
-            raise PermissionDenied("The playground is open to approved accounts.")
-        return view(request, *args, **kwargs)
-
-    return wrapped
 
 
 def _models(request) -> tuple[list[dict], str, ModelCapabilities]:

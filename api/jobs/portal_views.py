@@ -7,7 +7,7 @@ from django.http import Http404, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from accounts.views import approved_required
+from accounts.access import approved_required
 
 from . import selectors, services
 from .figures import harvest_norm_figure

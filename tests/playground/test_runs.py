@@ -266,3 +266,30 @@ def test_contrast_pair_builds_one_vector_from_both_captures(
     assert vector.norm == 0.0  # both captures are the same recording
     assert vector.layer_typical_norm > 0
     assert services.steering_vector_from_contrast(group=group).pk == vector.pk
+
+
+def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
+    approved_user, no_enqueue, redis_client, settings
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    now = timezone.now()
+    old = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS + 1)
+    request = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1}
+    dead = Run.objects.create(
+        user=approved_user, request=request, status=RunStatus.RUNNING, started_at=old
+    )
+    lost = Run.objects.create(user=approved_user, request=request, queued_at=old)
+    alive = Run.objects.create(
+        user=approved_user, request=request, status=RunStatus.RUNNING, started_at=now
+    )
+    assert tasks.runs_sweep() == 2
+    for run, code in [(dead, "worker_lost"), (lost, "not_started")]:
+        run.refresh_from_db()
+        assert (run.status, run.error_code) == (RunStatus.FAILED, code)
+        assert run.error_message
+    alive.refresh_from_db()
+    assert alive.status == RunStatus.RUNNING
+    assert tasks.runs_sweep() == 0
