@@ -1,6 +1,7 @@
 """Benchmark the embedded engine: `.venv-engine/bin/python bench/engine.py`.
 
-Starts `python -m engine serve` on a free loopback port, then prints medians over a few
+Starts `python -m engine serve` on a free loopback port, once per compute dtype (bfloat16,
+the baseline, and float32; see `engine.loader.compute_dtype`), then prints medians over a few
 repetitions of: single-stream decode tokens/s, aggregate tokens/s with 1, 4 and 16 concurrent
 requests (and the ratio to one request), and time to first token for a 256-token prompt.
 """
@@ -31,7 +32,7 @@ PROMPTS = [
 ]
 
 
-def start_engine() -> tuple[subprocess.Popen, httpx.Client]:
+def start_engine(dtype: str) -> tuple[subprocess.Popen, httpx.Client]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -45,7 +46,8 @@ def start_engine() -> tuple[subprocess.Popen, httpx.Client]:
         "--log-level",
         "warning",
     ]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=os.environ.copy())
+    env = {**os.environ, "ACS_ENGINE_DTYPE": dtype}
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -115,28 +117,43 @@ def measure_all(client: httpx.Client) -> dict:
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def main() -> None:
-    process, client = start_engine()
+DTYPES = ("bfloat16", "float32")
+
+
+def measure_dtype(dtype: str) -> dict:
+    process, client = start_engine(dtype)
     try:
         aggregate_throughput(client, 2)  # warm-up
-        median = measure_all(client)
+        return measure_all(client)
     finally:
         client.close()
         process.terminate()
         process.wait(timeout=30)
-    decode, ttft = median["decode"], median["ttft"]
-    aggregates = {level: median[level] for level in CONCURRENCY_LEVELS}
+
+
+def main() -> None:
+    medians = {dtype: measure_dtype(dtype) for dtype in DTYPES}
     print(
-        f"engine bench ({os.cpu_count()} CPUs, bfloat16, {DECODE_TOKENS} tokens/request, "
-        f"median of {REPETITIONS})"
+        f"engine bench ({os.cpu_count()} CPUs, {DECODE_TOKENS} tokens/request, "
+        f"median of {REPETITIONS}; ratios are vs 1 concurrent request of the same dtype)"
     )
-    print("| measure | value | vs 1 request |")
-    print("|---|---|---|")
-    print(f"| single-stream decode | {decode:.1f} tok/s | |")
-    for level, value in aggregates.items():
-        ratio = value / aggregates[1]
-        print(f"| aggregate, {level} concurrent | {value:.1f} tok/s | {ratio:.1f}x |")
-    print(f"| time to first token, {TTFT_PROMPT_TOKENS}-token prompt | {ttft * 1000:.0f} ms | |")
+    print("| measure | " + " | ".join(DTYPES) + " |")
+    print("|---|" + "---|" * len(DTYPES))
+    print(
+        "| single-stream decode (tok/s) | "
+        + " | ".join(f"{medians[d]['decode']:.1f}" for d in DTYPES)
+        + " |"
+    )
+    for level in CONCURRENCY_LEVELS:
+        cells = [
+            f"{medians[d][level]:.1f} ({medians[d][level] / medians[d][1]:.1f}x)" for d in DTYPES
+        ]
+        print(f"| aggregate, {level} concurrent (tok/s) | " + " | ".join(cells) + " |")
+    print(
+        f"| time to first token, {TTFT_PROMPT_TOKENS}-token prompt (ms) | "
+        + " | ".join(f"{medians[d]['ttft'] * 1000:.0f}" for d in DTYPES)
+        + " |"
+    )
 
 
 if __name__ == "__main__":

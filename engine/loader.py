@@ -68,13 +68,34 @@ def gguf_directory() -> Path:
     return Path(spec.origin).parent
 
 
+def compute_dtype() -> torch.dtype:
+    """The dtype the model computes in: `ACS_ENGINE_DTYPE` (bfloat16 or float32), or by
+    default bfloat16 where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16)
+    and float32 elsewhere. Without native support torch emulates bfloat16 matrix products,
+    which then cost the same per row at any batch size, so batching gains nothing; float32
+    on the same bfloat16 weights (exactly representable) batches well. Captured activations
+    are bfloat16 either way."""
+    configured = os.environ.get("ACS_ENGINE_DTYPE", "auto")
+    if configured in ("bfloat16", "float32"):
+        return getattr(torch, configured)
+    if configured != "auto":
+        raise ValueError(f"ACS_ENGINE_DTYPE must be auto, bfloat16 or float32, not {configured!r}")
+    try:
+        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        cpu_flags = set()
+    native_bf16 = {"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
 def load_model(cache_dir: Path | None = None) -> LoadedModel:
-    """Load the model (bfloat16, eval mode), building the cache first if it is missing."""
+    """Load the model (in `compute_dtype()`, eval mode), building the cache first if it is
+    missing."""
     cache_dir = cache_dir or default_cache_dir()
     if not (cache_dir / "config.json").exists():
         build_cache(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=compute_dtype())
     model.eval()
     return LoadedModel(
         model=model,

@@ -326,7 +326,8 @@ class Scheduler:
         """[layers, tokens, hidden] bf16 in request layer order, sent as raw bit patterns."""
         layers = sequence.request.prepared.capture_layers
         stacked = torch.stack([torch.cat(sequence.capture[layer]) for layer in layers])
-        return encode_bfloat16_bits(stacked.contiguous().view(torch.int16).numpy())
+        bf16 = stacked.to(torch.bfloat16).contiguous()
+        return encode_bfloat16_bits(bf16.view(torch.int16).numpy())
 
     def _merge(self, cache: DynamicCache, length: int, sequences: list[Sequence]) -> None:
         """Append the new rows' cache to the batch cache, left-padding the shorter side."""

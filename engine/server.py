@@ -122,6 +122,7 @@ async def models(request: Request) -> Response:
         "n_layers": loaded.n_layers,
         "hidden_size": loaded.hidden_size,
         "vocab_size": loaded.vocab_size,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
     }
     return json_response({"object": "list", "data": [card]})
 
