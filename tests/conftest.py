@@ -11,6 +11,8 @@ from django.conf import settings
 from accounts.models import AccessApplication, User, UserStatus
 from accounts.services import api_key_create
 
+from .servers import engine_server
+
 PASSWORD = "correct-horse-battery-staple"
 
 
@@ -76,3 +78,10 @@ def redis_client():
     client.flushdb()
     yield client
     client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def engine_url():
+    """Base URL of the real embedded engine, one per test session (it takes seconds to load)."""
+    with engine_server() as url:
+        yield url

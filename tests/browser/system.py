@@ -3,17 +3,14 @@ uvicorn serving acs_portal.asgi (portal, playground and the /v1 gateway) and a C
 each on a free loopback port, all stopped by `System.stop`."""
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from tests.servers import engine_command, free_port, stop, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WEB_BIN = REPO_ROOT / ".venv" / "bin"
-ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -23,28 +20,6 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait(url: str, ready, process: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        try:
-            if ready(httpx.get(url, timeout=2)):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start in time")
-        time.sleep(0.3)
 
 
 class System:
@@ -82,16 +57,7 @@ class System:
         }
         engine = self._spawn(
             "engine",
-            [
-                str(ENGINE_PYTHON),
-                "-m",
-                "engine",
-                "serve",
-                "--port",
-                str(self.engine_port),
-                "--log-level",
-                "warning",
-            ],
+            [*engine_command(self.engine_port), "--log-level", "warning"],
             {**env, "ACS_ENGINE_THREADS": env.get("ACS_ENGINE_THREADS", "1")},
         )
         web = self._spawn(
@@ -127,23 +93,12 @@ class System:
             ],
             env,
         )
-        _wait(f"{self.web_url}/login/", lambda r: r.status_code == 200, web, "uvicorn")
-        _wait(
-            f"{self.engine_url}/health",
-            lambda r: r.json().get("model_loaded"),
-            engine,
-            "engine",
-        )
+        wait_ready(f"{self.web_url}/login/", web, "uvicorn")
+        wait_ready(f"{self.engine_url}/health", engine, "the engine")
 
     def stop(self) -> None:
         for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)
         self.processes.clear()
 
 

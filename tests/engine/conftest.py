@@ -6,10 +6,8 @@ compute expected logprobs and hidden states directly.
 """
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,62 +17,33 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+
 MODEL = "smollm2-135m"
-STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EngineProcess:
-    """A running `python -m engine serve`; `client` talks to it."""
+    """A running `python -m engine serve` (this virtualenv's Python); `client` talks to it."""
 
     def __init__(self, extra_env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, **(extra_env or {})}
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "engine",
-                "serve",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-            ],
+            [*engine_command(self.port, sys.executable), "--log-level", "warning"],
             cwd=REPO_ROOT,
-            env=env,
+            env={**os.environ, **(extra_env or {})},
         )
         self.client = httpx.Client(base_url=self.url, timeout=120)
 
     def wait_until_loaded(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.process.returncode}")
-            try:
-                if self.client.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("engine did not load in time")
+        wait_ready(f"{self.url}/health", self.process, "the engine")
 
     def stats(self) -> dict:
         return self.client.get("/health").json()
 
     def close(self) -> None:
         self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop(self.process)
 
 
 @pytest.fixture(scope="session")

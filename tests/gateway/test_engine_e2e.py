@@ -1,12 +1,6 @@
 """End to end against the real embedded engine (a subprocess of .venv-engine): logprobs,
 prompt logprobs, prompt-token counts, capture and steering through the gateway."""
 
-import os
-import shutil
-import subprocess
-import time
-from pathlib import Path
-
 import httpx
 import numpy as np
 import openai
@@ -22,55 +16,7 @@ from .conftest import SETTLED_HOOKS, wait_settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"
 PROMPT = "The capital of France is"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def engine_url():
-    port = _free_port()
-    env = {**os.environ, "ACS_ENGINE_THREADS": "2"}
-    process = subprocess.Popen(
-        [
-            str(ENGINE_PYTHON),
-            "-m",
-            "engine",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, "the engine exited"
-            assert time.monotonic() < deadline, "the engine did not load in time"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -123,25 +69,18 @@ def test_engine_logprobs_and_prompt_logprobs_through_the_sdk(sdk):
     )
 
 
-def test_gateway_prompt_token_count_matches_engine_usage(sdk, engine_url, api_key):
+def test_gateway_counts_prompt_tokens_with_the_engines_tokenizer_json(sdk, api_key):
     from accounts.models import BudgetReservation
 
+    tokenizer._tokenizers.clear()
+    tokenizer._missing_until.clear()
     prompts = [PROMPT, "Interpretability research reads the residual stream. 🙂 ünïcode"]
-    for source in ("tokenize endpoint", "local tokenizer.json"):
-        if source == "local tokenizer.json":
-            # The engine's own tokenizer file, as the gateway would have fetched and cached it.
-            tokenizer._tokenizers.clear()
-            tokenizer._missing_until.clear()
-            cached = tokenizer._cache_path("smollm2-135m", engine_url)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path.home() / ".cache/acs-engine/smollm2-135m/tokenizer.json", cached)
-        BudgetReservation.objects.all().delete()
-        completion = sdk.completions.create(
-            model="smollm2-135m", prompt=prompts, max_tokens=1, temperature=0
-        )
-        reservation = BudgetReservation.objects.get()
-        assert reservation.prompt_tokens == completion.usage.prompt_tokens, source
-    assert tokenizer._tokenizers, "the local tokenizer was used"
+    completion = sdk.completions.create(
+        model="smollm2-135m", prompt=prompts, max_tokens=1, temperature=0
+    )
+    reservation = BudgetReservation.objects.get()
+    assert reservation.prompt_tokens == completion.usage.prompt_tokens
+    assert any(tokenizer._tokenizers.values()), "the gateway fetched /tokenizer.json"
 
 
 def test_engine_capture_decodes_with_acs_client(client, engine_model):

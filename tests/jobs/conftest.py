@@ -2,13 +2,6 @@
 pointing at it, a temporary MEDIA_ROOT, and Celery sends recorded instead of delivered, so a
 test runs each worker step itself."""
 
-import os
-import socket
-import subprocess
-import time
-from pathlib import Path
-
-import httpx
 import pytest
 from django.db import connections
 
@@ -16,54 +9,7 @@ from api.jobs import tasks
 from api.models import LanguageModel
 from api.selectors import registry_clear
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
 ENGINE_MODEL = "smollm2-135m"
-STARTUP_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def engine_url():
-    """Base URL of a real `python -m engine serve` on a free loopback port."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [
-            str(ENGINE_PYTHON),
-            "-m",
-            "engine",
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO_ROOT,
-        env={**os.environ, "ACS_ENGINE_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine exited with {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("model_loaded"):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("engine did not load its model in time")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="session", autouse=True)

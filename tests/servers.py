@@ -1,0 +1,76 @@
+"""Starting the project's servers for tests: free loopback ports, the real embedded engine as
+a subprocess, and waiting until a server is ready. Plain Python (stdlib + httpx), so the
+engine suite (in .venv-engine) and the web suites (in .venv) share it."""
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
+# The first start on a new machine dequantises the model (about 30 s on a quiet machine).
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(
+    url: str,
+    process: subprocess.Popen,
+    what: str,
+    ready: Callable[[httpx.Response], bool] = lambda response: response.status_code == 200,
+) -> None:
+    """Poll `url` until `ready(response)`; fail at once if `process` exits, or on timeout."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            if ready(httpx.get(url, timeout=2)):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start within {STARTUP_TIMEOUT_S} s")
+        time.sleep(0.3)
+
+
+def engine_command(port: int, python: str | Path = ENGINE_PYTHON) -> list[str]:
+    return [str(python), "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextmanager
+def engine_server(extra_env: dict | None = None) -> Iterator[str]:
+    """Run `python -m engine serve` (from .venv-engine) on a free port until the model is
+    loaded; yields its base URL and stops it afterwards."""
+    port = free_port()
+    process = subprocess.Popen(
+        [*engine_command(port), "--log-level", "warning"],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(extra_env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/health", process, "the engine")
+        yield url
+    finally:
+        stop(process)
