@@ -29,6 +29,7 @@ services:
 	scripts/ensure-redis
 
 run: $(VENV)/.installed $(ENGINE_VENV)/.installed services
+	mkdir -p .run
 	$(PY) manage.py migrate --noinput -v 0
 	$(PY) manage.py acs_demo
 	$(VENV)/bin/honcho start -f Procfile
