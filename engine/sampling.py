@@ -40,7 +40,21 @@ def select_token(
     probs = torch.softmax(logits, dim=-1)
     if params.min_p > 0:
         probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sample_index(probs, generator)
+
+
+def sample_index(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw an index with probability proportional to `probs` [vocab] (not necessarily
+    normalised) by inverse-transform sampling: one uniform draw against the cumulative sum.
+    Same distribution as torch.multinomial, which costs ~1.6 ms on a 49k vocabulary here —
+    most of a 16-sequence decode step's sampling time — against ~0.1 ms for this."""
+    cumulative = torch.cumsum(probs, dim=-1)
+    target = torch.rand((), generator=generator) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index == cumulative.shape[-1]:
+        # Float rounding put the target at the very end: the last token with mass is meant.
+        index = int(torch.nonzero(probs).max())
+    return index
 
 
 def apply_penalties(logits, params: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:

@@ -189,3 +189,19 @@ def test_tokenizer_json_counts_like_tokenize(client):
     for prompt in [PARIS_PROMPT, "Interpretability reads the residual stream. 🙂 <b>x</b>"]:
         expected = client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
         assert tokenizer.encode(prompt).ids == expected
+
+
+def test_sampling_draws_tokens_in_proportion_to_their_probability():
+    import collections
+
+    import torch
+
+    from engine.sampling import sample_index
+
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    counts = collections.Counter(sample_index(probs, generator) for _ in range(20_000))
+    assert counts[1] == 0
+    for index, expected in [(0, 0.1), (2, 0.6), (3, 0.3)]:
+        assert abs(counts[index] / 20_000 - expected) < 0.015
