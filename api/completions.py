@@ -278,7 +278,7 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
         workload=workload,
         stream=True,
     )
-    status, error_code, opened = 500, "internal_error", False
+    status, error_code, opened, finished = 500, "internal_error", False, False
     try:
         state.valid = await validate_completion(payload)
         include_usage = bool(
@@ -301,6 +301,10 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
                     continue
                 if raw == b"[DONE]":
                     state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+                    # Settled before [DONE]: a client that has read it finds its usage and
+                    # budgets already current (and SDKs stop reading at [DONE]).
+                    await state.finish(status=status, error_code=error_code)
+                    finished = True
                     yield b"data: [DONE]\n\n"
                     break
                 frame = json.loads(raw)
@@ -343,4 +347,5 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
-        await state.finish(status=status, error_code=error_code)
+        if not finished:
+            await state.finish(status=status, error_code=error_code)
