@@ -165,13 +165,19 @@ def _windows_params(*, key_id, user_id, month, day):
     return [key_id, adapt(month), adapt(day), user_id, adapt(month)]
 
 
+def _windows_locking_select(columns: str) -> str:
+    """SELECT `columns` of a key's and account's windows, locking them in id order (so
+    concurrent requests cannot deadlock); SQLite has no row locks and serialises writers."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    return f"SELECT {columns} FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}"
+
+
 def _lock_window_ids(*, key_id, user_id, month, day) -> list[int]:
     """Lock the key's month and day rows and the account's month row, in id order (so
     concurrent requests cannot deadlock), and return their ids."""
-    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}",
+            _windows_locking_select("id"),
             _windows_params(key_id=key_id, user_id=user_id, month=month, day=day),
         )
         return [row[0] for row in cursor.fetchall()]
@@ -179,8 +185,7 @@ def _lock_window_ids(*, key_id, user_id, month, day) -> list[int]:
 
 def _lock_windows(*, key: ApiKey, month, day) -> _Windows:
     """Lock (creating them if needed) and read the key's and account's budget windows."""
-    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
-    sql = f"SELECT * FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}"
+    sql = _windows_locking_select("*")
     params = _windows_params(key_id=key.pk, user_id=key.user_id, month=month, day=day)
     rows = list(UsagePeriod.objects.raw(sql, params))
     if len(rows) < 3:
