@@ -1,5 +1,6 @@
 """The ASGI entry point: the portal and the /v1 gateway in one process.
 
+/v1/completions, the hot path, is a plain ASGI application (`api.completions_app`). Other
 /v1 requests go to a handler with only the middleware the API needs. Django runs each
 classic (MiddlewareMixin) middleware in a thread hop per request under ASGI; the portal's
 session, CSRF, auth and message middleware cost the API several milliseconds per request
@@ -15,6 +16,8 @@ from django.core.handlers.asgi import ASGIHandler
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
 portal_application = get_asgi_application()
+
+from api.completions_app import completions_app  # noqa: E402 (needs the apps loaded)
 
 
 class GatewayHandler(ASGIHandler):
@@ -36,5 +39,7 @@ gateway_application = GatewayHandler()
 
 async def application(scope, receive, send):
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["path"] == "/v1/completions":
+            return await completions_app(scope, receive, send)
         return await gateway_application(scope, receive, send)
     return await portal_application(scope, receive, send)

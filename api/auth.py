@@ -17,7 +17,12 @@ def _authenticate(authorization, scope):
 async def authenticate(request, *, scope: str = Scope.COMPLETIONS) -> ApiKey:
     """The active key (with `.user` loaded) of the request's `Authorization` header, or
     ApiError 401/403 with the contract's code."""
-    outcome = await run_db(_authenticate, request.headers.get("Authorization"), scope)
+    return await authenticate_header(request.headers.get("Authorization"), scope=scope)
+
+
+async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKey:
+    """`authenticate` for an `Authorization` header value."""
+    outcome = await run_db(_authenticate, authorization, scope)
     if isinstance(outcome, AuthError):
         raise ApiError(outcome.status, outcome.code, outcome.message)
     return outcome

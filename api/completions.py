@@ -7,6 +7,7 @@ budget → upstream → settle to the actual usage → one usage record.
 
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import time
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds without an upstream frame after which a `: keepalive` comment is sent.
 KEEPALIVE_S = 15.0
+# Non-streaming bodies at least this large are gzipped for clients that accept it.
+GZIP_MIN_BYTES = 1024
 
 _background: set[asyncio.Future] = set()
 
@@ -45,6 +48,16 @@ class CompletionResult:
         if self.content is None:
             self.content = json.dumps(self.body, separators=(",", ":")).encode()
         return self.content
+
+    def for_client(self, accept_encoding: str) -> tuple[bytes, dict]:
+        """The body to send and the headers that go with it (the result's own, plus
+        Content-Encoding and Vary when a large body is gzipped for a client that accepts it)."""
+        content, headers = self.encoded(), dict(self.headers)
+        if len(content) >= GZIP_MIN_BYTES and "gzip" in accept_encoding:
+            content = gzip.compress(content, compresslevel=5)
+            headers["Content-Encoding"] = "gzip"
+            headers["Vary"] = "Accept-Encoding"
+        return content, headers
 
 
 class _Request:

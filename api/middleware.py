@@ -10,9 +10,13 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
-def request_id_for(request) -> str:
-    inbound = request.headers.get("X-Request-Id", "")
+def request_id_from(inbound: str) -> str:
+    """`inbound` (an X-Request-Id header value) if it is safe to echo, else a new id."""
     return inbound if _SAFE_REQUEST_ID.match(inbound) else f"req_{uuid.uuid4().hex}"
+
+
+def request_id_for(request) -> str:
+    return request_id_from(request.headers.get("X-Request-Id", ""))
 
 
 class RequestIdMiddleware:

@@ -5,7 +5,6 @@ from . import views
 app_name = "api"
 
 urlpatterns = [
-    path("completions", views.completions, name="completions"),
     path("chat/completions", views.chat_completions, name="chat_completions"),
     path("models", views.models, name="models"),
     path("models/<str:model_id>", views.model_detail, name="model_detail"),

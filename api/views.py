@@ -1,10 +1,8 @@
 """The /v1 gateway views (async). Thin: authenticate, read the body, call one service."""
 
 import functools
-import gzip
-import json
 
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
@@ -12,16 +10,14 @@ from accounts.selectors import budget_windows
 
 from . import upstream
 from .auth import authenticate
-from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
+from .bodies import check_declared_length, decode_json
+from .completions import CompletionResult
 from .db import run_db
 from .errors import ApiError, error_response
 from .middleware import request_id_for
 from .openapi import openapi_document
 from .schemas import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_BODY_BYTES, MAX_STEERING_VECTORS
 from .selectors import model_get, model_list
-
-# Non-streaming bodies at least this large are gzipped for clients that accept it.
-GZIP_MIN_BYTES = 1024
 
 
 def request_id(request) -> str:
@@ -52,69 +48,17 @@ def allow(*methods):
 def read_json_body(request):
     """The decoded JSON body; 413 request_too_large (checked before parsing, from the
     declared length and then the bytes actually sent) or 400 bad_json."""
-    declared = request.headers.get("Content-Length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large()
+    check_declared_length(request.headers.get("Content-Length"))
     # Read the stream directly: request.body would apply Django's smaller form-upload limit.
-    raw = request.read(MAX_BODY_BYTES + 1)
-    if len(raw) > MAX_BODY_BYTES:
-        raise _too_large()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, "bad_json", f"The body is not valid JSON: {error}.") from None
-
-
-def _too_large() -> ApiError:
-    return ApiError(
-        413, "request_too_large", f"The request body exceeds {MAX_BODY_BYTES} bytes (8 MiB)."
-    )
+    return decode_json(request.read(MAX_BODY_BYTES + 1))
 
 
 def result_response(request, result: CompletionResult) -> HttpResponse:
-    content = result.encoded()
+    content, headers = result.for_client(request.headers.get("Accept-Encoding", ""))
     response = HttpResponse(content, status=result.status, content_type="application/json")
-    if len(content) >= GZIP_MIN_BYTES and "gzip" in request.headers.get("Accept-Encoding", ""):
-        response.content = gzip.compress(content, compresslevel=5)
-        response["Content-Encoding"] = "gzip"
-        response["Vary"] = "Accept-Encoding"
-    for name, value in result.headers.items():
+    for name, value in headers.items():
         response[name] = value
     response["X-Request-Id"] = request_id(request)
-    return response
-
-
-@csrf_exempt
-@allow("POST")
-async def completions(request):
-    rid = request_id(request)
-    try:
-        key = await authenticate(request)
-        payload = read_json_body(request)
-    except ApiError as error:
-        return error_response(error, rid)
-    workload = request.headers.get("X-Acs-Workload", "")
-    if isinstance(payload, dict) and payload.get("stream") is True:
-        return await _stream_response(request, key, payload, rid, workload)
-    result = await completion_run(
-        key=key, payload=payload, request_id=rid, workload=workload, settle_in_background=True
-    )
-    return result_response(request, result)
-
-
-async def _stream_response(request, key, payload, rid, workload):
-    frames = completion_stream(key=key, payload=payload, request_id=rid, workload=workload)
-    first = await anext(frames)
-    if isinstance(first, CompletionResult):
-        await frames.aclose()
-        return result_response(request, first)
-    assert isinstance(first, StreamOpened)
-    response = StreamingHttpResponse(frames, content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"
-    for name, value in first.headers.items():
-        response[name] = value
-    response["X-Request-Id"] = rid
     return response
 
 

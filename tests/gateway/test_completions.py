@@ -165,3 +165,43 @@ def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, ap
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
+
+
+def test_client_leaving_a_non_streaming_request_releases_its_hold(
+    gateway_url, api_secret, stub, model, api_key
+):
+    import time
+
+    import httpx
+    from asgiref.sync import async_to_sync
+
+    from api.admission import admission_counts
+
+    stub.mode["delay"] = 2.0
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {api_secret}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not UsageRecord.objects.exists():
+        assert time.monotonic() < deadline, "the abandoned request was never metered"
+        time.sleep(0.05)
+    record = UsageRecord.objects.get()
+    assert record.status_code == 499 and record.error_code == "client_disconnected"
+    reservation = BudgetReservation.objects.get()
+    assert reservation.status == ReservationStatus.SETTLED
+    assert reservation.settled_completion_tokens == 0
+    assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
+
+
+def test_unexpected_failure_is_a_500_envelope_not_a_traceback(client, stub, monkeypatch):
+    from api import completions_app
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(completions_app, "authenticate_header", broken)
+    response = client.post("/v1/completions", json={"model": "stub-model", "prompt": "hello"})
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"
+    assert response.headers["X-Request-Id"] in response.json()["error"]["message"]
