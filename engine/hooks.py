@@ -15,11 +15,14 @@ from engine.preparation import SteeringAddition
 @dataclass
 class RowHooks:
     """What one batch row needs: its steering additions per layer, its capture store (layer ->
-    list of [tokens, hidden] tensors, or None), and the absolute positions of its input tokens."""
+    list of [tokens, hidden] tensors, or None), the absolute positions of its input tokens, and
+    `offset`, the number of padding positions before them in the batch's time dimension (left
+    padding of a batched prefill; 0 in a decode step). Padding is never steered or captured."""
 
     steering: dict[int, list[SteeringAddition]]
     capture: dict[int, list[torch.Tensor]] | None
     positions: list[int]
+    offset: int = 0
 
     def layers(self) -> set[int]:
         return set(self.steering) | set(self.capture or ())
@@ -41,11 +44,13 @@ def _block_hook(layer: int, rows: list[RowHooks]):
     def hook(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
         for row_index, row in enumerate(rows):
+            # A view of the row's real tokens: steering in place writes through to `hidden`.
+            tokens = hidden[row_index, row.offset :]
             for addition in row.steering.get(layer, ()):
-                add_steering(hidden[row_index], addition, row.positions)
+                add_steering(tokens, addition, row.positions)
             # Captured after steering: a capture records the steered state.
             if row.capture is not None and layer in row.capture:
-                row.capture[layer].append(hidden[row_index].clone())
+                row.capture[layer].append(tokens.clone())
         return output
 
     return hook

@@ -1,10 +1,10 @@
 """Step-level continuous batching on one dedicated thread, which alone touches the model.
 
-Each loop iteration admits waiting prompts (prefilled one prompt at a time, its KV cache copied
-for its n samples and merged into the running batch), then runs one batched decode step over
-every active sequence. The batch's KV cache is left-padded: each row's padding is masked out
-and each row gets its own position ids, so a sequence's output does not depend on its batch
-beyond floating-point noise.
+Each loop iteration admits the waiting prompts that fit, prefilling them all in one left-padded
+forward pass (each prompt's KV cache row then copied for its n samples and merged into the
+running batch), then runs one batched decode step over every active sequence. Every batch is
+left-padded: each row's padding is masked out and each row gets its own position ids, so a
+sequence's output does not depend on its batch beyond floating-point noise.
 """
 
 import asyncio
@@ -99,8 +99,8 @@ class Sequence:
     def dropped(self) -> bool:
         return self.finished or self.request.cancelled
 
-    def hooks(self, positions: list[int]) -> RowHooks:
-        return RowHooks(self.request.prepared.steering, self.capture, positions)
+    def hooks(self, positions: list[int], offset: int = 0) -> RowHooks:
+        return RowHooks(self.request.prepared.steering, self.capture, positions, offset)
 
 
 class Scheduler:
@@ -118,7 +118,7 @@ class Scheduler:
         self._active: list[Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
-        self._prefilling: EngineRequest | None = None
+        self._prefilling: set[EngineRequest] = set()
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -178,41 +178,70 @@ class Scheduler:
             return not self._stopping
 
     def _admit_waiting(self) -> None:
-        while True:
-            with self._condition:
-                if not self._waiting:
-                    return
+        groups = self._take_admissible()
+        if groups:
+            self._prefilling = {group.request for group in groups}
+            self._prefill(groups)
+            self._prefilling = set()
+
+    def _take_admissible(self) -> list[PromptGroup]:
+        """Dequeue the waiting groups, in queue order, that fit beside the active sequences
+        and in one prefill batch (see `_padding_acceptable`); cancelled groups are dropped on
+        the way."""
+        room = self.max_active - len(self._active)
+        admitted, longest, real_tokens = [], 0, 0
+        with self._condition:
+            while self._waiting:
                 group = self._waiting[0]
-                if not group.request.cancelled and len(self._active) + group.size > self.max_active:
-                    return
+                length = len(group.request.prepared.prompts[group.prompt_index])
+                if not group.request.cancelled and (
+                    group.size > room
+                    or (
+                        admitted
+                        and not _padding_acceptable(
+                            len(admitted) + 1, max(longest, length), real_tokens + length
+                        )
+                    )
+                ):
+                    break
                 self._waiting.popleft()
                 self._waiting_sequences -= group.size
-            if not group.request.cancelled:
-                self._prefilling = group.request
-                self._prefill(group)
-                self._prefilling = None
+                if not group.request.cancelled:
+                    admitted.append(group)
+                    room -= group.size
+                    longest, real_tokens = max(longest, length), real_tokens + length
+        return admitted
 
-    def _prefill(self, group: PromptGroup) -> None:
-        request = group.request
-        prepared = request.prepared
-        prompt_ids = prepared.prompts[group.prompt_index]
-        sequences = [self._new_sequence(group, sample) for sample in range(group.size)]
+    def _prefill(self, groups: list[PromptGroup]) -> None:
+        """Prefill the groups' prompts in one left-padded forward pass, add their sequences to
+        the running batch, and sample each sequence's first token."""
+        prompts = [group.request.prepared.prompts[group.prompt_index] for group in groups]
+        samples = [[self._new_sequence(group, i) for i in range(group.size)] for group in groups]
+        input_ids, mask = _padded_prompts(prompts)
+        offsets = [input_ids.shape[1] - len(prompt_ids) for prompt_ids in prompts]
+        # Samples of one prompt share its steering and, as capture allows only n = 1, its
+        # capture store: the first sample's hooks stand for the prompt's row.
+        hooks = [
+            sequences[0].hooks(list(range(len(prompt_ids))), offset)
+            for sequences, prompt_ids, offset in zip(samples, prompts, offsets, strict=True)
+        ]
         cache = DynamicCache(config=self.loaded.model.config)
-        hooks = [sequences[0].hooks(list(range(len(prompt_ids))))]
-        with block_hooks(self.loaded.model.model.layers, hooks):
-            output = self.loaded.model.model(
-                input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True
-            )
-        final_hidden = output.last_hidden_state[0]
-        logits = self.loaded.model.lm_head(final_hidden[-1]).float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        first_delta = self._prompt_outputs(prepared, prompt_ids, final_hidden)
-        if group.size > 1:
-            cache.batch_repeat_interleave(group.size)
-        self._merge(cache, len(prompt_ids), sequences)
-        for sequence in sequences:
-            sequence.cached_tokens = len(prompt_ids)
-            self._accept_token(sequence, logits, logprobs, first_delta)
+        position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        final_hidden = self._forward(input_ids, mask, position_ids, cache, hooks)
+        logits = self.loaded.model.lm_head(final_hidden[:, -1]).float()
+        logprobs = _reported_logprobs(logits, [group.request for group in groups])
+        sizes = torch.tensor([group.size for group in groups])
+        _repeat_rows(cache, sizes)
+        new_rows = [sequence for sequences in samples for sequence in sequences]
+        self._merge(cache, mask.repeat_interleave(sizes, dim=0), new_rows)
+        for row, (group, sequences) in enumerate(zip(groups, samples, strict=True)):
+            # One prompt at a time, so that at most one prompt's scores are held before they
+            # are emitted (full-vocabulary prompt_logprobs are large).
+            prompt_hidden = final_hidden[row, offsets[row] :]
+            first_delta = self._prompt_outputs(group.request.prepared, prompts[row], prompt_hidden)
+            for sequence in sequences:
+                sequence.cached_tokens = len(prompts[row])
+                self._accept_token(sequence, logits[row], logprobs[row], first_delta)
 
     def _new_sequence(self, group: PromptGroup, sample: int) -> Sequence:
         prepared = group.request.prepared
@@ -259,23 +288,30 @@ class Scheduler:
         position_ids = torch.tensor([[sequence.cached_tokens] for sequence in rows])
         self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
         hooks = [sequence.hooks([sequence.cached_tokens]) for sequence in rows]
-        with block_hooks(self.loaded.model.model.layers, hooks):
-            output = self.loaded.model.model(
-                input_ids=input_ids,
-                attention_mask=self._mask,
-                position_ids=position_ids,
-                cache=self._cache,
-                use_cache=True,
-            )
-        logits = self.loaded.model.lm_head(output.last_hidden_state[:, -1]).float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        final_hidden = self._forward(input_ids, self._mask, position_ids, self._cache, hooks)
+        logits = self.loaded.model.lm_head(final_hidden[:, -1]).float()
+        logprobs = _reported_logprobs(logits, [sequence.request for sequence in rows])
         for row, sequence in enumerate(rows):
             sequence.cached_tokens += 1
             if not sequence.dropped:
                 self._accept_token(sequence, logits[row], logprobs[row])
 
+    def _forward(self, input_ids, mask, position_ids, cache, hooks: list[RowHooks]) -> torch.Tensor:
+        """Run the model over left-padded `input_ids` [rows, tokens], appending to `cache`, with
+        each row steered and captured as its RowHooks say; the final (normed) hidden states."""
+        with block_hooks(self.loaded.model.model.layers, hooks):
+            output = self.loaded.model.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        return output.last_hidden_state
+
     def _accept_token(self, sequence: Sequence, logits, logprobs, first: ChoiceDelta | None = None):
-        """Sample the sequence's next token, report it, and finish the sequence if it is done."""
+        """Sample the sequence's next token, report it, and finish the sequence if it is done.
+        `logprobs` (the row's log-softmax) may be None unless the request reports logprobs."""
         params = sequence.request.prepared.params
         token = select_token(
             logits, params, sequence.generator, sequence.prompt_ids, sequence.output_ids
@@ -329,11 +365,12 @@ class Scheduler:
         bf16 = stacked.to(torch.bfloat16).contiguous()
         return encode_bfloat16_bits(bf16.view(torch.int16).numpy())
 
-    def _merge(self, cache: DynamicCache, length: int, sequences: list[Sequence]) -> None:
-        """Append the new rows' cache to the batch cache, left-padding the shorter side."""
-        new_mask = torch.ones(len(sequences), length, dtype=torch.long)
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[Sequence]) -> None:
+        """Append the new rows' cache and attention mask [rows, length] (0 on their padding) to
+        the batch's, left-padding the shorter side."""
+        length = mask.shape[1]
         if self._cache is None:
-            self._cache, self._mask = cache, new_mask
+            self._cache, self._mask = cache, mask
         else:
             batch_length = self._mask.shape[1]
             target = max(batch_length, length)
@@ -344,7 +381,7 @@ class Scheduler:
                 batch_layer.values = torch.cat(
                     [_pad_left(batch_layer.values, target), _pad_left(new_layer.values, target)]
                 )
-            self._mask = torch.cat([_pad_left(self._mask, target), _pad_left(new_mask, target)])
+            self._mask = torch.cat([_pad_left(self._mask, target), _pad_left(mask, target)])
         self._active.extend(sequences)
 
     def _drop_finished(self) -> None:
@@ -365,14 +402,53 @@ class Scheduler:
             layer.values = layer.values[index, :, first_used:]
 
     def _fail_active(self) -> None:
-        failed = {sequence.request for sequence in self._active}
-        if self._prefilling is not None:
-            failed.add(self._prefilling)
-            self._prefilling = None
+        failed = {sequence.request for sequence in self._active} | self._prefilling
+        self._prefilling = set()
         for request in failed:
             request.emit(RequestFailed("internal_error", "the model step failed; see engine log"))
             request.cancel()
         self._active, self._cache, self._mask = [], None, None
+
+
+# Padding a prefill batch may add at most half its real tokens, plus this slack, which keeps
+# short prompts together: a 10-token prompt padded to a 2,000-token one would cost almost a
+# second prefill of the long one (measured: 2.9 s batched against 1.55 s one after the other).
+PADDING_SLACK_TOKENS = 256
+
+
+def _padding_acceptable(rows: int, longest: int, real_tokens: int) -> bool:
+    return rows * longest <= 1.5 * real_tokens + PADDING_SLACK_TOKENS
+
+
+def _padded_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [prompts, longest] left-padded with id 0 (any id would do: the mask hides it),
+    and the attention mask, 0 on padding."""
+    length = max(len(prompt_ids) for prompt_ids in prompts)
+    input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, prompt_ids in enumerate(prompts):
+        input_ids[row, length - len(prompt_ids) :] = torch.tensor(prompt_ids)
+        mask[row, length - len(prompt_ids) :] = 1
+    return input_ids, mask
+
+
+def _reported_logprobs(
+    logits: torch.Tensor, requests: list[EngineRequest]
+) -> list[torch.Tensor | None]:
+    """Per row of `logits` [rows, vocab], its log-softmax, or None for every row when no row's
+    request reports logprobs: the full-vocabulary pass is skipped in that common case."""
+    if all(request.prepared.params.logprobs is None for request in requests):
+        return [None] * len(logits)
+    return list(torch.log_softmax(logits, dim=-1))
+
+
+def _repeat_rows(cache: DynamicCache, counts: torch.Tensor) -> None:
+    """Repeat row i of every layer's keys and values counts[i] times (a prompt's n samples)."""
+    if bool((counts == 1).all()):
+        return
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
+        layer.values = layer.values.repeat_interleave(counts, dim=0)
 
 
 def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:
