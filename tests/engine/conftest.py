@@ -83,6 +83,15 @@ def reference():
     return loaded
 
 
+def decode_logprob_tolerance() -> float:
+    """How far a logprob of a generated token may sit from a full forward pass's. The engine
+    decodes with a KV cache and batches; in float32 that changes logits by ~1e-5, in bfloat16
+    (the default on CPUs with native bf16) by up to one bf16 step of a logit of ~20 (0.125)."""
+    from engine.loader import compute_dtype
+
+    return 0.01 if compute_dtype() == torch.float32 else 0.15
+
+
 def reference_forward(reference, token_ids: list[int]):
     """Logits [tokens, vocab] (float32) and hidden states (tuple of [tokens, hidden] bf16)."""
     with torch.inference_mode():

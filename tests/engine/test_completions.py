@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from conftest import MODEL, reference_forward
+from conftest import MODEL, decode_logprob_tolerance, reference_forward
 
 PARIS_PROMPT = "The capital of France is"
 
@@ -91,7 +91,7 @@ def test_logprobs_are_the_raw_model_distribution(complete, reference):
         token_id = reference.token_strings.index(token)
         logits, _ = reference_forward(reference, ids)
         expected = torch.log_softmax(logits[-1], dim=-1)[token_id].item()
-        assert got == pytest.approx(expected, abs=0.05)
+        assert got == pytest.approx(expected, abs=decode_logprob_tolerance())
         ids.append(token_id)
     tokens = logprobs["tokens"]
     assert logprobs["text_offset"] == [0, len(tokens[0]), len(tokens[0] + tokens[1])]
