@@ -7,6 +7,7 @@ access or money take `acting_user` and write an `AuditLog` row in the same trans
 import base64
 import hashlib
 import hmac
+import json
 import re
 import secrets
 import string
@@ -17,7 +18,6 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import connection, transaction
-from django.db.models import F
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -150,15 +150,105 @@ class _Windows:
     account_month: UsagePeriod
 
 
-# The budget hot path runs on every API request, so it is written in plain SQL: building
-# the equivalent ORM queries cost several milliseconds of CPU per request on these machines.
+# The budget and usage writes run on every API request, so they are plain SQL (the ORM cost
+# several milliseconds of CPU per request on these machines), written as *step generators*:
+# a generator yields a batch of `(sql, params)` statements to run in one round trip, receives
+# the rows of the batch's last statement that returns rows, and finally returns its result.
+# `run_steps` runs one in a transaction on Django's connection; the gateway runs the same
+# generators on its async PostgreSQL pool (`api.db.run_steps_async`), so the logic exists once.
+Statements = list[tuple[str, list]]
+
 _PERIODS = UsagePeriod._meta.db_table
+_PERIOD_COLUMNS = [field.attname for field in UsagePeriod._meta.concrete_fields]
 _RESERVATIONS = BudgetReservation._meta.db_table
 _SPEND_CAP_PAUSED = f"SELECT spend_cap_paused FROM {ServiceSettings._meta.db_table} WHERE id = 1"
 _WINDOWS_WHERE = (
     "(key_id = %s AND ((period = 'month' AND start = %s) OR (period = 'day' AND start = %s)))"
     " OR (key_id IS NULL AND user_id = %s AND period = 'month' AND start = %s)"
 )
+# On PostgreSQL, lets the current transaction's COMMIT return before its WAL reaches disk
+# (for this transaction only). Locks, constraints and consistency are unchanged; only a crash
+# of the database server itself can lose the last fraction of a second of holds and usage.
+# That trade saves one disk flush (about 3 ms on this project's machines) on every API
+# request's hot path.
+_NO_FLUSH_WAIT = "SET LOCAL synchronous_commit = off"
+# May end the last batch of a step generator that is run on its own (not composed into a
+# bigger transaction): the async driver then commits in that round trip instead of another.
+# The sync driver leaves committing to its atomic block.
+COMMIT = ("COMMIT", [])
+
+
+class WindowsMissing(Exception):
+    """Raised by a step generator when a key's budget windows for the current period do not
+    exist yet: the driver rolls back, calls `create()` and runs the steps again."""
+
+    def __init__(self, *, key_id, user_id, month, day):
+        super().__init__(f"budget windows of key {key_id} for {day} do not exist yet")
+        self.key_id, self.user_id, self.month, self.day = key_id, user_id, month, day
+
+    def create(self) -> None:
+        UsagePeriod.objects.bulk_create(
+            [
+                UsagePeriod(
+                    user_id=self.user_id, key_id=self.key_id, period=Period.MONTH, start=self.month
+                ),
+                UsagePeriod(
+                    user_id=self.user_id, key_id=self.key_id, period=Period.DAY, start=self.day
+                ),
+                UsagePeriod(user_id=self.user_id, key=None, period=Period.MONTH, start=self.month),
+            ],
+            ignore_conflicts=True,
+        )
+
+
+def run_steps(make_steps):
+    """Run the step generator `make_steps()` in one transaction on Django's connection and
+    return its result (creating missing budget windows and starting again if it asks)."""
+    while True:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                steps, rows = make_steps(), None
+                while True:
+                    try:
+                        batch = steps.send(rows)
+                    except StopIteration as done:
+                        return done.value
+                    rows = _execute_in_one_trip(cursor, batch)
+        except WindowsMissing as missing:
+            missing.create()
+
+
+def statements_joined(statements: Statements) -> tuple[str, list]:
+    """One SQL string and parameter list for `statements`, to execute in one round trip with
+    client-side parameter binding (PostgreSQL)."""
+    return (
+        "; ".join(sql for sql, _ in statements),
+        [param for _, params in statements for param in params],
+    )
+
+
+def _execute_in_one_trip(cursor, statements: Statements) -> list:
+    """Execute statements in order, in one round trip on PostgreSQL, and return the rows of
+    the last one that returns rows. Skips `COMMIT`, and `_NO_FLUSH_WAIT` on other databases."""
+    statements = [statement for statement in statements if statement is not COMMIT]
+    if connection.vendor == "postgresql":
+        cursor.execute(*statements_joined(statements))
+        return rows_of_last_result(cursor)
+    rows = []
+    for sql, params in statements:
+        if sql != _NO_FLUSH_WAIT:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall() if cursor.description else rows
+    return rows
+
+
+def rows_of_last_result(cursor) -> list:
+    """After a multi-statement execute: the rows of the last statement that returned any."""
+    rows = cursor.fetchall() if cursor.description else []
+    while cursor.nextset():
+        if cursor.description:
+            rows = cursor.fetchall()
+    return rows
 
 
 def _windows_params(*, key_id, user_id, month, day):
@@ -173,61 +263,26 @@ def _windows_locking_select(columns: str) -> str:
     return f"SELECT {columns} FROM {_PERIODS} WHERE {_WINDOWS_WHERE} ORDER BY id{lock}"
 
 
-def _lock_windows(*, key: ApiKey, month, day) -> _Windows:
-    """Lock (creating them if needed) and read the key's and account's budget windows; each
-    row also carries the service's `spend_cap_paused` flag (None when never set), read in the
-    same round trip."""
-    sql = _windows_locking_select(f"*, ({_SPEND_CAP_PAUSED}) AS spend_cap_paused")
-    params = _windows_params(key_id=key.pk, user_id=key.user_id, month=month, day=day)
-    rows = list(UsagePeriod.objects.raw(sql, params))
-    if len(rows) < 3:
-        UsagePeriod.objects.bulk_create(
-            [
-                UsagePeriod(user_id=key.user_id, key=key, period=Period.MONTH, start=month),
-                UsagePeriod(user_id=key.user_id, key=key, period=Period.DAY, start=day),
-                UsagePeriod(user_id=key.user_id, key=None, period=Period.MONTH, start=month),
-            ],
-            ignore_conflicts=True,
+def _lock_windows_steps(*, key_id, user_id, month, day):
+    """Steps: lock and read the key's and account's windows; returns `(_Windows,
+    spend_cap_paused)`, the service's spend-cap flag being read in the same round trip."""
+    columns = ", ".join(_PERIOD_COLUMNS)
+    rows = yield [
+        (
+            _windows_locking_select(f"{columns}, ({_SPEND_CAP_PAUSED})"),
+            _windows_params(key_id=key_id, user_id=user_id, month=month, day=day),
         )
-        rows = list(UsagePeriod.objects.raw(sql, params))
-    by_role = {("key" if row.key_id else "account", row.period): row for row in rows}
-    return _Windows(
+    ]
+    if len(rows) < 3:
+        raise WindowsMissing(key_id=key_id, user_id=user_id, month=month, day=day)
+    periods = [UsagePeriod(**dict(zip(_PERIOD_COLUMNS, row, strict=False))) for row in rows]
+    by_role = {("key" if row.key_id else "account", row.period): row for row in periods}
+    windows = _Windows(
         key_month=by_role[("key", Period.MONTH)],
         key_day=by_role[("key", Period.DAY)],
         account_month=by_role[("account", Period.MONTH)],
     )
-
-
-# On PostgreSQL, lets the current transaction's COMMIT return before its WAL reaches disk
-# (for this transaction only). Locks, constraints and consistency are unchanged; only a crash
-# of the database server itself can lose the last fraction of a second of holds and usage.
-# That trade saves one disk flush (about 3 ms on this project's machines) on every API
-# request's hot path.
-_NO_FLUSH_WAIT = "SET LOCAL synchronous_commit = off"
-
-
-def _skip_commit_flush_wait():
-    """Run `_NO_FLUSH_WAIT` in the current transaction (PostgreSQL only)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(_NO_FLUSH_WAIT)
-
-
-def _execute_in_one_trip(cursor, statements: list[tuple[str, list]]) -> None:
-    """Execute `(sql, params)` statements in order, in one round trip on PostgreSQL (leaving
-    the cursor on the last statement's result). `_NO_FLUSH_WAIT` may be one of them: it is
-    skipped on other databases."""
-    if connection.vendor == "postgresql":
-        cursor.execute(
-            "; ".join(sql for sql, _ in statements),
-            [param for _, params in statements for param in params],
-        )
-        while cursor.nextset():
-            pass
-        return
-    for sql, params in statements:
-        if sql != _NO_FLUSH_WAIT:
-            cursor.execute(sql, params)
+    return windows, bool(rows[0][-1])
 
 
 def _remaining(limit, *counters):
@@ -265,84 +320,90 @@ def budget_reserve(
     fit, raise `BudgetExceeded`. `completions` is prompt_count × n. Concurrent calls never
     reserve past any limit. Always pair with `budget_settle`."""
     now = now or timezone.now()
-    month, day = month_start(now), day_start(now)
-    with transaction.atomic():
-        windows = _lock_windows(key=key, month=month, day=day)
-        if windows.key_month.spend_cap_paused:
-            raise BudgetExceeded("spend_cap", "The service is paused by its spend cap.")
-        if activation and windows.key_month.activation_requests >= key.monthly_activation_quota:
-            raise BudgetExceeded(
-                "activation_quota_exceeded",
-                "This key's monthly activation-request quota is spent; it resets on the 1st.",
-            )
-        remaining = budget_remaining(key=key, windows=windows)
-        total_left = min(
-            v
-            for name, v in remaining.items()
-            if v is not None and not name.startswith("key_monthly_")
-        )
-        input_left = remaining["key_monthly_input"]
-        output_left = remaining["key_monthly_output"]
-        room = total_left - prompt_tokens
-        if output_left is not None:
-            room = min(room, output_left)
-        applied = min(max_tokens, room // completions) if room > 0 else 0
-        if applied < 1 or (input_left is not None and prompt_tokens > input_left):
-            raise BudgetExceeded(
-                "budget_exceeded",
-                "This request does not fit in the remaining token budget of the key or account.",
-            )
-        output_tokens = applied * completions
-        window_ids = [windows.key_month.pk, windows.key_day.pk, windows.account_month.pk]
-        reservation = BudgetReservation(
+    return run_steps(
+        lambda: budget_reserve_steps(
             key=key,
-            user_id=key.user_id,
-            created_at=now,
-            month_start=month,
-            day_start=day,
             prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            max_tokens_requested=max_tokens,
-            max_tokens_applied=applied,
+            max_tokens=max_tokens,
+            completions=completions,
             activation=activation,
+            now=now,
         )
-        ops = connection.ops
-        hold = (
-            f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s,"
-            " reserved_input = reserved_input + %s, reserved_output = reserved_output + %s,"
-            " requests = requests + 1, activation_requests = activation_requests + %s"
-            " WHERE id IN (%s, %s, %s)",
-            [
-                prompt_tokens + output_tokens,
-                prompt_tokens,
-                output_tokens,
-                int(activation),
-                *window_ids,
-            ],
+    )
+
+
+def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activation, now):
+    """`budget_reserve` as steps (see `run_steps`)."""
+    month, day = month_start(now), day_start(now)
+    windows, spend_cap_paused = yield from _lock_windows_steps(
+        key_id=key.pk, user_id=key.user_id, month=month, day=day
+    )
+    if spend_cap_paused:
+        raise BudgetExceeded("spend_cap", "The service is paused by its spend cap.")
+    if activation and windows.key_month.activation_requests >= key.monthly_activation_quota:
+        raise BudgetExceeded(
+            "activation_quota_exceeded",
+            "This key's monthly activation-request quota is spent; it resets on the 1st.",
         )
-        insert = (
-            f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, month_start,"
-            " day_start, prompt_tokens, output_tokens, max_tokens_requested,"
-            " max_tokens_applied, activation, status)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
-            [
-                key.pk,
-                key.user_id,
-                ops.adapt_datetimefield_value(now),
-                ops.adapt_datefield_value(month),
-                ops.adapt_datefield_value(day),
-                prompt_tokens,
-                output_tokens,
-                max_tokens,
-                applied,
-                activation,
-                ReservationStatus.RESERVED,
-            ],
+    remaining = budget_remaining(key=key, windows=windows)
+    total_left = min(
+        v for name, v in remaining.items() if v is not None and not name.startswith("key_monthly_")
+    )
+    input_left = remaining["key_monthly_input"]
+    output_left = remaining["key_monthly_output"]
+    room = total_left - prompt_tokens
+    if output_left is not None:
+        room = min(room, output_left)
+    applied = min(max_tokens, room // completions) if room > 0 else 0
+    if applied < 1 or (input_left is not None and prompt_tokens > input_left):
+        raise BudgetExceeded(
+            "budget_exceeded",
+            "This request does not fit in the remaining token budget of the key or account.",
         )
-        with connection.cursor() as cursor:
-            _execute_in_one_trip(cursor, [(_NO_FLUSH_WAIT, []), hold, insert])
-            reservation.pk = cursor.fetchone()[0]
-        return reservation
+    output_tokens = applied * completions
+    window_ids = [windows.key_month.pk, windows.key_day.pk, windows.account_month.pk]
+    reservation = BudgetReservation(
+        key=key,
+        user_id=key.user_id,
+        created_at=now,
+        month_start=month,
+        day_start=day,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        max_tokens_requested=max_tokens,
+        max_tokens_applied=applied,
+        activation=activation,
+    )
+    ops = connection.ops
+    hold = (
+        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s,"
+        " reserved_input = reserved_input + %s, reserved_output = reserved_output + %s,"
+        " requests = requests + 1, activation_requests = activation_requests + %s"
+        " WHERE id IN (%s, %s, %s)",
+        [prompt_tokens + output_tokens, prompt_tokens, output_tokens, int(activation), *window_ids],
+    )
+    insert = (
+        f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, month_start,"
+        " day_start, prompt_tokens, output_tokens, max_tokens_requested,"
+        " max_tokens_applied, activation, status)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+        [
+            key.pk,
+            key.user_id,
+            ops.adapt_datetimefield_value(now),
+            ops.adapt_datefield_value(month),
+            ops.adapt_datefield_value(day),
+            prompt_tokens,
+            output_tokens,
+            max_tokens,
+            applied,
+            activation,
+            ReservationStatus.RESERVED,
+        ],
+    )
+    rows = yield [(_NO_FLUSH_WAIT, []), hold, insert, COMMIT]
+    reservation.pk = rows[0][0]
+    return reservation
 
 
 def budget_settle(
@@ -350,9 +411,20 @@ def budget_settle(
 ) -> bool:
     """Replace a reservation's hold by the actual usage. Idempotent: settling twice changes
     nothing and returns False. `release=True` marks a reservation freed by the sweep."""
+    return run_steps(
+        lambda: budget_settle_steps(
+            reservation_id=reservation_id,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            release=release,
+        )
+    )
+
+
+def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, release=False):
+    """`budget_settle` as steps (see `run_steps`)."""
     status = ReservationStatus.RELEASED if release else ReservationStatus.SETTLED
-    # savepoint=False: callers (the gateway's metering) often settle inside their own
-    # transaction, and a savepoint would cost two more round-trips for nothing.
+    # The conditional update is the lock and the idempotency check at once.
     settle = (
         f"UPDATE {_RESERVATIONS} SET status = %s, settled_prompt_tokens = %s,"
         " settled_completion_tokens = %s, settled_at = %s"
@@ -367,32 +439,29 @@ def budget_settle(
             ReservationStatus.RESERVED,
         ],
     )
-    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
-        # The conditional update is the lock and the idempotency check at once.
-        _execute_in_one_trip(cursor, [(_NO_FLUSH_WAIT, []), settle])
-        row = cursor.fetchone()
-        if row is None:
-            return False
-        key_id, user_id, month, day, held_prompt, held_output = row
-        windows = _windows_params(key_id=key_id, user_id=user_id, month=month, day=day)
-        move = (
-            f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
-            " reserved_input = reserved_input - %s, reserved_output = reserved_output - %s,"
-            " used_tokens = used_tokens + %s, used_input = used_input + %s,"
-            f" used_output = used_output + %s WHERE {_WINDOWS_WHERE}",
-            [
-                held_prompt + held_output,
-                held_prompt,
-                held_output,
-                prompt_tokens + completion_tokens,
-                prompt_tokens,
-                completion_tokens,
-                *windows,
-            ],
-        )
-        # Locked first, in id order, so that concurrent settlements cannot deadlock.
-        _execute_in_one_trip(cursor, [(_windows_locking_select("id"), windows), move])
-        return True
+    rows = yield [(_NO_FLUSH_WAIT, []), settle]
+    if not rows:
+        return False
+    key_id, user_id, month, day, held_prompt, held_output = rows[0]
+    windows = _windows_params(key_id=key_id, user_id=user_id, month=month, day=day)
+    move = (
+        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
+        " reserved_input = reserved_input - %s, reserved_output = reserved_output - %s,"
+        " used_tokens = used_tokens + %s, used_input = used_input + %s,"
+        f" used_output = used_output + %s WHERE {_WINDOWS_WHERE}",
+        [
+            held_prompt + held_output,
+            held_prompt,
+            held_output,
+            prompt_tokens + completion_tokens,
+            prompt_tokens,
+            completion_tokens,
+            *windows,
+        ],
+    )
+    # Locked first, in id order, so that concurrent settlements cannot deadlock.
+    yield [(_windows_locking_select("id"), windows), move]
+    return True
 
 
 def budget_release_stale(*, older_than) -> int:
@@ -411,25 +480,48 @@ def harvest_quota_consume(*, key: ApiKey, now=None) -> None:
     """Count one harvest job against the key's monthly quota, or raise `BudgetExceeded`
     (harvest_quota_exceeded)."""
     now = now or timezone.now()
-    with transaction.atomic():
-        windows = _lock_windows(key=key, month=month_start(now), day=day_start(now))
-        if windows.key_month.harvest_jobs >= key.monthly_harvest_quota:
-            raise BudgetExceeded(
-                "harvest_quota_exceeded",
-                "This key's monthly harvest-job quota is spent; it resets on the 1st.",
-            )
-        UsagePeriod.objects.filter(pk=windows.key_month.pk).update(
-            harvest_jobs=F("harvest_jobs") + 1
+    run_steps(lambda: _harvest_quota_steps(key=key, now=now))
+
+
+def _harvest_quota_steps(*, key: ApiKey, now):
+    windows, _ = yield from _lock_windows_steps(
+        key_id=key.pk, user_id=key.user_id, month=month_start(now), day=day_start(now)
+    )
+    if windows.key_month.harvest_jobs >= key.monthly_harvest_quota:
+        raise BudgetExceeded(
+            "harvest_quota_exceeded",
+            "This key's monthly harvest-job quota is spent; it resets on the 1st.",
         )
+    yield [
+        (
+            f"UPDATE {_PERIODS} SET harvest_jobs = harvest_jobs + 1 WHERE id = %s",
+            [windows.key_month.pk],
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------------------
 # Usage ledger
 
+_RECORD_COLUMNS = [
+    field.attname for field in UsageRecord._meta.concrete_fields if field.attname != "id"
+]
+_DAILY = UsageDaily._meta.db_table
 
-def usage_record_create(
+
+def usage_record_create(*, key: ApiKey, now=None, **fields) -> UsageRecord:
+    """Write one request's metadata and add it to the daily roll-up, atomically. `fields` are
+    those of `usage_record_steps`."""
+    now = now or timezone.now()
+    return run_steps(
+        lambda: usage_record_steps(key_id=key.pk, user_id=key.user_id, now=now, **fields)
+    )
+
+
+def usage_record_steps(
     *,
-    key: ApiKey,
+    key_id: int,
+    user_id: int,
     request_id: str,
     endpoint: str,
     status_code: int,
@@ -443,85 +535,63 @@ def usage_record_create(
     stream: bool = False,
     activation_layers: list[int] | None = None,
     workload: str = "",
-    now=None,
-) -> UsageRecord:
-    """Write one request's metadata and add it to the daily roll-up, atomically."""
-    now = now or timezone.now()
-    with transaction.atomic(savepoint=False):
-        _skip_commit_flush_wait()
-        record = UsageRecord.objects.create(
-            created_at=now,
-            request_id=request_id,
-            user_id=key.user_id,
-            key=key,
-            model=model,
-            endpoint=endpoint,
-            status_code=status_code,
-            error_code=error_code,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            latency_ms=latency_ms,
-            upstream_latency_ms=upstream_latency_ms,
-            ttft_ms=ttft_ms,
-            stream=stream,
-            activation_layers=activation_layers,
-            workload=workload,
-        )
-        usage_daily_add(
-            day=day_start(now),
-            user_id=key.user_id,
-            key_id=key.pk,
-            model=model,
-            status_code=status_code,
-            error_code=error_code,
-            requests=1,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            latency_ms_sum=latency_ms,
-        )
+    now,
+):
+    """`usage_record_create` as steps (see `run_steps`); returns the UsageRecord written."""
+    record = UsageRecord(
+        created_at=now,
+        request_id=request_id,
+        user_id=user_id,
+        key_id=key_id,
+        model=model,
+        endpoint=endpoint,
+        status_code=status_code,
+        error_code=error_code,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        latency_ms=latency_ms,
+        upstream_latency_ms=upstream_latency_ms,
+        ttft_ms=ttft_ms,
+        stream=stream,
+        activation_layers=activation_layers,
+        workload=workload,
+    )
+    values = [getattr(record, column) for column in _RECORD_COLUMNS]
+    ops = connection.ops
+    values[_RECORD_COLUMNS.index("created_at")] = ops.adapt_datetimefield_value(now)
+    if activation_layers is not None:
+        values[_RECORD_COLUMNS.index("activation_layers")] = json.dumps(activation_layers)
+    insert = (
+        f"INSERT INTO {UsageRecord._meta.db_table} ({', '.join(_RECORD_COLUMNS)})"
+        f" VALUES ({', '.join(['%s'] * len(values))}) RETURNING id",
+        values,
+    )
+    daily = (
+        f"""
+        INSERT INTO {_DAILY} (day, user_id, key_id, model, status_code, error_code,
+                              requests, prompt_tokens, completion_tokens, latency_ms_sum)
+        VALUES (%s, %s, %s, %s, %s, %s, 1, %s, %s, %s)
+        ON CONFLICT (day, key_id, model, status_code, error_code) DO UPDATE SET
+            requests = {_DAILY}.requests + excluded.requests,
+            prompt_tokens = {_DAILY}.prompt_tokens + excluded.prompt_tokens,
+            completion_tokens = {_DAILY}.completion_tokens + excluded.completion_tokens,
+            latency_ms_sum = {_DAILY}.latency_ms_sum + excluded.latency_ms_sum
+        """,
+        [
+            ops.adapt_datefield_value(day_start(now)),
+            user_id,
+            key_id,
+            model,
+            status_code,
+            error_code,
+            prompt_tokens,
+            completion_tokens,
+            latency_ms,
+        ],
+    )
+    rows = yield [(_NO_FLUSH_WAIT, []), daily, insert]
+    record.pk = rows[0][0]
     return record
-
-
-def usage_daily_add(
-    *,
-    day,
-    user_id,
-    key_id,
-    model,
-    status_code,
-    error_code,
-    requests,
-    prompt_tokens,
-    completion_tokens,
-    latency_ms_sum,
-) -> None:
-    """Add counts to one `UsageDaily` row with a single upsert (PostgreSQL and SQLite)."""
-    table = UsageDaily._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            INSERT INTO {table} (day, user_id, key_id, model, status_code, error_code,
-                                 requests, prompt_tokens, completion_tokens, latency_ms_sum)
-            VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
-            ON CONFLICT (day, key_id, model, status_code, error_code) DO UPDATE SET
-                requests = {table}.requests + excluded.requests,
-                prompt_tokens = {table}.prompt_tokens + excluded.prompt_tokens,
-                completion_tokens = {table}.completion_tokens + excluded.completion_tokens,
-                latency_ms_sum = {table}.latency_ms_sum + excluded.latency_ms_sum
-            """,
-            [
-                day,
-                user_id,
-                key_id,
-                model,
-                status_code,
-                error_code,
-                requests,
-                prompt_tokens,
-                completion_tokens,
-                latency_ms_sum,
-            ],
-        )
 
 
 # ---------------------------------------------------------------------------------------

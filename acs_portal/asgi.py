@@ -17,7 +17,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
 portal_application = get_asgi_application()
 
-from api.completions_app import completions_app  # noqa: E402 (needs the apps loaded)
+# These need the apps loaded.
+from api.completions_app import completions_app  # noqa: E402
+from api.db import pools_close  # noqa: E402
 
 
 class GatewayHandler(ASGIHandler):
@@ -37,7 +39,21 @@ class GatewayHandler(ASGIHandler):
 gateway_application = GatewayHandler()
 
 
+async def lifespan(scope, receive, send):
+    """ASGI lifespan: at shutdown, close the gateway's database pool."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await pools_close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def application(scope, receive, send):
+    if scope["type"] == "lifespan":
+        return await lifespan(scope, receive, send)
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
         if scope["path"] == "/v1/completions":
             return await completions_app(scope, receive, send)

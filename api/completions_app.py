@@ -20,6 +20,7 @@ from accounts.models import Scope
 from .auth import authenticate_header
 from .bodies import check_declared_length, decode_json
 from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
+from .db import on_server_loop
 from .errors import ApiError
 from .middleware import request_id_from
 from .schemas import MAX_BODY_BYTES
@@ -32,6 +33,7 @@ class ClientGone(Exception):
 
 
 async def completions_app(scope, receive, send) -> None:
+    on_server_loop.set(True)
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
     }

@@ -1,9 +1,39 @@
-"""Database calls from the async gateway."""
+"""Database calls from the async gateway.
 
+`run_db` runs a sync ORM function in a worker thread. `run_steps_async` runs the budget and
+usage step generators of `accounts.services` (see `accounts.services.run_steps`): on the
+ASGI server's event loop with PostgreSQL, over a per-loop async connection pool, which spares
+every request's budget hold a thread hop and the ORM, each batch of statements travelling in
+one round trip; anywhere else (SQLite, or a short-lived loop such as a Celery task's
+`async_to_sync`) in a worker thread on Django's connection.
+"""
+
+import asyncio
+import contextvars
 import functools
+import weakref
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import close_old_connections, connection, connections
+from psycopg import AsyncClientCursor
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from accounts.services import COMMIT, WindowsMissing, run_steps, statements_joined
+
+# At most this many connections per server process for the hot path (Django's own
+# per-thread connections come on top).
+POOL_MAX_SIZE = 16
+
+# Set (by the ASGI completions app) in the context of requests served on the server's
+# long-lived event loop: only there may a connection pool live as long as the loop.
+on_server_loop: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "acs_on_server_loop", default=False
+)
+
+_pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _managed(function):
@@ -24,3 +54,81 @@ async def run_db(function, *args, **kwargs):
     """Run a sync ORM function in a worker thread (not the single thread-sensitive one, so
     concurrent requests do not queue behind each other) and return its result."""
     return await sync_to_async(_managed(function), thread_sensitive=False)(*args, **kwargs)
+
+
+async def run_steps_async(make_steps):
+    """`accounts.services.run_steps` for async callers: the step generator `make_steps()`
+    runs in one transaction and its result is returned (its exceptions are raised)."""
+    if not on_server_loop.get() or connection.vendor != "postgresql":
+        return await run_db(run_steps, make_steps)
+    pool = await _pool()
+    while True:
+        try:
+            return await _run_on(pool, make_steps())
+        except WindowsMissing as missing:
+            await run_db(missing.create)
+
+
+async def _run_on(pool: AsyncConnectionPool, steps):
+    # Autocommit connections with BEGIN and COMMIT sent as statements: with the simple query
+    # protocol they ride along with a batch, so a reservation takes two round trips
+    # (psycopg's own transaction or pipeline blocks cost more here).
+    async with pool.connection() as conn:
+        cursor, rows, began, committed = conn.cursor(), None, False, False
+        try:
+            while True:
+                try:
+                    batch = steps.send(rows)
+                except StopIteration as done:
+                    if not committed:
+                        await cursor.execute("COMMIT")
+                    return done.value
+                if not began:
+                    batch, began = [("BEGIN", []), *batch], True
+                committed = batch[-1] is COMMIT
+                await cursor.execute(*statements_joined(batch))
+                rows = await rows_of_last_result_async(cursor)
+        except Exception:
+            if began and not conn.closed:
+                await conn.rollback()
+            raise
+
+
+async def rows_of_last_result_async(cursor) -> list:
+    """`accounts.services.rows_of_last_result` for an async cursor."""
+    rows = await cursor.fetchall() if cursor.description else []
+    while cursor.nextset():
+        if cursor.description:
+            rows = await cursor.fetchall()
+    return rows
+
+
+async def _pool() -> AsyncConnectionPool:
+    loop = asyncio.get_running_loop()
+    pool = _pools.get(loop)
+    if pool is None:
+        settings = connections["default"].settings_dict
+        params = {
+            "dbname": settings["NAME"],
+            "user": settings["USER"],
+            "password": settings["PASSWORD"],
+            "host": settings["HOST"],
+            "port": settings["PORT"],
+        }
+        conninfo = make_conninfo(**{k: v for k, v in params.items() if v not in (None, "")})
+        pool = _pools[loop] = AsyncConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=POOL_MAX_SIZE,
+            open=False,
+            kwargs={"autocommit": True, "cursor_factory": AsyncClientCursor},
+        )
+    await pool.open()  # a no-op once open
+    return pool
+
+
+async def pools_close() -> None:
+    """Close the current event loop's pool (at server shutdown)."""
+    pool = _pools.pop(asyncio.get_running_loop(), None)
+    if pool is not None:
+        await pool.close()

@@ -23,7 +23,9 @@ def stub_upstream():
 
 
 @pytest.fixture(scope="session")
-def gateway_url(tmp_path_factory):
+def gateway_url(tmp_path_factory, django_db_setup):
+    """Depends on django_db_setup so that the server (and its pool) stops before the test
+    database is dropped."""
     from django.conf import settings
 
     from acs_portal.asgi import application
@@ -32,7 +34,8 @@ def gateway_url(tmp_path_factory):
     # The server's worker threads must not keep connections open past a test: pytest-django
     # empties (and finally drops) the test database between tests.
     connections.settings["default"]["CONN_MAX_AGE"] = 0
-    server, thread, url = serve_in_thread(application)
+    # Lifespan on: shutting down closes the gateway's pool before the test database goes.
+    server, thread, url = serve_in_thread(application, lifespan="on")
     yield url
     stop_server(server, thread)
 

@@ -202,9 +202,8 @@ def serve_in_thread(app, **config):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **config)
-    )
+    config = {"lifespan": "off", **config}
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
