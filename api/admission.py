@@ -15,6 +15,7 @@ import contextlib
 import secrets
 import weakref
 
+from . import background
 from .clients import redis_client
 from .errors import ApiError
 
@@ -193,7 +194,9 @@ async def admission_slot(key_id):
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-        await asyncio.shield(scripts.release(keys=keys[:3], args=[token, _channel(key_id)]))
+        # In the background: the response need not wait for Redis, and a cancelled request
+        # still releases.
+        background.spawn(scripts.release(keys=keys[:3], args=[token, _channel(key_id)]))
 
 
 async def admission_counts(key_id) -> dict:

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import upstream
+from . import background, upstream
 from .admission import admission_slot
 from .errors import ApiError, sse_error_frame
 from .metering import reserve, settle_and_record
@@ -25,13 +25,6 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 # Non-streaming bodies at least this large are gzipped for clients that accept it.
 GZIP_MIN_BYTES = 1024
-
-_background: set[asyncio.Future] = set()
-
-
-def pending_settlements() -> int:
-    """Settlements and usage records still being written in the background."""
-    return len(_background)
 
 
 @dataclass
@@ -130,15 +123,12 @@ class _Request:
 
     def finish_in_background(self, *, status: int, error_code: str = "") -> asyncio.Future:
         """Start settling and metering in a task that outlives the request's own task."""
-        work = asyncio.ensure_future(
+        return background.spawn(
             settle_and_record(
                 settlement=self.settlement(),
                 record=self.record(status=status, error_code=error_code),
             )
         )
-        _background.add(work)
-        work.add_done_callback(_background.discard)
-        return work
 
     async def finish(self, *, status: int, error_code: str = "") -> None:
         """Settle and meter, even if the request task is being cancelled."""
@@ -180,7 +170,7 @@ async def completion_run(
 
     The budget is settled and the usage recorded before returning, unless
     `settle_in_background` (the HTTP view: the client gets its body without waiting for
-    those writes; `pending_settlements()` counts the ones still running)."""
+    those writes; `background.pending()` counts the ones still running)."""
     state = _Request(
         key=key,
         payload=payload,

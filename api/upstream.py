@@ -1,8 +1,9 @@
 """The one network seam of the gateway: every call to an inference upstream goes through here.
 
 Upstreams speak vLLM's HTTP API (the embedded engine does too). A model's base URLs are used
-round-robin; a circuit breaker in Redis, shared by all replicas, skips a URL that keeps
-failing (`FAILURE_THRESHOLD` failures within `FAILURE_WINDOW_MS` open it for `OPEN_MS`; then one
+round-robin; a circuit breaker in Redis, shared by all replicas (each trusting a closed
+circuit for CLOSED_TRUST_S between checks), skips a URL that keeps failing
+(`FAILURE_THRESHOLD` failures within `FAILURE_WINDOW_MS` open it for `OPEN_MS`; then one
 probe request is let through, and its outcome closes or re-opens it). Failures are mapped to
 the contract's error codes as `ApiError`.
 
@@ -114,6 +115,19 @@ class Target:
 
 
 _round_robin: dict[tuple[str, ...], itertools.count] = {}
+
+# A URL that Redis reported closed is used without asking again for this long (until a
+# failure of this process's own): a circuit opened by another replica is noticed within this
+# delay, and a request saves a Redis round trip.
+CLOSED_TRUST_S = 1.0
+_trusted_closed_until: dict[str, float] = {}
+
+
+def circuit_trust_clear() -> None:
+    """Forget which URLs were seen closed (tests that open circuits from outside)."""
+    _trusted_closed_until.clear()
+
+
 _pick_scripts: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -139,6 +153,8 @@ async def pick_target(urls: list[str]) -> Target:
     counter = _round_robin.setdefault(tuple(urls), itertools.count())
     start = next(counter) % len(urls)
     ordered = urls[start:] + urls[:start]
+    if _trusted_closed_until.get(ordered[0], 0.0) > time.monotonic():
+        return Target(url=ordered[0], probe=False)
     pick, _ = _scripts(redis_client())
     keys = [key for url in ordered for key in circuit_keys(url)]
     index, state = await pick(keys=keys, args=[PROBE_MS])
@@ -150,10 +166,14 @@ async def pick_target(urls: list[str]) -> Target:
             "Every upstream of this model is failing; the gateway is letting them recover.",
             retry_after=int(state),
         )
-    return Target(url=ordered[index - 1], probe=state == "probe")
+    url = ordered[index - 1]
+    if state == "closed":
+        _trusted_closed_until[url] = time.monotonic() + CLOSED_TRUST_S
+    return Target(url=url, probe=state == "probe")
 
 
 async def record_failure(target: Target) -> None:
+    _trusted_closed_until.pop(target.url, None)
     _, failure = _scripts(redis_client())
     await failure(
         keys=circuit_keys(target.url),

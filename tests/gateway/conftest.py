@@ -9,7 +9,7 @@ import httpx
 import pytest
 from django.db import connections
 
-from api import admission, completions, selectors
+from api import admission, background, completions, selectors, upstream
 from api.models import LanguageModel
 
 from .stub import StubUpstream, serve_in_thread, stop_server
@@ -43,6 +43,7 @@ def gateway_url(tmp_path_factory, django_db_setup):
 @pytest.fixture
 def stub(stub_upstream, redis_client):
     stub_upstream.reset()
+    upstream.circuit_trust_clear()
     yield stub_upstream
     stub_upstream.reset()
 
@@ -75,7 +76,7 @@ def model(stub, transactional_db):
 def wait_settled(timeout=10.0) -> None:
     """Wait until the gateway has written every background settlement and usage record."""
     deadline = time.monotonic() + timeout
-    while completions.pending_settlements():
+    while background.pending():
         assert time.monotonic() < deadline, "settlements still pending"
         time.sleep(0.005)
 
@@ -86,7 +87,7 @@ def _settled_hook(response):
 
 
 async def _async_settled_hook(response):
-    while completions.pending_settlements():
+    while background.pending():
         await asyncio.sleep(0.005)
 
 

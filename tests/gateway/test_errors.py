@@ -362,3 +362,25 @@ def test_round_robin_skips_an_open_upstream(client, stub):
     for _ in range(4):
         assert client.post("/v1/completions", json=BASE).status_code == 200
     assert len(stub.requests) == 4
+
+
+def test_a_circuit_opened_by_another_replica_is_seen_within_the_trust_delay(
+    client, stub, monkeypatch
+):
+    import time
+
+    import redis
+    from django.conf import settings
+
+    from api import upstream
+
+    monkeypatch.setattr(upstream, "CLOSED_TRUST_S", 0.3)
+    assert client.post("/v1/completions", json=BASE).status_code == 200
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    r.set(upstream.circuit_keys(stub.url)[0], int((time.time() + 30) * 1000))
+    # Still trusted closed: this request costs no Redis round trip.
+    assert client.post("/v1/completions", json=BASE).status_code == 200
+    time.sleep(0.35)
+    response = client.post("/v1/completions", json=BASE)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "circuit_open"
+    r.delete(upstream.circuit_keys(stub.url)[0])
