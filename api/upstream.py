@@ -39,6 +39,7 @@ PROBE_MS = 15_000
 NON_STREAMING_TIMEOUT_S = 14 * 60
 STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
+TOKENIZE_TIMEOUT_S = 30.0
 
 # Upstream error codes that are also contract codes keep their code, with this status.
 _PASSTHROUGH_STATUS = {
@@ -351,6 +352,30 @@ async def upstream_completion(model, payload: dict) -> dict:
     )
     payload = {**payload, "model": model.upstream_model_name}
     return (await send_completion(model.urls_for(activation=activation), payload)).body
+
+
+async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
+    """The token ids of `prompt` from `model`'s activation upstream (POST /tokenize), with the
+    URL choice, circuit breaker and error codes of completions; raises ApiError."""
+    payload = {
+        "model": model.upstream_model_name,
+        "prompt": prompt,
+        "add_special_tokens": add_special_tokens,
+    }
+    timeout = httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=5.0)
+    target, response = await _post(
+        model.urls_for(activation=True), "/tokenize", payload, timeout=timeout
+    )
+    await _raise_for_status(target, response)
+    try:
+        tokens = [int(token) for token in response.json()["tokens"]]
+    except (ValueError, KeyError, TypeError) as error:
+        await record_failure(target)
+        raise ApiError(
+            502, "upstream_server_error", "The upstream's tokenizer sent invalid JSON."
+        ) from error
+    await record_success(target)
+    return tokens
 
 
 @asynccontextmanager

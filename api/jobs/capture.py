@@ -7,16 +7,12 @@ through `api.upstream` (round-robin URLs, circuit breaker, the contract's error 
 
 import asyncio
 
-import httpx
 import numpy as np
 
 from acs_client.codec import decode_bfloat16_bits
 from api import upstream
-from api.clients import http_client
 from api.errors import ApiError
 from api.schemas import CAPTURE_MAX_VALUES
-
-TOKENIZE_TIMEOUT_S = 30.0
 
 
 async def capture_batch(
@@ -41,7 +37,9 @@ async def capture_batch(
 async def capture_prompt(
     model, *, prompt: str, layers: list[int], add_special_tokens: bool, index: int
 ) -> tuple[list[int], np.ndarray]:
-    tokens = await tokenize(model, prompt=prompt, add_special_tokens=add_special_tokens)
+    tokens = await upstream.upstream_tokenize(
+        model, prompt=prompt, add_special_tokens=add_special_tokens
+    )
     if len(tokens) + 1 > model.max_model_len:
         raise ApiError(
             400,
@@ -80,25 +78,3 @@ async def capture_prompt(
             f"[{len(layers)}, {len(tokens)}, {model.hidden_size}].",
         )
     return tokens, bits
-
-
-async def tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
-    """The prompt's token ids from the model's activation upstream (POST /tokenize)."""
-    target = await upstream.pick_target(model.urls_for(activation=True))
-    try:
-        response = await http_client().post(
-            target.url.rstrip("/") + "/tokenize",
-            json={
-                "model": model.upstream_model_name,
-                "prompt": prompt,
-                "add_special_tokens": add_special_tokens,
-            },
-            timeout=TOKENIZE_TIMEOUT_S,
-        )
-    except httpx.HTTPError as error:
-        await upstream.record_failure(target)
-        raise upstream.unreachable(target.url) from error
-    if response.status_code != 200:
-        raise upstream.map_upstream_error(response.status_code, response.content, response.headers)
-    await upstream.record_success(target)
-    return [int(token) for token in response.json()["tokens"]]

@@ -6,7 +6,7 @@ from asgiref.sync import async_to_sync
 from api.errors import ApiError
 from api.models import LanguageModel
 from api.selectors import registry_clear
-from api.upstream import upstream_completion
+from api.upstream import upstream_completion, upstream_tokenize
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,3 +37,21 @@ def test_activation_requests_go_to_the_activation_upstreams(client, stub):
     assert captured.status_code == 502
     assert captured.json()["error"]["code"] == "upstream_unreachable"
     assert len(stub.requests) == 1
+
+
+def test_upstream_tokenize_returns_the_activation_upstreams_token_ids(stub, model):
+    LanguageModel.objects.update(activation_upstream_urls=[stub.url])
+    row = LanguageModel.objects.get(name=model)
+    tokens = async_to_sync(upstream_tokenize)(
+        row, prompt="the capital of france", add_special_tokens=True
+    )
+    assert tokens == [0, 1, 2, 3]
+    assert stub.paths[-1] == "/tokenize"
+
+
+def test_upstream_tokenize_maps_an_unreachable_upstream(stub, model):
+    LanguageModel.objects.update(activation_upstream_urls=["http://127.0.0.1:9"])
+    row = LanguageModel.objects.get(name=model)
+    with pytest.raises(ApiError) as raised:
+        async_to_sync(upstream_tokenize)(row, prompt="hello", add_special_tokens=True)
+    assert (raised.value.status, raised.value.code) == (502, "upstream_unreachable")
