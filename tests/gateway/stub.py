@@ -53,6 +53,8 @@ class StubUpstream:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
