@@ -1,10 +1,11 @@
 """Step-level continuous batching on one dedicated thread, which alone touches the model.
 
-Each loop iteration admits the waiting prompts that fit, prefilling them all in one left-padded
-forward pass (each prompt's KV cache row then copied for its n samples and merged into the
-running batch), then runs one batched decode step over every active sequence. Every batch is
-left-padded: each row's padding is masked out and each row gets its own position ids, so a
-sequence's output does not depend on its batch beyond floating-point noise.
+Each loop iteration advances the prefill of the waiting prompts that fit (all prefilled
+together, left-padded, PREFILL_CHUNK_TOKENS columns per iteration; when done, each prompt's KV
+cache row is copied for its n samples and merged into the running batch), then runs one batched
+decode step over every active sequence. Every batch is left-padded: each row's padding is
+masked out and each row gets its own position ids, so a sequence's output does not depend on
+its batch beyond floating-point noise.
 """
 
 import asyncio
@@ -118,7 +119,7 @@ class Scheduler:
         self._active: list[Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
-        self._prefilling: set[EngineRequest] = set()
+        self._prefill: Prefill | None = None
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -162,7 +163,7 @@ class Scheduler:
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
-                    self._admit_waiting()
+                    self._advance_prefill()
                     self._drop_finished()
                     if self._active:
                         self._decode_step()
@@ -173,16 +174,30 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._condition:
-            while not self._stopping and not self._waiting and not self._active:
+            while (
+                not self._stopping
+                and not self._waiting
+                and not self._active
+                and self._prefill is None
+            ):
                 self._condition.wait()
             return not self._stopping
 
-    def _admit_waiting(self) -> None:
-        groups = self._take_admissible()
-        if groups:
-            self._prefilling = {group.request for group in groups}
-            self._prefill(groups)
-            self._prefilling = set()
+    def _advance_prefill(self) -> None:
+        """Start prefilling the waiting prompts that fit, or run the next chunk of the prefill
+        in progress; when its last chunk is done, its sequences join the running batch."""
+        if self._prefill is None:
+            groups = self._take_admissible()
+            if not groups:
+                return
+            self._prefill = self._prefill_start(groups)
+        prefill = self._prefill
+        if all(group.request.cancelled for group in prefill.groups):
+            self._prefill = None
+            return
+        if self._prefill_chunk(prefill):
+            self._prefill = None
+            self._prefill_finish(prefill)
 
     def _take_admissible(self) -> list[PromptGroup]:
         """Dequeue the waiting groups, in queue order, that fit beside the active sequences
@@ -212,32 +227,56 @@ class Scheduler:
                     longest, real_tokens = max(longest, length), real_tokens + length
         return admitted
 
-    def _prefill(self, groups: list[PromptGroup]) -> None:
-        """Prefill the groups' prompts in one left-padded forward pass, add their sequences to
-        the running batch, and sample each sequence's first token."""
+    def _prefill_start(self, groups: list[PromptGroup]) -> "Prefill":
         prompts = [group.request.prepared.prompts[group.prompt_index] for group in groups]
-        samples = [[self._new_sequence(group, i) for i in range(group.size)] for group in groups]
         input_ids, mask = _padded_prompts(prompts)
-        offsets = [input_ids.shape[1] - len(prompt_ids) for prompt_ids in prompts]
+        return Prefill(
+            groups=groups,
+            samples=[[self._new_sequence(group, i) for i in range(group.size)] for group in groups],
+            prompts=prompts,
+            input_ids=input_ids,
+            mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
+            cache=DynamicCache(config=self.loaded.model.config),
+        )
+
+    def _prefill_chunk(self, prefill: "Prefill") -> bool:
+        """Run the next PREFILL_CHUNK_TOKENS columns of the prefill's left-padded prompts
+        through the model; True when every column is done."""
+        start = prefill.done
+        end = min(start + PREFILL_CHUNK_TOKENS, prefill.width)
         # Samples of one prompt share its steering and, as capture allows only n = 1, its
         # capture store: the first sample's hooks stand for the prompt's row.
-        hooks = [
-            sequences[0].hooks(list(range(len(prompt_ids))), offset)
-            for sequences, prompt_ids, offset in zip(samples, prompts, offsets, strict=True)
-        ]
-        cache = DynamicCache(config=self.loaded.model.config)
-        position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
-        final_hidden = self._forward(input_ids, mask, position_ids, cache, hooks)
+        hooks = []
+        for sequences, padding in zip(prefill.samples, prefill.padding, strict=True):
+            first_real = max(start, padding)
+            positions = list(range(first_real - padding, end - padding))
+            hooks.append(sequences[0].hooks(positions, first_real - start))
+        hidden = self._forward(
+            prefill.input_ids[:, start:end],
+            prefill.mask[:, :end],
+            prefill.position_ids[:, start:end],
+            prefill.cache,
+            hooks,
+        )
+        prefill.hidden_chunks.append(hidden)
+        prefill.done = end
+        return end == prefill.width
+
+    def _prefill_finish(self, prefill: "Prefill") -> None:
+        """Add the prefilled sequences to the running batch and sample their first tokens."""
+        groups, samples, prompts = prefill.groups, prefill.samples, prefill.prompts
+        final_hidden = torch.cat(prefill.hidden_chunks, dim=1)
         logits = self.loaded.model.lm_head(final_hidden[:, -1]).float()
         logprobs = _reported_logprobs(logits, [group.request for group in groups])
         sizes = torch.tensor([group.size for group in groups])
-        _repeat_rows(cache, sizes)
+        _repeat_rows(prefill.cache, sizes)
         new_rows = [sequence for sequences in samples for sequence in sequences]
-        self._merge(cache, mask.repeat_interleave(sizes, dim=0), new_rows)
+        self._merge(prefill.cache, prefill.mask.repeat_interleave(sizes, dim=0), new_rows)
         for row, (group, sequences) in enumerate(zip(groups, samples, strict=True)):
             # One prompt at a time, so that at most one prompt's scores are held before they
             # are emitted (full-vocabulary prompt_logprobs are large).
-            prompt_hidden = final_hidden[row, offsets[row] :]
+            prompt_hidden = final_hidden[row, prefill.padding[row] :]
             first_delta = self._prompt_outputs(group.request.prepared, prompts[row], prompt_hidden)
             for sequence in sequences:
                 sequence.cached_tokens = len(prompts[row])
@@ -402,12 +441,45 @@ class Scheduler:
             layer.values = layer.values[index, :, first_used:]
 
     def _fail_active(self) -> None:
-        failed = {sequence.request for sequence in self._active} | self._prefilling
-        self._prefilling = set()
+        failed = {sequence.request for sequence in self._active}
+        if self._prefill is not None:
+            failed |= {group.request for group in self._prefill.groups}
+            self._prefill = None
         for request in failed:
             request.emit(RequestFailed("internal_error", "the model step failed; see engine log"))
             request.cancel()
         self._active, self._cache, self._mask = [], None, None
+
+
+# A prefill runs this many columns of its prompts per scheduler step, with a decode step of
+# the running sequences between chunks: a long prompt delays their next token by one chunk's
+# time, not by its whole prefill.
+PREFILL_CHUNK_TOKENS = 256
+
+
+@dataclass(eq=False)
+class Prefill:
+    """Prompt groups being prefilled together: their left-padded prompts, the KV cache and
+    final hidden states of the columns done so far."""
+
+    groups: list[PromptGroup]
+    samples: list[list[Sequence]]
+    prompts: list[list[int]]
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    cache: DynamicCache
+    hidden_chunks: list[torch.Tensor] = field(default_factory=list)
+    done: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def padding(self) -> list[int]:
+        """Each row's number of padding columns (all on the left)."""
+        return [self.width - len(prompt_ids) for prompt_ids in self.prompts]
 
 
 # Padding a prefill batch may add at most half its real tokens, plus this slack, which keeps

@@ -18,6 +18,7 @@ import torch
 from conftest import MODEL
 
 from acs_client.codec import decode, encode_vector
+from engine import scheduler
 from engine.preparation import prepare_completion
 from engine.protocol import CompletionRequest, parse_model
 from engine.scheduler import EngineRequest, Scheduler
@@ -208,6 +209,40 @@ def test_prompts_of_very_different_lengths_are_not_padded_together(exact):
     ]
     with recorded_forwards(exact) as forwards:
         run_together(exact, bodies)
-    prefills = [call.shape for call in forwards if call.shape[1] > 1 or call.shape[0] == 2]
-    assert prefills[0] == (1, 600)
-    assert prefills[1] == (2, prompt_length(exact, SHORT_PROMPT))
+    prefills = [call.shape for call in forwards if call.shape[1] > 1]
+    chunk = scheduler.PREFILL_CHUNK_TOKENS
+    assert prefills == [(1, chunk), (1, chunk), (1, 600 - 2 * chunk), (2, 5)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(exact):
+    long_prompt = [1000 + (37 * i) % 30000 for i in range(600)]
+    running = dict(prompt=SHORT_PROMPT, max_tokens=12, temperature=0)
+    chunked = dict(
+        prompt=long_prompt,
+        max_tokens=3,
+        temperature=0,
+        prompt_logprobs=1,
+        output_residual_stream=[0, 29],
+    )
+    with recorded_forwards(exact) as forwards:
+        together = run_together(exact, [running, chunked])
+    shapes = [call.shape for call in forwards]
+    chunk = scheduler.PREFILL_CHUNK_TOKENS
+    first, second = shapes.index((1, chunk)), shapes.index((1, chunk), shapes.index((1, chunk)) + 1)
+    assert (1, 1) in shapes[first + 1 : second], "the running request decoded between chunks"
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scheduler, "PREFILL_CHUNK_TOKENS", 10_000)
+        whole = run_alone(exact, chunked)
+    got, expected = together[1]["choices"][0], whole["choices"][0]
+    assert got["text"] == expected["text"]
+    assert len(got["prompt_logprobs"]) == len(expected["prompt_logprobs"]) == 600
+    for got_entry, expected_entry in zip(
+        got["prompt_logprobs"][1:], expected["prompt_logprobs"][1:], strict=True
+    ):
+        for token, entry in got_entry.items():
+            assert entry["logprob"] == pytest.approx(expected_entry[token]["logprob"], abs=1e-3)
+    got_capture, expected_capture = residual_stream(together[1]), residual_stream(whole)
+    assert got_capture.shape == expected_capture.shape == (2, 600 + 3 - 1, HIDDEN)
+    for layer in range(2):
+        assert relative_error(got_capture[layer], expected_capture[layer]) < 1e-3
