@@ -194,9 +194,12 @@ async def admission_slot(key_id):
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-        # In the background: the response need not wait for Redis, and a cancelled request
-        # still releases.
-        background.spawn(scripts.release(keys=keys[:3], args=[token, _channel(key_id)]))
+        release = scripts.release(keys=keys[:3], args=[token, _channel(key_id)])
+        if background.on_server_loop.get():
+            # The response need not wait for Redis; a cancelled request still releases.
+            background.spawn(release)
+        else:
+            await asyncio.shield(release)
 
 
 async def admission_counts(key_id) -> dict:

@@ -139,13 +139,23 @@ class _Request:
         returns the max_tokens to send upstream."""
         valid = self.valid
         await stack.enter_async_context(admission_slot(self.key.pk))
-        self.reservation = await reserve(
-            key=self.key,
-            prompt_tokens=valid.prompt_tokens,
-            max_tokens=valid.max_tokens,
-            completions=valid.completions,
-            activation=valid.activation,
+        hold = asyncio.ensure_future(
+            reserve(
+                key=self.key,
+                prompt_tokens=valid.prompt_tokens,
+                max_tokens=valid.max_tokens,
+                completions=valid.completions,
+                activation=valid.activation,
+            )
         )
+        try:
+            self.reservation = await asyncio.shield(hold)
+        except asyncio.CancelledError:
+            # The client left while the hold was being made: let it finish and keep it, so
+            # that `finish` releases it now rather than the sweep half an hour later.
+            with contextlib.suppress(Exception):
+                self.reservation = await hold
+            raise
         return self.reservation.max_tokens_applied
 
 

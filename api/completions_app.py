@@ -18,9 +18,9 @@ import logging
 from accounts.models import Scope
 
 from .auth import authenticate_header
+from .background import on_server_loop
 from .bodies import check_declared_length, decode_json
 from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
-from .db import on_server_loop
 from .errors import ApiError
 from .middleware import request_id_from
 from .schemas import MAX_BODY_BYTES
@@ -42,8 +42,8 @@ async def completions_app(scope, receive, send) -> None:
     try:
         if scope["method"] != "POST":
             error = ApiError(405, "method_not_allowed", "Use POST.")
-            headers = {**error.headers(), "Allow": "POST"}
-            return await reply.result(CompletionResult(error.status, error.body(), headers), "")
+            allow = {**error.headers(), "Allow": "POST"}
+            return await reply.result(CompletionResult(error.status, error.body(), allow), "")
         key = await authenticate_header(headers.get("authorization"), scope=Scope.COMPLETIONS)
         check_declared_length(headers.get("content-length"))
         payload = decode_json(await _read_body(receive))

@@ -9,7 +9,6 @@ one round trip; anywhere else (SQLite, or a short-lived loop such as a Celery ta
 """
 
 import asyncio
-import contextvars
 import functools
 import weakref
 
@@ -21,15 +20,11 @@ from psycopg_pool import AsyncConnectionPool
 
 from accounts.services import COMMIT, WindowsMissing, run_steps, statements_joined
 
+from .background import on_server_loop
+
 # At most this many connections per server process for the hot path (Django's own
 # per-thread connections come on top).
 POOL_MAX_SIZE = 16
-
-# Set (by the ASGI completions app) in the context of requests served on the server's
-# long-lived event loop: only there may a connection pool live as long as the loop.
-on_server_loop: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "acs_on_server_loop", default=False
-)
 
 _pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool]" = (
     weakref.WeakKeyDictionary()

@@ -205,3 +205,37 @@ def test_unexpected_failure_is_a_500_envelope_not_a_traceback(client, stub, monk
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "internal_error"
     assert response.headers["X-Request-Id"] in response.json()["error"]["message"]
+
+
+def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
+    gateway_url, api_secret, stub, model, api_key, monkeypatch
+):
+    import asyncio
+    import time
+
+    import httpx
+
+    from api import completions
+
+    hold = completions.reserve
+
+    async def slow_hold(**kwargs):
+        await asyncio.sleep(0.5)
+        return await hold(**kwargs)
+
+    monkeypatch.setattr(completions, "reserve", slow_hold)
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {api_secret}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.2)
+    deadline = time.monotonic() + 10
+    while not UsageRecord.objects.exists():
+        assert time.monotonic() < deadline, "the abandoned request was never metered"
+        time.sleep(0.05)
+    # The hold the request was making when its client left is made, then released at once
+    # (not left reserved until the sweep), and the upstream was never called.
+    reservation = BudgetReservation.objects.get()
+    assert reservation.status == ReservationStatus.SETTLED
+    assert reservation.settled_completion_tokens == 0
+    assert UsageRecord.objects.get().status_code == 499
+    assert stub.requests == []

@@ -7,10 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.db import connection
 from django.utils import timezone
 
 from accounts.services import api_key_create
+from api.admission import admission_counts
 from api.completions import CompletionResult
 from api.errors import ApiError
 from api.jobs import services, tasks
@@ -146,6 +148,9 @@ def test_result_is_202_with_retry_after_until_done_then_the_completion(
     assert completion["object"] == "text_completion"
     assert completion["usage"]["completion_tokens"] == 2
     assert len(completion["choices"]) == 1
+    # The worker's short-lived event loop released the job's admission slot before ending.
+    key_id = CompletionJob.objects.get(pk=job_id).key_id
+    assert async_to_sync(admission_counts)(key_id) == {"running": 0, "waiting": 0}
 
 
 def test_a_failed_job_returns_the_error_with_its_status(
