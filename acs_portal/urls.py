@@ -4,10 +4,12 @@ from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.urls import include, path, re_path
 
 from api.views import docs as api_docs_view
+from api.views import not_found as api_not_found
 
 urlpatterns = [
     path("v1/", include("api.urls")),
     path("v1/", include("api.jobs.urls")),
+    re_path(r"^v1/(?P<path>.*)$", api_not_found),
     path("jobs/", include("api.jobs.portal_urls")),
     path("playground/", include("playground.urls")),
     path("usage/", include("accounts.usage_urls")),

@@ -16,15 +16,18 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connection, connections
 from psycopg import AsyncClientCursor
 from psycopg.conninfo import make_conninfo
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from accounts.services import COMMIT, WindowsMissing, run_steps, statements_joined
 
 from .background import on_server_loop
+from .errors import ApiError
 
 # At most this many connections per server process for the hot path (Django's own
-# per-thread connections come on top).
+# per-thread connections come on top), and how long a request waits for one of them before
+# it is answered 503 db_pool_exhausted.
 POOL_MAX_SIZE = 16
+POOL_TIMEOUT_S = 5.0
 
 _pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool]" = (
     weakref.WeakKeyDictionary()
@@ -53,7 +56,8 @@ async def run_db(function, *args, **kwargs):
 
 async def run_steps_async(make_steps):
     """`accounts.services.run_steps` for async callers: the step generator `make_steps()`
-    runs in one transaction and its result is returned (its exceptions are raised)."""
+    runs in one transaction and its result is returned (its exceptions are raised); 503
+    db_pool_exhausted when no pooled connection frees up in time."""
     if not on_server_loop.get() or connection.vendor != "postgresql":
         return await run_db(run_steps, make_steps)
     pool = await _pool()
@@ -62,6 +66,12 @@ async def run_steps_async(make_steps):
             return await _run_on(pool, make_steps())
         except WindowsMissing as missing:
             await run_db(missing.create)
+        except PoolTimeout:
+            raise ApiError(
+                503,
+                "db_pool_exhausted",
+                f"Every database connection was busy for {POOL_TIMEOUT_S:.0f} s.",
+            ) from None
 
 
 async def _run_on(pool: AsyncConnectionPool, steps):
@@ -116,6 +126,7 @@ async def _pool() -> AsyncConnectionPool:
             min_size=1,
             max_size=POOL_MAX_SIZE,
             open=False,
+            timeout=POOL_TIMEOUT_S,
             kwargs={"autocommit": True, "cursor_factory": AsyncClientCursor},
         )
     await pool.open()  # a no-op once open

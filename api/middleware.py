@@ -1,11 +1,17 @@
 """Gives every /v1 request an id (a safe inbound X-Request-Id is kept) and every /v1
 response its X-Request-Id header, and a Content-Length when it is not streamed (the gateway's
-lean middleware chain has no CommonMiddleware to add it)."""
+lean middleware chain has no CommonMiddleware to add it). An exception a /v1 view did not
+handle becomes the API's 500 envelope, not Django's HTML error page."""
 
+import logging
 import re
 import uuid
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+from .errors import ApiError, error_response
+
+logger = logging.getLogger(__name__)
 
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -37,6 +43,16 @@ class RequestIdMiddleware:
     async def _acall(self, request):
         request.request_id = request_id_for(request)
         return self._tag(request, await self.get_response(request))
+
+    def process_exception(self, request, exception):
+        if not request.path.startswith("/v1/"):
+            return None
+        rid = getattr(request, "request_id", None) or request_id_for(request)
+        logger.error(
+            "%s %s failed (request %s)", request.method, request.path, rid, exc_info=exception
+        )
+        error = ApiError(500, "internal_error", f"Internal error; quote request id {rid}.")
+        return error_response(error, rid)
 
     @staticmethod
     def _tag(request, response):

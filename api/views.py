@@ -63,6 +63,17 @@ def result_response(request, result: CompletionResult) -> HttpResponse:
 
 
 @csrf_exempt
+async def not_found(request, path=""):
+    """Any /v1 path that names no endpoint."""
+    error = ApiError(
+        404,
+        "not_found",
+        f"No endpoint at {request.path}; the API is described at /v1/openapi.json.",
+    )
+    return error_response(error, request_id(request))
+
+
+@csrf_exempt
 async def chat_completions(request):
     return error_response(
         ApiError(

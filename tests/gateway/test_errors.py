@@ -384,3 +384,36 @@ def test_a_circuit_opened_by_another_replica_is_seen_within_the_trust_delay(
     response = client.post("/v1/completions", json=BASE)
     assert response.status_code == 503 and response.json()["error"]["code"] == "circuit_open"
     r.delete(upstream.circuit_keys(stub.url)[0])
+
+
+def test_an_unknown_v1_path_is_404_in_the_api_envelope(client):
+    response = client.get("/v1/no-such-endpoint")
+    error = assert_error(response, 404, "not_found", should_retry=False)
+    assert "/v1/no-such-endpoint" in error["message"]
+    assert response.headers["content-type"] == "application/json"
+
+
+def test_an_unexpected_failure_in_a_v1_view_is_a_500_envelope(client, stub, monkeypatch):
+    from api import views
+
+    async def broken():
+        raise RuntimeError("registry went away")
+
+    monkeypatch.setattr(views, "model_list", broken)
+    response = client.get("/v1/models")
+    error = assert_error(response, 500, "internal_error")
+    assert response.headers["X-Request-Id"] in error["message"]
+
+
+def test_a_saturated_database_pool_is_503_db_pool_exhausted(client, stub, monkeypatch):
+    from psycopg_pool import PoolTimeout
+
+    from api import db
+
+    async def saturated(pool, steps):
+        raise PoolTimeout("no connection within the timeout")
+
+    monkeypatch.setattr(db, "_run_on", saturated)
+    response = client.post("/v1/completions", json=BASE)
+    assert_error(response, 503, "db_pool_exhausted", retry_after=2)
+    assert stub.requests == []

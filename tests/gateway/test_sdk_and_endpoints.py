@@ -216,3 +216,13 @@ def test_tokenizer_json_is_fetched_once_and_cached_on_disk(client, stub):
     tokenizer._tokenizers.clear()  # a new process: loads from the file, not the upstream
     assert client.post("/v1/completions", json=body).status_code == 200
     assert stub.paths.count("/tokenizer.json") == 1
+
+
+def test_the_openapi_document_lists_every_error_code_the_gateway_knows():
+    from api import errors, openapi, upstream
+
+    documented = {code for _, code, _ in openapi.ERROR_CODES}
+    known = (
+        errors.NOT_RETRYABLE | set(errors.DEFAULT_RETRY_AFTER) | set(upstream._PASSTHROUGH_STATUS)
+    )
+    assert known - documented == set()
