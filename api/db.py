@@ -15,7 +15,6 @@ import weakref
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connection, connections
 from psycopg import AsyncClientCursor
-from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from accounts.services import COMMIT, WindowsMissing, run_steps, statements_joined
@@ -92,14 +91,14 @@ async def _run_on(pool: AsyncConnectionPool, steps):
                     batch, began = [("BEGIN", []), *batch], True
                 committed = batch[-1] is COMMIT
                 await cursor.execute(*statements_joined(batch))
-                rows = await rows_of_last_result_async(cursor)
+                rows = await _rows_of_last_result(cursor)
         except Exception:
             if began and not conn.closed:
                 await conn.rollback()
             raise
 
 
-async def rows_of_last_result_async(cursor) -> list:
+async def _rows_of_last_result(cursor) -> list:
     """`accounts.services.rows_of_last_result` for an async cursor."""
     rows = await cursor.fetchall() if cursor.description else []
     while cursor.nextset():
@@ -112,22 +111,17 @@ async def _pool() -> AsyncConnectionPool:
     loop = asyncio.get_running_loop()
     pool = _pools.get(loop)
     if pool is None:
-        settings = connections["default"].settings_dict
-        params = {
-            "dbname": settings["NAME"],
-            "user": settings["USER"],
-            "password": settings["PASSWORD"],
-            "host": settings["HOST"],
-            "port": settings["PORT"],
-        }
-        conninfo = make_conninfo(**{k: v for k, v in params.items() if v not in (None, "")})
+        # Django's own connection parameters (database, credentials, libpq OPTIONS such as
+        # sslmode), without its sync cursor class and adapters.
+        params = connections["default"].get_connection_params()
+        for django_only in ("cursor_factory", "context", "prepare_threshold"):
+            params.pop(django_only, None)
         pool = _pools[loop] = AsyncConnectionPool(
-            conninfo,
             min_size=1,
             max_size=POOL_MAX_SIZE,
             open=False,
             timeout=POOL_TIMEOUT_S,
-            kwargs={"autocommit": True, "cursor_factory": AsyncClientCursor},
+            kwargs={**params, "autocommit": True, "cursor_factory": AsyncClientCursor},
         )
     await pool.open()  # a no-op once open
     return pool
