@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 
@@ -138,8 +139,6 @@ def test_upstream_error_frame_mid_stream_is_mapped(client, stub):
 
 
 def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, api_key):
-    import time
-
     from asgiref.sync import async_to_sync
 
     from api.admission import admission_counts
@@ -167,11 +166,17 @@ def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, ap
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
 
 
+def wait_until_metered(timeout=10.0) -> None:
+    """Wait for the usage record of a request whose client left (written in the background)."""
+    deadline = time.monotonic() + timeout
+    while not UsageRecord.objects.exists():
+        assert time.monotonic() < deadline, "the abandoned request was never metered"
+        time.sleep(0.05)
+
+
 def test_client_leaving_a_non_streaming_request_releases_its_hold(
     gateway_url, api_secret, stub, model, api_key
 ):
-    import time
-
     import httpx
     from asgiref.sync import async_to_sync
 
@@ -182,10 +187,7 @@ def test_client_leaving_a_non_streaming_request_releases_its_hold(
     headers = {"Authorization": f"Bearer {api_secret}"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.5)
-    deadline = time.monotonic() + 10
-    while not UsageRecord.objects.exists():
-        assert time.monotonic() < deadline, "the abandoned request was never metered"
-        time.sleep(0.05)
+    wait_until_metered()
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
     reservation = BudgetReservation.objects.get()
@@ -211,7 +213,6 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
     gateway_url, api_secret, stub, model, api_key, monkeypatch
 ):
     import asyncio
-    import time
 
     import httpx
 
@@ -228,10 +229,7 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
     headers = {"Authorization": f"Bearer {api_secret}"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.2)
-    deadline = time.monotonic() + 10
-    while not UsageRecord.objects.exists():
-        assert time.monotonic() < deadline, "the abandoned request was never metered"
-        time.sleep(0.05)
+    wait_until_metered()
     # The hold the request was making when its client left is made, then released at once
     # (not left reserved until the sweep), and the upstream was never called.
     reservation = BudgetReservation.objects.get()
