@@ -233,7 +233,7 @@ def _execute_in_one_trip(cursor, statements: Statements) -> list:
     statements = [statement for statement in statements if statement is not COMMIT]
     if connection.vendor == "postgresql":
         cursor.execute(*statements_joined(statements))
-        return rows_of_last_result(cursor)
+        return _rows_of_last_result(cursor)
     rows = []
     for sql, params in statements:
         if sql != _NO_FLUSH_WAIT:
@@ -242,7 +242,7 @@ def _execute_in_one_trip(cursor, statements: Statements) -> list:
     return rows
 
 
-def rows_of_last_result(cursor) -> list:
+def _rows_of_last_result(cursor) -> list:
     """After a multi-statement execute: the rows of the last statement that returned any."""
     rows = cursor.fetchall() if cursor.description else []
     while cursor.nextset():

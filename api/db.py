@@ -99,7 +99,8 @@ async def _run_on(pool: AsyncConnectionPool, steps):
 
 
 async def _rows_of_last_result(cursor) -> list:
-    """`accounts.services.rows_of_last_result` for an async cursor."""
+    """After a multi-statement execute: the rows of the last statement that returned any
+    (the async twin of `accounts.services._rows_of_last_result`)."""
     rows = await cursor.fetchall() if cursor.description else []
     while cursor.nextset():
         if cursor.description:
