@@ -8,7 +8,6 @@ requests (and the ratio to one request), and time to first token for a 256-token
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,10 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+
 MODEL = "smollm2-135m"
 REPETITIONS = 3
 DECODE_TOKENS = 48
@@ -33,32 +36,17 @@ PROMPTS = [
 
 
 def start_engine(dtype: str) -> tuple[subprocess.Popen, httpx.Client]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "engine",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
+    port = free_port()
+    command = [*engine_command(port, python=sys.executable), "--log-level", "warning"]
     env = {**os.environ, "ACS_ENGINE_DTYPE": dtype}
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if client.get("/health").status_code == 200:
-                return process, client
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("engine did not start")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/health", process, f"the engine ({dtype})")
+    except RuntimeError:
+        stop(process)
+        raise
+    return process, httpx.Client(base_url=url, timeout=600)
 
 
 def token_times(client: httpx.Client, body: dict) -> list[float]:
@@ -127,8 +115,7 @@ def measure_dtype(dtype: str) -> dict:
         return measure_all(client)
     finally:
         client.close()
-        process.terminate()
-        process.wait(timeout=30)
+        stop(process)
 
 
 def main() -> None:

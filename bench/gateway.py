@@ -13,7 +13,6 @@ token for streams.
 import asyncio
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
+
+from tests.servers import free_port, stop, wait_ready  # noqa: E402 (needs ROOT on the path)
 
 CLIENTS = 64
 SEQUENTIAL = int(os.environ.get("BENCH_SEQUENTIAL", 400))
@@ -40,23 +41,6 @@ from tests.gateway.stub import StubUpstream
 uvicorn.run(StubUpstream(), host="127.0.0.1", port={port}, log_level="warning",
             lifespan="off", access_log=False)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, path: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url + path, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not start")
 
 
 def setup_rows(stub_url: str) -> list[str]:
@@ -180,7 +164,7 @@ def main():
                 [sys.executable, "-c", STUB_MAIN.format(root=str(ROOT), port=stub_port)]
             )
         )
-        wait_ready(stub_url, "/health")
+        wait_ready(f"{stub_url}/health", processes[-1], "the stub upstream")
         if os.environ.get("DATABASE_URL", "").startswith("postgres"):
             subprocess.run([str(ROOT / "scripts" / "ensure-test-db")], check=True)
         secrets = setup_rows(stub_url)
@@ -206,13 +190,11 @@ def main():
                 env=env,
             )
         )
-        wait_ready(gateway_url, "/v1/openapi.json")
+        wait_ready(f"{gateway_url}/v1/openapi.json", processes[-1], "the gateway")
         run(stub_url, gateway_url, secrets, processes[-1].pid)
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=10)
+            stop(process)
 
 
 def cpu_seconds(pid: int) -> float:
