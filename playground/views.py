@@ -92,18 +92,30 @@ def run_edit(request, run_id):
     return render(request, "playground/page.html", _page_context(request, initial=initial))
 
 
+def _form_error(request, *, form, context_name: str, fragment: str, target: str):
+    """The page showing `form`'s errors (the form under `context_name`): for htmx, only the
+    page's `fragment`, swapped over `target`; otherwise the whole page with status 400."""
+    context = _page_context(request)
+    context[context_name] = form
+    if request.htmx:
+        response = render(request, f"playground/page.html#{fragment}", context)
+        return reswap(retarget(response, target), "outerHTML")
+    return render(request, "playground/page.html", context, status=400)
+
+
 @approved_required
 @require_POST
 def run_submit(request):
     models, _, capabilities = _models(request)
     form = CompletionForm(request.POST, models=models, capabilities=capabilities)
     if not form.is_valid():
-        context = _page_context(request)
-        context["form"] = form
-        if request.htmx:
-            response = render(request, "playground/page.html#completion_form", context)
-            return reswap(retarget(response, "#completion-form"), "outerHTML")
-        return render(request, "playground/page.html", context, status=400)
+        return _form_error(
+            request,
+            form=form,
+            context_name="form",
+            fragment="completion_form",
+            target="#completion-form",
+        )
     run = services.run_create(user=request.user, request=form.to_request())
     return _run_created(request, run)
 
@@ -330,15 +342,6 @@ async def run_events(request, run_id):
 # Steering
 
 
-def _vector_form_error(request, form, template_partial: str):
-    context = _page_context(request)
-    context[template_partial] = form
-    if request.htmx:
-        response = render(request, "playground/page.html#vectors", context)
-        return reswap(retarget(response, "#vectors"), "outerHTML")
-    return render(request, "playground/page.html", context, status=400)
-
-
 @approved_required
 @require_POST
 def vector_contrast_create(request):
@@ -347,7 +350,9 @@ def vector_contrast_create(request):
         raise PermissionDenied(capabilities.activations_reason)
     form = ContrastVectorForm(request.POST, capabilities=capabilities)
     if not form.is_valid():
-        return _vector_form_error(request, form, "contrast_form")
+        return _form_error(
+            request, form=form, context_name="contrast_form", fragment="vectors", target="#vectors"
+        )
     data = form.cleaned_data
     group = services.contrast_runs_create(
         user=request.user,
@@ -367,7 +372,9 @@ def vector_upload(request):
     _, _, capabilities = _models(request)
     form = UploadVectorForm(request.POST, request.FILES, capabilities=capabilities)
     if not form.is_valid():
-        return _vector_form_error(request, form, "upload_form")
+        return _form_error(
+            request, form=form, context_name="upload_form", fragment="vectors", target="#vectors"
+        )
     services.steering_vector_create(
         user=request.user,
         name=form.cleaned_data["name"],
@@ -401,12 +408,13 @@ def steering_submit(request):
     _, _, capabilities = _models(request)
     form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
     if not form.is_valid():
-        context = _page_context(request)
-        context["steering_form"] = form
-        if request.htmx:
-            response = render(request, "playground/page.html#steering_form", context)
-            return reswap(retarget(response, "#steering-box"), "outerHTML")
-        return render(request, "playground/page.html", context, status=400)
+        return _form_error(
+            request,
+            form=form,
+            context_name="steering_form",
+            fragment="steering_form",
+            target="#steering-box",
+        )
     data = form.cleaned_data
     scales = data["scale_list"]
     group = services.steering_runs_create(
