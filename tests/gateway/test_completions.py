@@ -166,9 +166,16 @@ def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, ap
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
 
 
-def wait_until_metered(timeout=10.0) -> None:
-    """Wait for the usage record of a request whose client left (written in the background)."""
-    deadline = time.monotonic() + timeout
+def post_and_leave(gateway_url, api_secret, *, after: float) -> None:
+    """POST a small completion, hang up after `after` seconds without an answer, and wait
+    until the gateway has metered the abandoned request (it does so in the background)."""
+    import httpx
+
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {api_secret}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=after)
+    deadline = time.monotonic() + 10
     while not UsageRecord.objects.exists():
         assert time.monotonic() < deadline, "the abandoned request was never metered"
         time.sleep(0.05)
@@ -177,17 +184,12 @@ def wait_until_metered(timeout=10.0) -> None:
 def test_client_leaving_a_non_streaming_request_releases_its_hold(
     gateway_url, api_secret, stub, model, api_key
 ):
-    import httpx
     from asgiref.sync import async_to_sync
 
     from api.admission import admission_counts
 
     stub.mode["delay"] = 2.0
-    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
-    headers = {"Authorization": f"Bearer {api_secret}"}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.5)
-    wait_until_metered()
+    post_and_leave(gateway_url, api_secret, after=0.5)
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
     reservation = BudgetReservation.objects.get()
@@ -214,8 +216,6 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
 ):
     import asyncio
 
-    import httpx
-
     from api import completions
 
     hold = completions.reserve
@@ -225,11 +225,7 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
         return await hold(**kwargs)
 
     monkeypatch.setattr(completions, "reserve", slow_hold)
-    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
-    headers = {"Authorization": f"Bearer {api_secret}"}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gateway_url}/v1/completions", json=body, headers=headers, timeout=0.2)
-    wait_until_metered()
+    post_and_leave(gateway_url, api_secret, after=0.2)
     # The hold the request was making when its client left is made, then released at once
     # (not left reserved until the sweep), and the upstream was never called.
     reservation = BudgetReservation.objects.get()
