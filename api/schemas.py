@@ -1,14 +1,19 @@
 """Request bodies of the public API, mirroring the wire format (vLLM's completions protocol
-plus the ACS activation fields). Unknown fields and mistyped values are rejected."""
+plus the ACS activation fields; the fields and limits shared with the engine are in
+`acs_client.protocol`). Unknown fields and mistyped values are rejected."""
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from acs_client.protocol import (
+    MAX_STEERING_VECTORS,
+    CompletionFields,
+    SteeringFields,
+    Strict,
+    error_field,
+)
 
 from .errors import ApiError
 
-MAX_N = 16
-MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 100
-MAX_STEERING_VECTORS = 8
 DEFAULT_MAX_TOKENS = 16
 OUTPUT_WORK_CAP = 32_000
 NON_STREAMING_MAX_TOKENS = 15_600
@@ -19,16 +24,7 @@ CAPTURE_MAX_VALUES = 64 * 1024 * 1024
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
-class _Strict(BaseModel):
-    # strict: JSON types must match (no "5" for 5); unknown fields are errors.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class ActivationTensor(_Strict):
+class ActivationTensor(Strict):
     """The activation codec object (see `acs_client.codec`)."""
 
     data: str
@@ -38,45 +34,16 @@ class ActivationTensor(_Strict):
     compression: str
 
 
-class SteeringVector(_Strict):
+class SteeringVector(SteeringFields):
     activations: ActivationTensor
-    layer_indices: list[int] = Field(min_length=1)
-    scale: float = 1.0
-    norm_match: bool = False
-    position_indices: list[int] | None = None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
-
-
-class CompletionRequest(_Strict):
+class CompletionRequest(CompletionFields):
     """The body of POST /v1/completions."""
 
-    model: str | None = None
-    prompt: Prompt
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = Field(default=None)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
-    echo: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    add_special_tokens: bool = True
-    ignore_eos: bool = False
-    output_residual_stream: bool | list[int] | None = None
     apply_steering_vectors: list[SteeringVector] | None = Field(
         default=None, max_length=MAX_STEERING_VECTORS
     )
-    user: str | None = None
 
     def prompts(self) -> list:
         """The prompt as a list of prompts (each a string or a token-id list)."""
@@ -86,11 +53,6 @@ class CompletionRequest(_Strict):
         if prompt and isinstance(prompt[0], int):
             return [prompt]
         return list(prompt)
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def capture_layers(self, n_layers: int) -> list[int] | None:
         """The layers to capture, or None without a capture."""
@@ -116,16 +78,9 @@ def parse_body(model_class: type[BaseModel], body: object):
 
 
 def describe_error(error: dict) -> str:
-    field = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part))
+    field = error_field(error)
     if error["type"] == "extra_forbidden":
         return f"Unknown field '{field}'."
     if error["type"] == "missing":
         return f"Missing required field '{field}'."
     return f"Invalid value for '{field}': {error['msg']}."
-
-
-def _is_union_branch(part) -> bool:
-    # pydantic names union branches in locations (prompt.list[int].0); the caller never wrote them.
-    return isinstance(part, str) and (
-        "[" in part or part in ("str", "int", "bool", "float", "ActivationTensor")
-    )

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from acs_client.protocol import MAX_STOP_STRINGS
+
 from .errors import ApiError
 from .models import LanguageModel
 from .schemas import (
@@ -9,7 +11,6 @@ from .schemas import (
     DEFAULT_MAX_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
-    MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
     CompletionRequest,

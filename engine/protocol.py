@@ -1,11 +1,8 @@
 """Wire format of the engine's HTTP API: request models (unknown fields rejected) and errors."""
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-MAX_STOP_STRINGS = 4
-MAX_N = 16
-MAX_LOGPROBS = 100
-MAX_STEERING_VECTORS = 8
+from acs_client.protocol import CompletionFields, Strict, error_field
 
 
 class RequestError(Exception):
@@ -28,62 +25,15 @@ class RequestError(Exception):
         return {"error": {"code": self.code, "message": self.message, "type": self.error_type}}
 
 
-class _Strict(BaseModel):
-    # strict: JSON types must match (no "5" for 5, no true for 1); unknown fields are errors.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class SteeringVectorSpec(_Strict):
-    activations: dict
-    layer_indices: list[int] = Field(min_length=1)
-    scale: float = 1.0
-    norm_match: bool = False
-    position_indices: list[int] | None = None
-
-
-Prompt = str | list[str] | list[int] | list[list[int]]
-
-
-class CompletionRequest(_Strict):
-    """The body of POST /v1/completions, as vLLM's OpenAI-compatible server takes it."""
+class CompletionRequest(CompletionFields):
+    """The body of POST /v1/completions, as vLLM's OpenAI-compatible server takes it
+    (`model` required, `max_tokens` 16 by default)."""
 
     model: str
-    prompt: Prompt
     max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
-    echo: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    add_special_tokens: bool = True
-    ignore_eos: bool = False
-    output_residual_stream: bool | list[int] | None = None
-    apply_steering_vectors: list[SteeringVectorSpec] | None = Field(
-        default=None, max_length=MAX_STEERING_VECTORS
-    )
-    user: str | None = None
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """The body of POST /tokenize."""
 
     model: str | None = None
@@ -91,7 +41,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
-def parse_model(model_class: type[_Strict], body: object):
+def parse_model(model_class: type[Strict], body: object):
     """Validate a decoded JSON body; RequestError naming the first offending field otherwise."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -102,14 +52,9 @@ def parse_model(model_class: type[_Strict], body: object):
 
 
 def _describe(error: dict) -> str:
-    field = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part))
+    field = error_field(error)
     if error["type"] == "extra_forbidden":
         return f"unknown field {field!r}"
     if error["type"] == "missing":
         return f"missing required field {field!r}"
     return f"invalid value for {field!r}: {error['msg']}"
-
-
-def _is_union_branch(part) -> bool:
-    # pydantic names union branches in locations (prompt.list[int].0); users never wrote those.
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "bool", "float"))

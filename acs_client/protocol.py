@@ -1,0 +1,86 @@
+"""The wire format of POST /v1/completions, shared by the gateway (`api.schemas`) and the
+embedded engine (`engine.protocol`): vLLM's completions protocol plus the ACS activation
+fields, as strict pydantic models (JSON types must match, unknown fields are errors), the
+limits both sides enforce, and where a validation error points. Needs pydantic.
+"""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 100
+MAX_STEERING_VECTORS = 8
+
+
+class Strict(BaseModel):
+    # strict: JSON types must match (no "5" for 5, no true for 1); unknown fields are errors.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SteeringFields(Strict):
+    """One entry of `apply_steering_vectors`. `activations` is the codec object, taken as a
+    plain dict here; the gateway narrows it to its codec model."""
+
+    activations: dict
+    layer_indices: list[int] = Field(min_length=1)
+    scale: float = 1.0
+    norm_match: bool = False
+    position_indices: list[int] | None = None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionFields(Strict):
+    """The body of POST /v1/completions as the gateway takes it (`model` and `max_tokens`
+    optional); the engine narrows those two, the gateway the codec object of each steering
+    vector. Redefined fields keep their place, so errors are reported in this order on both
+    sides."""
+
+    model: str | None = None
+    prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_special_tokens: bool = True
+    ignore_eos: bool = False
+    output_residual_stream: bool | list[int] | None = None
+    apply_steering_vectors: list[SteeringFields] | None = Field(
+        default=None, max_length=MAX_STEERING_VECTORS
+    )
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def error_field(error: dict) -> str:
+    """The dotted location of one pydantic validation error (`ValidationError.errors()`
+    item), as the caller wrote it: pydantic also names the union branch it tried
+    (prompt.list[int].0), which is left out."""
+    return ".".join(str(part) for part in error["loc"] if not _is_union_branch(part))
+
+
+def _is_union_branch(part) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "bool", "float", "ActivationTensor")
+    )
