@@ -225,6 +225,29 @@ class BudgetReservation(models.Model):
         return self.max_tokens_applied < self.max_tokens_requested
 
 
+class BudgetLease(models.Model):
+    """Tokens one gateway process holds against a key's and account's windows, to serve
+    many requests from memory instead of one reservation each (see `api.ledger`).
+
+    `held_tokens` count as reserved in the windows until they are spent (moved to used by a
+    flush) or given back; a lease never returned (its process died) is released by the
+    same sweep as stale reservations."""
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="leases")
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    month_start = models.DateField()
+    day_start = models.DateField()
+    held_tokens = models.BigIntegerField(default=0)
+    spent_prompt_tokens = models.BigIntegerField(default=0)
+    spent_completion_tokens = models.BigIntegerField(default=0)
+    requests = models.IntegerField(default=0)
+    returned_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["returned_at", "created_at"])]
+
+
 class ServiceSettings(models.Model):
     """Service-wide switches (one row, pk=1)."""
 

@@ -26,6 +26,7 @@ from .models import (
     ApiKey,
     ApplicationStatus,
     AuditLog,
+    BudgetLease,
     BudgetReservation,
     KeyStatus,
     Period,
@@ -332,12 +333,10 @@ def budget_reserve(
     )
 
 
-def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activation, now):
-    """`budget_reserve` as steps (see `run_steps`)."""
-    month, day = month_start(now), day_start(now)
-    windows, spend_cap_paused = yield from _lock_windows_steps(
-        key_id=key.pk, user_id=key.user_id, month=month, day=day
-    )
+def _tightest_windows(*, key, windows, spend_cap_paused, activation):
+    """`(total, input, output)` tokens left for a request of `key` in its locked windows
+    (input and output None when the key has no such budget); raises BudgetExceeded when the
+    spend cap or the activation quota refuses the request."""
     if spend_cap_paused:
         raise BudgetExceeded("spend_cap", "The service is paused by its spend cap.")
     if activation and windows.key_month.activation_requests >= key.monthly_activation_quota:
@@ -349,8 +348,18 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
     total_left = min(
         v for name, v in remaining.items() if v is not None and not name.startswith("key_monthly_")
     )
-    input_left = remaining["key_monthly_input"]
-    output_left = remaining["key_monthly_output"]
+    return total_left, remaining["key_monthly_input"], remaining["key_monthly_output"]
+
+
+def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activation, now):
+    """`budget_reserve` as steps (see `run_steps`)."""
+    month, day = month_start(now), day_start(now)
+    windows, spend_cap_paused = yield from _lock_windows_steps(
+        key_id=key.pk, user_id=key.user_id, month=month, day=day
+    )
+    total_left, input_left, output_left = _tightest_windows(
+        key=key, windows=windows, spend_cap_paused=spend_cap_paused, activation=activation
+    )
     room = total_left - prompt_tokens
     if output_left is not None:
         room = min(room, output_left)
@@ -465,15 +474,158 @@ def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, rel
 
 
 def budget_release_stale(*, older_than) -> int:
-    """Free the holds of reservations whose request never settled (its process died)."""
+    """Free the holds of reservations whose request never settled and of leases never
+    returned (their process died); returns how many were freed."""
     cutoff = timezone.now() - older_than
     stale = BudgetReservation.objects.filter(
         status=ReservationStatus.RESERVED, created_at__lt=cutoff
     ).values_list("id", flat=True)
-    return sum(
+    released = sum(
         budget_settle(reservation_id=rid, prompt_tokens=0, completion_tokens=0, release=True)
         for rid in list(stale)
     )
+    for lease in BudgetLease.objects.filter(returned_at=None, created_at__lt=cutoff):
+        released += run_steps(lambda lease=lease: budget_lease_return_steps(lease=lease))
+    return released
+
+
+# Budget leases (see `api.ledger`, which keeps them in memory). A lease takes at most
+# 1/LEASE_SHARE of what the tightest window has left, and at most LEASE_MAX_TOKENS; none is
+# granted unless it covers LEASE_MIN_REQUESTS requests like the one asking, so near a limit
+# every request is reserved exactly, with the clamping and refusals of `budget_reserve`.
+LEASE_SHARE = 16
+LEASE_MAX_TOKENS = 1_000_000
+LEASE_MIN_REQUESTS = 4
+
+_LEASES = BudgetLease._meta.db_table
+
+
+def _lease_windows(lease) -> list:
+    return _windows_params(
+        key_id=lease.key_id, user_id=lease.user_id, month=lease.month_start, day=lease.day_start
+    )
+
+
+def _windows_reserved_change(lease, tokens: int):
+    return (
+        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s WHERE {_WINDOWS_WHERE}",
+        [tokens, *_lease_windows(lease)],
+    )
+
+
+def budget_lease_steps(*, key, lease: BudgetLease, retiring, give_back: int, worst_case: int, now):
+    """Steps: lease tokens of `key`'s windows of today, for requests of up to `worst_case`
+    tokens, to `lease` (new and unsaved; created if granted), after giving `give_back`
+    unused tokens of `retiring` (None, or a lease of the same windows) back. Returns the
+    tokens granted, 0 when the windows are too close to their limits for leasing; a granted
+    `lease` gets the ids of its windows as `window_ids`. Raises BudgetExceeded(spend_cap)
+    when the service is paused (then nothing is given back)."""
+    windows, spend_cap_paused = yield from _lock_windows_steps(
+        key_id=key.pk, user_id=key.user_id, month=lease.month_start, day=lease.day_start
+    )
+    total_left, _, _ = _tightest_windows(
+        key=key, windows=windows, spend_cap_paused=spend_cap_paused, activation=False
+    )
+    statements = [(_NO_FLUSH_WAIT, [])]
+    if retiring is not None and give_back:
+        statements += _lease_return_statements(retiring, give_back, final=False, now=now)
+    grant = min(LEASE_MAX_TOKENS, (total_left + give_back) // LEASE_SHARE)
+    if grant < worst_case * LEASE_MIN_REQUESTS:
+        yield [*statements, COMMIT]
+        return 0
+    ops = connection.ops
+    insert = (
+        f"INSERT INTO {_LEASES} (key_id, user_id, created_at, month_start, day_start,"
+        " held_tokens, spent_prompt_tokens, spent_completion_tokens, requests)"
+        " VALUES (%s, %s, %s, %s, %s, %s, 0, 0, 0) RETURNING id",
+        [
+            key.pk,
+            key.user_id,
+            ops.adapt_datetimefield_value(now),
+            ops.adapt_datefield_value(lease.month_start),
+            ops.adapt_datefield_value(lease.day_start),
+            grant,
+        ],
+    )
+    rows = yield [*statements, _windows_reserved_change(lease, grant), insert, COMMIT]
+    lease.pk = rows[0][0]
+    lease.window_ids = (windows.key_month.pk, windows.key_day.pk, windows.account_month.pk)
+    return grant
+
+
+def _lease_return_statements(lease, tokens: int, *, final: bool, now) -> Statements:
+    """Statements giving `tokens` of `lease` back to its windows (which must be locked);
+    `final` marks the lease returned."""
+    returned = ", returned_at = %s" if final else ""
+    params = [tokens, *([connection.ops.adapt_datetimefield_value(now)] if final else [])]
+    return [
+        _windows_reserved_change(lease, -tokens),
+        (
+            f"UPDATE {_LEASES} SET held_tokens = held_tokens - %s{returned} WHERE id = %s",
+            [*params, lease.pk],
+        ),
+    ]
+
+
+def budget_lease_return_steps(*, lease, tokens: int | None = None, final: bool = True):
+    """Steps: give `tokens` of `lease` (a BudgetLease; None = all it holds) back to its
+    windows, marking it returned if `final`. Returns 1 if it gave anything back or marked
+    the lease, else 0 (an already returned lease)."""
+    rows = yield [
+        (_windows_locking_select("id"), _lease_windows(lease)),
+        (f"SELECT held_tokens FROM {_LEASES} WHERE id = %s AND returned_at IS NULL", [lease.pk]),
+    ]
+    if not rows:
+        return 0
+    tokens = rows[0][0] if tokens is None else tokens
+    statements = _lease_return_statements(lease, tokens, final=final, now=timezone.now())
+    yield [(_NO_FLUSH_WAIT, []), *statements, COMMIT]
+    return 1
+
+
+def budget_lease_spend_steps(*, spends: list[dict]):
+    """Steps (PostgreSQL): move what requests spent from their leases' holds to used. Each
+    of `spends` has `lease` (a BudgetLease with the `window_ids` that `budget_lease_steps`
+    set), `prompt_tokens`, `completion_tokens` and `requests`. The windows are locked first,
+    in id order, so concurrent flushes and reservations cannot deadlock; the statements are
+    the same for any number of spends."""
+    if not spends:
+        return
+    windows: dict[int, list[int]] = {}
+    for spend in spends:
+        for window_id in spend["lease"].window_ids:
+            totals = windows.setdefault(window_id, [0, 0, 0])
+            totals[0] += spend["prompt_tokens"]
+            totals[1] += spend["completion_tokens"]
+            totals[2] += spend["requests"]
+    ids = sorted(windows)
+    lock = (f"SELECT id FROM {_PERIODS} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids])
+    move = (
+        f"UPDATE {_PERIODS} AS w SET"
+        " reserved_tokens = w.reserved_tokens - d.prompt - d.completion,"
+        " used_tokens = w.used_tokens + d.prompt + d.completion,"
+        " used_input = w.used_input + d.prompt, used_output = w.used_output + d.completion,"
+        " requests = w.requests + d.requests"
+        " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
+        " AS d(id, prompt, completion, requests) WHERE w.id = d.id",
+        [ids, *([windows[i][column] for i in ids] for column in range(3))],
+    )
+    leases = (
+        f"UPDATE {_LEASES} AS l SET held_tokens = l.held_tokens - d.prompt - d.completion,"
+        " spent_prompt_tokens = l.spent_prompt_tokens + d.prompt,"
+        " spent_completion_tokens = l.spent_completion_tokens + d.completion,"
+        " requests = l.requests + d.requests"
+        " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
+        " AS d(id, prompt, completion, requests) WHERE l.id = d.id",
+        [
+            [spend["lease"].pk for spend in spends],
+            *([spend[name] for spend in spends] for name in _SPEND_FIELDS),
+        ],
+    )
+    yield [(_NO_FLUSH_WAIT, []), lock, move, leases]
+
+
+_SPEND_FIELDS = ("prompt_tokens", "completion_tokens", "requests")
 
 
 def harvest_quota_consume(*, key: ApiKey, now=None) -> None:
@@ -507,6 +659,9 @@ _RECORD_COLUMNS = [
     field.attname for field in UsageRecord._meta.concrete_fields if field.attname != "id"
 ]
 _DAILY = UsageDaily._meta.db_table
+_DAILY_COLUMNS = [
+    field.attname for field in UsageDaily._meta.concrete_fields if field.attname != "id"
+]
 
 
 def usage_record_create(*, key: ApiKey, now=None, **fields) -> UsageRecord:
@@ -556,42 +711,76 @@ def usage_record_steps(
         activation_layers=activation_layers,
         workload=workload,
     )
-    values = [getattr(record, column) for column in _RECORD_COLUMNS]
+    yield from usage_records_steps(records=[record])
+    return record
+
+
+def usage_records_steps(*, records: list[UsageRecord]):
+    """Steps: insert unsaved `records` (setting their pk) and add them to the daily
+    roll-up, in one round trip. Roll-up rows are upserted in a fixed order, so concurrent
+    batches cannot deadlock."""
+    if not records:
+        return
     ops = connection.ops
-    values[_RECORD_COLUMNS.index("created_at")] = ops.adapt_datetimefield_value(now)
-    if activation_layers is not None:
-        values[_RECORD_COLUMNS.index("activation_layers")] = json.dumps(activation_layers)
-    insert = (
-        f"INSERT INTO {UsageRecord._meta.db_table} ({', '.join(_RECORD_COLUMNS)})"
-        f" VALUES ({', '.join(['%s'] * len(values))}) RETURNING id",
-        values,
+    created_at, layers = (
+        _RECORD_COLUMNS.index(name) for name in ("created_at", "activation_layers")
     )
-    daily = (
-        f"""
-        INSERT INTO {_DAILY} (day, user_id, key_id, model, status_code, error_code,
-                              requests, prompt_tokens, completion_tokens, latency_ms_sum)
-        VALUES (%s, %s, %s, %s, %s, %s, 1, %s, %s, %s)
-        ON CONFLICT (day, key_id, model, status_code, error_code) DO UPDATE SET
+    values = []
+    days: dict[tuple, list] = {}
+    for record in records:
+        row = [getattr(record, column) for column in _RECORD_COLUMNS]
+        row[created_at] = ops.adapt_datetimefield_value(record.created_at)
+        if record.activation_layers is not None:
+            row[layers] = json.dumps(record.activation_layers)
+        values.append(row)
+        group = (
+            ops.adapt_datefield_value(day_start(record.created_at)),
+            record.key_id,
+            record.model,
+            record.status_code,
+            record.error_code,
+        )
+        totals = days.setdefault(group, [record.user_id, 0, 0, 0, 0.0])
+        totals[1] += 1
+        totals[2] += record.prompt_tokens
+        totals[3] += record.completion_tokens
+        totals[4] += record.latency_ms
+    daily_rows = [
+        [day, user_id, key_id, model, status_code, error_code, *sums]
+        for (day, key_id, model, status_code, error_code), (user_id, *sums) in sorted(days.items())
+    ]
+    daily = _insert_rows(
+        UsageDaily,
+        _DAILY_COLUMNS,
+        daily_rows,
+        f""" ON CONFLICT (day, key_id, model, status_code, error_code) DO UPDATE SET
             requests = {_DAILY}.requests + excluded.requests,
             prompt_tokens = {_DAILY}.prompt_tokens + excluded.prompt_tokens,
             completion_tokens = {_DAILY}.completion_tokens + excluded.completion_tokens,
-            latency_ms_sum = {_DAILY}.latency_ms_sum + excluded.latency_ms_sum
-        """,
-        [
-            ops.adapt_datefield_value(day_start(now)),
-            user_id,
-            key_id,
-            model,
-            status_code,
-            error_code,
-            prompt_tokens,
-            completion_tokens,
-            latency_ms,
-        ],
+            latency_ms_sum = {_DAILY}.latency_ms_sum + excluded.latency_ms_sum""",
     )
+    insert = _insert_rows(UsageRecord, _RECORD_COLUMNS, values, " RETURNING id")
     rows = yield [(_NO_FLUSH_WAIT, []), daily, insert]
-    record.pk = rows[0][0]
-    return record
+    # The ids of a multi-row INSERT ... RETURNING come back in the order of its rows (as
+    # Django's bulk_create also relies on, on PostgreSQL and SQLite).
+    for record, (pk,) in zip(records, rows, strict=True):
+        record.pk = pk
+
+
+def _insert_rows(model, columns: list[str], rows: list[list], suffix: str) -> tuple[str, list]:
+    """One INSERT of `rows` into `model`'s table, then `suffix`. On PostgreSQL the rows
+    travel as one array per column, unnested: the statement's text and parameter count are
+    the same for any number of rows, so psycopg reuses its parsed form (a VALUES list of a
+    batch costs more CPU to parse than to send)."""
+    table, names = model._meta.db_table, ", ".join(columns)
+    if connection.vendor == "postgresql":
+        types = [model._meta.get_field(column).db_type(connection) for column in columns]
+        arrays = ", ".join(f"%s::{db_type}[]" for db_type in types)
+        sql = f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}){suffix}"
+        return sql, [list(column) for column in zip(*rows, strict=True)]
+    marks = f"({', '.join(['%s'] * len(columns))})"
+    sql = f"INSERT INTO {table} ({names}) VALUES {', '.join([marks] * len(rows))}{suffix}"
+    return sql, [value for row in rows for value in row]
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ portal_application = get_asgi_application()
 
 # These need the apps loaded.
 from api.completions_app import completions_app  # noqa: E402
+from api import ledger  # noqa: E402
+from api.background import on_server_loop  # noqa: E402
 from api.db import pools_close  # noqa: E402
 
 
@@ -40,12 +42,15 @@ gateway_application = GatewayHandler()
 
 
 async def lifespan(scope, receive, send):
-    """ASGI lifespan: at shutdown, close the gateway's database pool."""
+    """ASGI lifespan: at shutdown, write the gateway's queued usage, give its budget leases
+    back and close its database pool."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            on_server_loop.set(True)
+            await ledger.drain()
             await pools_close()
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -6,10 +6,11 @@ class ApiConfig(AppConfig):
     name = "api"
 
     def ready(self):
-        from accounts.models import ApiKey, User
+        from accounts.models import ApiKey, ServiceSettings, User
 
         from .auth import bump_after_commit
 
-        for model in (ApiKey, User):
+        # The spend cap too: budget leases are bound to the key snapshot (see api.ledger).
+        for model in (ApiKey, User, ServiceSettings):
             post_save.connect(bump_after_commit, sender=model, dispatch_uid=f"access-{model}")
             post_delete.connect(bump_after_commit, sender=model, dispatch_uid=f"access-del-{model}")

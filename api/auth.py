@@ -3,11 +3,12 @@
 Looking a key up costs a database round trip and a worker-thread hop (about 1.4 ms here) on
 every request. So a process keeps the keys it has authenticated, by a digest of the
 `Authorization` header, and trusts an entry only while Redis's *access generation* is the one
-it was read under, and for at most AUTH_CACHE_SECONDS. Every saved or deleted key or user
-bumps the generation once its transaction commits (the receivers below), so a revoked,
-paused, re-scoped or re-budgeted key, or a suspended account, is seen by every replica on
-its next request. Code that changes a key or user with `QuerySet.update()` bypasses the
-signals and must call `access_generation_bump()` itself.
+it was read under, and for at most AUTH_CACHE_SECONDS. Every saved or deleted key or user,
+and every change of the spend cap, bumps the generation once its transaction commits (the
+receivers below), so a revoked, paused, re-scoped or re-budgeted key, a suspended account or
+a paused service is seen by every replica on its next request. Code that changes a key or
+user with `QuerySet.update()` bypasses the signals and must call `access_generation_bump()`
+itself.
 """
 
 import hashlib

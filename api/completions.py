@@ -13,10 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from . import background, upstream
+from . import upstream
 from .admission import admission_slot
 from .errors import ApiError, sse_error_frame
-from .metering import reserve, settle_and_record
+from .metering import meter, reserve
 from .validation import ValidCompletion, validate_completion
 
 logger = logging.getLogger(__name__)
@@ -112,27 +112,22 @@ class _Request:
             "workload": self.workload,
         }
 
-    def settlement(self) -> dict | None:
-        if self.reservation is None:
-            return None
-        return {
-            "reservation_id": self.reservation.pk,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-        }
-
-    def finish_in_background(self, *, status: int, error_code: str = "") -> asyncio.Future:
-        """Start settling and metering in a task that outlives the request's own task."""
-        return background.spawn(
-            settle_and_record(
-                settlement=self.settlement(),
-                record=self.record(status=status, error_code=error_code),
-            )
+    def finish_in_background(self, *, status: int, error_code: str = "", urgent: bool = False):
+        """Start settling and metering, in work that outlives the request's own task;
+        returns a future done once they are written."""
+        return meter(
+            hold=self.reservation,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            record=self.record(status=status, error_code=error_code),
+            urgent=urgent,
         )
 
     async def finish(self, *, status: int, error_code: str = "") -> None:
         """Settle and meter, even if the request task is being cancelled."""
-        await asyncio.shield(self.finish_in_background(status=status, error_code=error_code))
+        await asyncio.shield(
+            self.finish_in_background(status=status, error_code=error_code, urgent=True)
+        )
 
     async def admit_and_reserve(self, stack: contextlib.AsyncExitStack) -> int:
         """Take an admission slot (held until `stack` closes) and reserve the budget;

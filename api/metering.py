@@ -1,27 +1,39 @@
-"""Budget reservation, settlement and the usage ledger, as async calls for the gateway.
+"""Budget holds, settlement and the usage ledger, as async calls for the gateway.
 
-Each call is one transaction of `accounts.services` step generators, run by
-`db.run_steps_async`: reserve before the upstream, then settle and record in one go after it.
+`reserve` holds a request's worst case before the upstream: out of a budget lease of the
+process where it can (`api.ledger`), else as a reservation in one transaction of
+`accounts.services` step generators (`db.run_steps_async`). `meter` settles the hold to the
+actual usage and writes the usage record: batched by the ledger on the server loop, else in
+one transaction.
 """
 
 from django.utils import timezone
 
+from accounts.models import UsageRecord
 from accounts.services import (
     BudgetExceeded,
     budget_reserve_steps,
     budget_settle_steps,
-    usage_record_steps,
+    usage_records_steps,
 )
 
+from . import background, ledger
 from .db import run_steps_async
 from .errors import ApiError
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
-    """Hold the worst case against every budget window, or raise 429 with the contract's
-    code (budget_exceeded, activation_quota_exceeded, spend_cap)."""
+    """Hold the worst case against every budget window: a `ledger.LeaseHold` or a
+    `BudgetReservation` (whose `max_tokens_applied` may be clamped), or raise 429 with the
+    contract's code (budget_exceeded, activation_quota_exceeded, spend_cap)."""
     now = timezone.now()
     try:
+        if ledger.leasable(key, activation=activation):
+            hold = await ledger.current().hold(
+                key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
+            )
+            if hold is not None:
+                return hold
         return await run_steps_async(
             lambda: budget_reserve_steps(
                 key=key,
@@ -36,18 +48,32 @@ async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
         raise ApiError(429, error.code, error.message) from None
 
 
-def _settle_and_record_steps(settlement: dict | None, record: dict | None):
+def _settle_and_record_steps(settlement: dict | None, record: UsageRecord):
     if settlement is not None:
         yield from budget_settle_steps(**settlement)
-    if record is not None:
-        fields = dict(record)
-        key = fields.pop("key")
-        yield from usage_record_steps(
-            key_id=key.pk, user_id=key.user_id, now=timezone.now(), **fields
+    yield from usage_records_steps(records=[record])
+
+
+def meter(*, hold, prompt_tokens: int, completion_tokens: int, record: dict, urgent: bool):
+    """Settle `hold` (what `reserve` returned, or None) to the actual usage and write the
+    usage record (`record`: UsageRecord fields, with `key` the ApiKey). Returns a future
+    done once both are written; `urgent` asks the ledger not to wait for a fuller batch."""
+    fields = dict(record)
+    key = fields.pop("key")
+    usage = UsageRecord(key_id=key.pk, user_id=key.user_id, created_at=timezone.now(), **fields)
+    if isinstance(hold, ledger.LeaseHold) or (hold is None and ledger.active()):
+        return ledger.current().meter(
+            hold=hold,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            record=usage,
+            urgent=urgent,
         )
-
-
-async def settle_and_record(*, settlement: dict | None, record: dict | None) -> None:
-    """Settle a reservation (`budget_settle` kwargs) and write the usage record
-    (`usage_record_create` kwargs), in one transaction; either may be None."""
-    await run_steps_async(lambda: _settle_and_record_steps(settlement, record))
+    settlement = None
+    if hold is not None:
+        settlement = {
+            "reservation_id": hold.pk,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        }
+    return background.spawn(run_steps_async(lambda: _settle_and_record_steps(settlement, usage)))

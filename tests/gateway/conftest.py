@@ -9,7 +9,7 @@ import httpx
 import pytest
 from django.db import connections
 
-from api import admission, background, completions, selectors, upstream
+from api import admission, background, completions, ledger, selectors, upstream
 from api.models import LanguageModel
 
 from .stub import StubUpstream, serve_in_thread, stop_server
@@ -38,6 +38,24 @@ def gateway_url(tmp_path_factory, django_db_setup):
     server, thread, url = serve_in_thread(application, lifespan="on")
     yield url
     stop_server(server, thread)
+
+
+@pytest.fixture(autouse=True)
+def ledger_writes_at_once(monkeypatch):
+    """The ledger writes each request's usage and gives its budget lease back as soon as it
+    can, so a test that waited for `background.pending()` sees every window settled. Tests
+    of batching and lease reuse set their own delays."""
+    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 0)
+    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 0)
+    monkeypatch.setattr(ledger, "RETRY_S", 0.05)
+
+
+@pytest.fixture
+def exact_budgets(monkeypatch):
+    """No budget leases: every request holds a BudgetReservation of its own."""
+    from accounts import services
+
+    monkeypatch.setattr(services, "LEASE_MAX_TOKENS", 0)
 
 
 @pytest.fixture
@@ -79,6 +97,14 @@ def wait_settled(timeout=10.0) -> None:
     while background.pending():
         assert time.monotonic() < deadline, "settlements still pending"
         time.sleep(0.005)
+
+
+def key_day_window(key):
+    """The key's budget window of today, where requests hold and settle their tokens
+    (through a budget lease or a reservation of their own)."""
+    from accounts.models import Period, UsagePeriod
+
+    return UsagePeriod.objects.get(key=key, period=Period.DAY)
 
 
 def _settled_hook(response):

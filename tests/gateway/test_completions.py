@@ -3,7 +3,9 @@ import time
 
 import pytest
 
-from accounts.models import BudgetReservation, ReservationStatus, UsageRecord
+from accounts.models import UsageRecord
+
+from .conftest import key_day_window
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,9 +28,8 @@ def test_completion_returns_upstream_body_and_meters_it(client, stub, api_key):
     assert record.workload == "batch"
     assert record.upstream_latency_ms is not None
     assert record.request_id == response.headers["X-Request-Id"]
-    reservation = BudgetReservation.objects.get()
-    assert reservation.status == ReservationStatus.SETTLED
-    assert reservation.settled_completion_tokens == 3
+    window = key_day_window(api_key)
+    assert (window.used_input, window.used_output, window.reserved_tokens) == (5, 3, 0)
 
 
 def test_safe_inbound_request_id_is_echoed_and_unsafe_one_replaced(client, stub):
@@ -126,7 +127,8 @@ def test_upstream_dying_mid_stream_yields_one_error_frame_without_done(client, s
     assert len(lines) == 3
     record = UsageRecord.objects.get()
     assert record.error_code == "vllm_engine_dead" and record.completion_tokens == 2
-    assert BudgetReservation.objects.get().status == ReservationStatus.SETTLED
+    window = key_day_window(api_key)
+    assert (window.used_output, window.reserved_tokens) == (2, 0)
 
 
 def test_upstream_error_frame_mid_stream_is_mapped(client, stub):
@@ -154,13 +156,13 @@ def test_stream_cut_by_the_client_is_settled_and_frees_its_slot(client, stub, ap
                 break
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        reservation = BudgetReservation.objects.get()
-        if reservation.status == ReservationStatus.SETTLED:
+        window = key_day_window(api_key)
+        if window.used_tokens and not window.reserved_tokens:
             break
         time.sleep(0.05)
-    assert reservation.status == ReservationStatus.SETTLED
-    assert 3 <= reservation.settled_completion_tokens < 60
-    assert reservation.settled_prompt_tokens == 1
+    assert window.reserved_tokens == 0
+    assert 3 <= window.used_output < 60
+    assert window.used_input == 1
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
@@ -192,9 +194,8 @@ def test_client_leaving_a_non_streaming_request_releases_its_hold(
     post_and_leave(gateway_url, api_secret, after=0.5)
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
-    reservation = BudgetReservation.objects.get()
-    assert reservation.status == ReservationStatus.SETTLED
-    assert reservation.settled_completion_tokens == 0
+    window = key_day_window(api_key)
+    assert (window.requests, window.used_tokens, window.reserved_tokens) == (1, 0, 0)
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
 
 
@@ -228,8 +229,7 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
     post_and_leave(gateway_url, api_secret, after=0.2)
     # The hold the request was making when its client left is made, then released at once
     # (not left reserved until the sweep), and the upstream was never called.
-    reservation = BudgetReservation.objects.get()
-    assert reservation.status == ReservationStatus.SETTLED
-    assert reservation.settled_completion_tokens == 0
+    window = key_day_window(api_key)
+    assert (window.requests, window.used_tokens, window.reserved_tokens) == (1, 0, 0)
     assert UsageRecord.objects.get().status_code == 499
     assert stub.requests == []

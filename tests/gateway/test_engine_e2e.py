@@ -69,7 +69,7 @@ def test_engine_logprobs_and_prompt_logprobs_through_the_sdk(sdk):
     )
 
 
-def test_gateway_counts_prompt_tokens_with_the_engines_tokenizer_json(sdk, api_key):
+def test_gateway_counts_prompt_tokens_with_the_engines_tokenizer_json(sdk, api_key, exact_budgets):
     from accounts.models import BudgetReservation
 
     tokenizer._tokenizers.clear()

@@ -1,0 +1,161 @@
+"""Budget leases and batched metering (api.ledger) on the live gateway, real PostgreSQL."""
+
+import asyncio
+import datetime as dt
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+from django.db.models import Sum
+from django.utils import timezone
+
+from accounts import services
+from accounts.models import BudgetLease, BudgetReservation, UsageRecord
+from accounts.periods import day_start, month_start
+from api import admission, background, ledger
+
+from .conftest import key_day_window, wait_settled
+from .test_admission_and_budgets import fire
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture
+def lasting_leases(monkeypatch):
+    """Leases outlive their requests (as in production) until `give_back` is called."""
+    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 600)
+
+    def give_back():
+        monkeypatch.setattr(ledger, "LEASE_IDLE_S", 0)
+        for loop, book in list(ledger._ledgers.items()):
+            asyncio.run_coroutine_threadsafe(idle_timer_fired(book), loop).result(timeout=10)
+        wait_settled()
+
+    return give_back
+
+
+async def idle_timer_fired(book) -> None:
+    """What the ledger's idle timer does, on the server loop, awaited."""
+    background.on_server_loop.set(True)
+    book._timer_fired()
+    while book.writer is not None:
+        await asyncio.shield(book.writer)
+
+
+def test_requests_of_a_key_share_one_lease_and_settle_exactly(
+    client, stub, api_key, lasting_leases
+):
+    responses = [client.post("/v1/completions", json=BODY) for _ in range(5)]
+    assert [r.status_code for r in responses] == [200] * 5
+    assert not BudgetReservation.objects.exists()
+    lease = BudgetLease.objects.get()
+    assert (lease.requests, lease.spent_prompt_tokens, lease.spent_completion_tokens) == (5, 5, 20)
+    window = key_day_window(api_key)
+    assert (window.requests, window.used_input, window.used_output) == (5, 5, 20)
+    # The lease's unspent tokens stay reserved while the process keeps it...
+    assert window.reserved_tokens == lease.held_tokens > 0
+    lasting_leases()
+    # ...and nothing is left held once it is given back.
+    window = key_day_window(api_key)
+    assert (window.used_tokens, window.reserved_tokens) == (25, 0)
+    lease.refresh_from_db()
+    assert lease.held_tokens == 0 and lease.returned_at is not None
+    assert UsageRecord.objects.aggregate(total=Sum("completion_tokens"))["total"] == 20
+
+
+def test_usage_records_are_written_in_batches(client, stub, api_key, monkeypatch):
+    writes = []
+    run_steps_async = ledger.run_steps_async
+
+    async def counted(make_steps):
+        writes.append(make_steps)
+        return await run_steps_async(make_steps)
+
+    monkeypatch.setattr(ledger, "run_steps_async", counted)
+    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 2.0)
+    with httpx.Client(
+        base_url=client.base_url, headers=client.headers, timeout=30
+    ) as without_waiting:
+        for _ in range(4):
+            assert without_waiting.post("/v1/completions", json=BODY).status_code == 200
+    wait_settled()
+    assert UsageRecord.objects.count() == 4
+    # One lease grant, one batch of four records and spends, one give-back.
+    assert len(writes) == 3
+    assert key_day_window(api_key).used_tokens == 20
+
+
+def test_lowering_a_budget_retires_the_lease_at_once(client, stub, api_key, lasting_leases):
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    services.api_key_budget_set(key=api_key, acting_user=None, budgets={"daily_token_budget": 10})
+    response = client.post("/v1/completions", json={**BODY, "max_tokens": 8})
+    # Held exactly against what is left (10 - 5 used - the old lease given back).
+    assert response.status_code == 200
+    assert response.headers["X-Acs-Max-Tokens-Clamped"] == "requested=8,applied=4,reason=budget"
+    lasting_leases()
+    window = key_day_window(api_key)
+    assert (window.used_tokens, window.reserved_tokens) == (10, 0)
+
+
+def test_pausing_the_service_applies_to_the_next_leased_request(
+    client, stub, api_key, staff_user, lasting_leases
+):
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    services.service_spend_cap_set(paused=True, acting_user=staff_user, reason="over budget")
+    response = client.post("/v1/completions", json=BODY)
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "spend_cap"
+    lasting_leases()
+    assert key_day_window(api_key).reserved_tokens == 0
+
+
+async def test_leased_and_exact_requests_together_never_overspend(
+    gateway_url, api_secret, api_key, stub, model, monkeypatch
+):
+    # 1,000 tokens: leases while far from the limit, then each request reserved exactly.
+    await sync_to_async(services.api_key_budget_set)(
+        key=api_key, acting_user=None, budgets={"daily_token_budget": 1000}
+    )
+    monkeypatch.setattr(admission, "MAX_WAITING", 200)
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 10}
+    responses = await fire(gateway_url, api_secret, 120, body)
+
+    def check():
+        codes = {r.status_code for r in responses}
+        assert codes == {200, 429}
+        refused = [r.json()["error"]["code"] for r in responses if r.status_code == 429]
+        assert set(refused) == {"budget_exceeded"}
+        assert BudgetLease.objects.exists() and BudgetReservation.objects.exists()
+        window = key_day_window(api_key)
+        assert window.used_tokens <= 1000
+        assert window.reserved_tokens == 0
+        delivered = sum(
+            r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200
+        )
+        recorded = UsageRecord.objects.aggregate(p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
+        assert delivered == window.used_tokens == recorded["p"] + recorded["c"]
+        assert UsageRecord.objects.count() == 120
+        assert not BudgetLease.objects.filter(returned_at=None).exists()
+
+    await sync_to_async(check)()
+
+
+def test_the_sweep_frees_the_lease_of_a_dead_process(api_key):
+    now = timezone.now()
+    lease = BudgetLease(
+        key=api_key, user=api_key.user, month_start=month_start(now), day_start=day_start(now)
+    )
+    granted = services.run_steps(
+        lambda: services.budget_lease_steps(
+            key=api_key, lease=lease, retiring=None, give_back=0, worst_case=10, now=now
+        )
+    )
+    assert granted > 0 and key_day_window(api_key).reserved_tokens == granted
+    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    BudgetLease.objects.filter(pk=lease.pk).update(created_at=now - dt.timedelta(hours=1))
+    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
+    assert key_day_window(api_key).reserved_tokens == 0
+    assert BudgetLease.objects.get().returned_at is not None
+    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
