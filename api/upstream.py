@@ -18,6 +18,7 @@ decoded response dict, or raises `ApiError`. Tests point models at stub servers 
 """
 
 import asyncio
+import functools
 import itertools
 import json
 import re
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from .clients import http_client, redis_client
+from .clients import http_client, redis_client, upstream_transport
 from .errors import ApiError
 
 FAILURE_THRESHOLD = 5
@@ -288,23 +289,36 @@ class UpstreamReply:
     upstream_ms: float
 
 
+@functools.lru_cache(maxsize=1024)
+def _endpoint(base: str, path: str) -> httpx.URL:
+    return httpx.URL(base.rstrip("/") + path)
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
 async def _post(urls, path, payload, *, timeout, stream=False):
     """POST to the next healthy URL (one retry on another URL when the connection fails)
-    and return `(target, response)`; the response is open when `stream`."""
+    and return `(target, response)`; the response is open when `stream`, else read."""
     content = json.dumps(payload, separators=(",", ":")).encode()
     attempts = 2 if len(urls) > 1 else 1
     for attempt in range(attempts):
         target = await pick_target(urls)
-        client = http_client()
-        request = client.build_request(
+        request = httpx.Request(
             "POST",
-            target.url.rstrip("/") + path,
+            _endpoint(target.url, path),
             content=content,
-            headers={"content-type": "application/json"},
-            timeout=timeout,
+            headers=_JSON_HEADERS,
+            extensions={"timeout": timeout.as_dict()},
         )
         try:
-            return target, await client.send(request, stream=stream)
+            response = await upstream_transport().handle_async_request(request)
+            if not stream:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+            return target, response
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             await record_failure(target)
             if attempt == attempts - 1:
