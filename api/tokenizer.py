@@ -95,7 +95,12 @@ async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool)
                     tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens
                 )
             else:
-                encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+                # One by one: encode_batch hands short texts to its thread pool and waits
+                # for a thread to be scheduled, which on a busy machine cost more than the
+                # encoding itself.
+                encodings = [
+                    tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts
+                ]
             counts = [len(encoding.ids) for encoding in encodings]
         else:
             url = (await upstream.pick_target(model.upstream_urls)).url
