@@ -13,7 +13,7 @@ import functools
 import weakref
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections, connection, connections
+from django.db import close_old_connections, connections
 from psycopg import AsyncClientCursor
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
@@ -53,11 +53,18 @@ async def run_db(function, *args, **kwargs):
     return await sync_to_async(_managed(function), thread_sensitive=False)(*args, **kwargs)
 
 
+@functools.cache
+def on_postgresql() -> bool:
+    """Whether the default database is PostgreSQL (read once: `connection` is a lookup in
+    thread- and task-local state on every use)."""
+    return connections["default"].vendor == "postgresql"
+
+
 async def run_steps_async(make_steps):
     """`accounts.services.run_steps` for async callers: the step generator `make_steps()`
     runs in one transaction and its result is returned (its exceptions are raised); 503
     db_pool_exhausted when no pooled connection frees up in time."""
-    if not on_server_loop.get() or connection.vendor != "postgresql":
+    if not on_server_loop.get() or not on_postgresql():
         return await run_db(run_steps, make_steps)
     pool = await _pool()
     while True:

@@ -31,7 +31,6 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from django.db import connection
 from django.utils import timezone
 
 from accounts.models import BudgetLease, UsageRecord
@@ -44,7 +43,7 @@ from accounts.services import (
 )
 
 from . import background
-from .db import run_steps_async
+from .db import on_postgresql, run_steps_async
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class LeaseHold:
 def active() -> bool:
     """Whether this call runs on the gateway's server loop against PostgreSQL, where
     metering goes through the ledger."""
-    return background.on_server_loop.get() and connection.vendor == "postgresql"
+    return background.on_server_loop.get() and on_postgresql()
 
 
 def leasable(key, *, activation: bool) -> bool:
