@@ -159,3 +159,43 @@ def test_the_sweep_frees_the_lease_of_a_dead_process(api_key):
     assert key_day_window(api_key).reserved_tokens == 0
     assert BudgetLease.objects.get().returned_at is not None
     assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+
+
+def test_a_record_that_cannot_be_written_does_not_lose_the_others(
+    gateway_url, stub, model, api_key_pair, approved_user, monkeypatch
+):
+    key, secret = api_key_pair
+    doomed, doomed_secret = services.api_key_create(
+        user=approved_user, name="doomed", acting_user=None
+    )
+    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 1.0)
+    for token in (secret, secret, doomed_secret):
+        response = httpx.post(
+            f"{gateway_url}/v1/completions",
+            json=BODY,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        assert response.status_code == 200
+    # Deleted before the batch is written: its record can never be inserted.
+    doomed.delete()
+    wait_settled()
+    assert list(UsageRecord.objects.values_list("key_id", flat=True)) == [key.pk, key.pk]
+    window = key_day_window(key)
+    assert (window.used_tokens, window.reserved_tokens) == (10, 0)
+
+
+def test_shutdown_writes_what_is_queued_and_gives_every_lease_back(
+    client, stub, api_key, monkeypatch
+):
+    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 600)
+    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 600)
+    with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=30) as plain:
+        assert plain.post("/v1/completions", json=BODY).status_code == 200
+    assert not UsageRecord.objects.exists()
+    for loop, book in list(ledger._ledgers.items()):
+        asyncio.run_coroutine_threadsafe(book.drain(), loop).result(timeout=10)
+    assert UsageRecord.objects.count() == 1
+    window = key_day_window(api_key)
+    assert (window.used_tokens, window.reserved_tokens) == (5, 0)
+    assert BudgetLease.objects.get().returned_at is not None
