@@ -18,9 +18,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 portal_application = get_asgi_application()
 
 # These need the apps loaded.
-from api.completions_app import completions_app  # noqa: E402
 from api import ledger  # noqa: E402
 from api.background import on_server_loop  # noqa: E402
+from api.completions_app import completions_app  # noqa: E402
 from api.db import pools_close  # noqa: E402
 
 
