@@ -588,30 +588,42 @@ def budget_lease_spend_steps(*, spends: list[dict]):
     of `spends` has `lease` (a BudgetLease with the `window_ids` that `budget_lease_steps`
     set), `prompt_tokens`, `completion_tokens` and `requests`. The windows are locked first,
     in id order, so concurrent flushes and reservations cannot deadlock; the statements are
-    the same for any number of spends."""
+    the same for any number of spends. What a lease the sweep already returned spent is
+    counted as used without touching `reserved` (the sweep freed its hold)."""
     if not spends:
         return
-    windows: dict[int, list[int]] = {}
+    window_ids = sorted({window_id for spend in spends for window_id in spend["lease"].window_ids})
+    rows = yield [
+        (_NO_FLUSH_WAIT, []),
+        (f"SELECT id FROM {_PERIODS} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [window_ids]),
+        (
+            f"SELECT id FROM {_LEASES} WHERE id = ANY(%s) AND returned_at IS NULL",
+            [[spend["lease"].pk for spend in spends]],
+        ),
+    ]
+    held = {lease_id for (lease_id,) in rows}
+    windows: dict[int, list[int]] = {window_id: [0, 0, 0, 0] for window_id in window_ids}
     for spend in spends:
+        prompt, completion = spend["prompt_tokens"], spend["completion_tokens"]
+        released = prompt + completion if spend["lease"].pk in held else 0
         for window_id in spend["lease"].window_ids:
-            totals = windows.setdefault(window_id, [0, 0, 0])
-            totals[0] += spend["prompt_tokens"]
-            totals[1] += spend["completion_tokens"]
-            totals[2] += spend["requests"]
-    ids = sorted(windows)
-    lock = (f"SELECT id FROM {_PERIODS} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids])
+            totals = windows[window_id]
+            totals[0] += released
+            totals[1] += prompt
+            totals[2] += completion
+            totals[3] += spend["requests"]
     move = (
-        f"UPDATE {_PERIODS} AS w SET"
-        " reserved_tokens = w.reserved_tokens - d.prompt - d.completion,"
+        f"UPDATE {_PERIODS} AS w SET reserved_tokens = w.reserved_tokens - d.released,"
         " used_tokens = w.used_tokens + d.prompt + d.completion,"
         " used_input = w.used_input + d.prompt, used_output = w.used_output + d.completion,"
         " requests = w.requests + d.requests"
-        " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
-        " AS d(id, prompt, completion, requests) WHERE w.id = d.id",
-        [ids, *([windows[i][column] for i in ids] for column in range(3))],
+        " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
+        " AS d(id, released, prompt, completion, requests) WHERE w.id = d.id",
+        [window_ids, *([windows[i][column] for i in window_ids] for column in range(4))],
     )
     leases = (
-        f"UPDATE {_LEASES} AS l SET held_tokens = l.held_tokens - d.prompt - d.completion,"
+        f"UPDATE {_LEASES} AS l SET held_tokens = l.held_tokens - CASE WHEN"
+        " l.returned_at IS NULL THEN d.prompt + d.completion ELSE 0 END,"
         " spent_prompt_tokens = l.spent_prompt_tokens + d.prompt,"
         " spent_completion_tokens = l.spent_completion_tokens + d.completion,"
         " requests = l.requests + d.requests"
@@ -622,7 +634,7 @@ def budget_lease_spend_steps(*, spends: list[dict]):
             *([spend[name] for spend in spends] for name in _SPEND_FIELDS),
         ],
     )
-    yield [(_NO_FLUSH_WAIT, []), lock, move, leases]
+    yield [move, leases]
 
 
 _SPEND_FIELDS = ("prompt_tokens", "completion_tokens", "requests")

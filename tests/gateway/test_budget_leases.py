@@ -142,7 +142,7 @@ async def test_leased_and_exact_requests_together_never_overspend(
     await sync_to_async(check)()
 
 
-def test_the_sweep_frees_the_lease_of_a_dead_process(api_key):
+def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count(api_key):
     now = timezone.now()
     lease = BudgetLease(
         key=api_key, user=api_key.user, month_start=month_start(now), day_start=day_start(now)
@@ -159,6 +159,12 @@ def test_the_sweep_frees_the_lease_of_a_dead_process(api_key):
     assert key_day_window(api_key).reserved_tokens == 0
     assert BudgetLease.objects.get().returned_at is not None
     assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    # Its process was only frozen: what it spent still counts, and nothing goes negative.
+    spend = {"lease": lease, "prompt_tokens": 3, "completion_tokens": 4, "requests": 1}
+    services.run_steps(lambda: services.budget_lease_spend_steps(spends=[spend]))
+    window = key_day_window(api_key)
+    assert (window.used_tokens, window.reserved_tokens, window.requests) == (7, 0, 1)
+    assert BudgetLease.objects.get().held_tokens == 0
 
 
 def test_a_record_that_cannot_be_written_does_not_lose_the_others(
