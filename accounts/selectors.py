@@ -19,7 +19,9 @@ from .periods import day_start, month_start, next_day_reset, next_month_reset
 def budget_windows(*, key: ApiKey, now=None) -> list[dict]:
     """Every budget window of a key and its account, as
     `{name, label, used, reserved, limit, remaining, resets_at}`; `limit` and `remaining` are
-    None for a window with no limit. Used by the dashboard, the keys page and GET /v1/usage."""
+    None for a window with no limit. `reserved` counts the worst cases of running requests and
+    the unspent tokens of the gateway's budget leases (given back 2 s after a key's last
+    request; see `api.ledger`). Used by the dashboard, the keys page and GET /v1/usage."""
     now = now or timezone.now()
     month, day = month_start(now), day_start(now)
     rows = UsagePeriod.objects.filter(

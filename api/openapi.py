@@ -184,6 +184,11 @@ def openapi_document() -> dict:
             "/v1/usage": {
                 "get": {
                     "summary": "The key's and account's budget windows",
+                    "description": (
+                        "`reserved` counts the worst cases of running requests and budget "
+                        "the gateway has leased for the key (given back 2 s after its last "
+                        "request); `used` trails finished requests by up to 50 ms."
+                    ),
                     "responses": {
                         "200": {
                             "description": "{windows: [{name, used, limit, remaining, resets_at}]}"
