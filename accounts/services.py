@@ -593,13 +593,11 @@ def budget_lease_spend_steps(*, spends: list[dict]):
     if not spends:
         return
     window_ids = sorted({window_id for spend in spends for window_id in spend["lease"].window_ids})
+    lease_ids = [spend["lease"].pk for spend in spends]
     rows = yield [
         (_NO_FLUSH_WAIT, []),
         (f"SELECT id FROM {_PERIODS} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [window_ids]),
-        (
-            f"SELECT id FROM {_LEASES} WHERE id = ANY(%s) AND returned_at IS NULL",
-            [[spend["lease"].pk for spend in spends]],
-        ),
+        (f"SELECT id FROM {_LEASES} WHERE id = ANY(%s) AND returned_at IS NULL", [lease_ids]),
     ]
     held = {lease_id for (lease_id,) in rows}
     windows: dict[int, list[int]] = {window_id: [0, 0, 0, 0] for window_id in window_ids}
@@ -629,10 +627,7 @@ def budget_lease_spend_steps(*, spends: list[dict]):
         " requests = l.requests + d.requests"
         " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
         " AS d(id, prompt, completion, requests) WHERE l.id = d.id",
-        [
-            [spend["lease"].pk for spend in spends],
-            *([spend[name] for spend in spends] for name in _SPEND_FIELDS),
-        ],
+        [lease_ids, *([spend[name] for spend in spends] for name in _SPEND_FIELDS)],
     )
     yield [move, leases]
 

@@ -13,6 +13,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from django.utils import timezone
+
+from accounts.models import UsageRecord
+
 from . import upstream
 from .admission import admission_slot
 from .errors import ApiError, sse_error_frame
@@ -93,32 +97,33 @@ class _Request:
             )
         }
 
-    def record(self, *, status: int, error_code: str = "") -> dict:
+    def record(self, *, status: int, error_code: str = "") -> UsageRecord:
+        """The request's usage record, unsaved."""
         model = self.valid.model.name if self.valid else self.model
-        return {
-            "key": self.key,
-            "request_id": self.request_id,
-            "endpoint": self.endpoint,
-            "status_code": status,
-            "error_code": error_code,
-            "latency_ms": self.elapsed_ms(),
-            "model": model[:64] if isinstance(model, str) else "",
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "upstream_latency_ms": self.upstream_ms,
-            "ttft_ms": self.ttft_ms,
-            "stream": self.stream,
-            "activation_layers": self.valid.capture_layers if self.valid else None,
-            "workload": self.workload,
-        }
+        return UsageRecord(
+            created_at=timezone.now(),
+            key_id=self.key.pk,
+            user_id=self.key.user_id,
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            status_code=status,
+            error_code=error_code,
+            latency_ms=self.elapsed_ms(),
+            model=model[:64] if isinstance(model, str) else "",
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            upstream_latency_ms=self.upstream_ms,
+            ttft_ms=self.ttft_ms,
+            stream=self.stream,
+            activation_layers=self.valid.capture_layers if self.valid else None,
+            workload=self.workload,
+        )
 
     def finish_in_background(self, *, status: int, error_code: str = "", urgent: bool = False):
         """Start settling and metering, in work that outlives the request's own task;
         returns a future done once they are written."""
         return meter(
             hold=self.reservation,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
             record=self.record(status=status, error_code=error_code),
             urgent=urgent,
         )

@@ -184,26 +184,18 @@ class _Ledger:
         self.current[key.pk] = lease
         return True
 
-    def meter(
-        self,
-        *,
-        hold: LeaseHold | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-        record: UsageRecord,
-        urgent: bool,
-    ) -> asyncio.Future:
-        """Count a finished request's usage against its lease hold (if any) and queue its
-        usage record; the future is done once both are written. `urgent` writes without
-        waiting for more requests to join the batch."""
+    def meter(self, *, hold: LeaseHold | None, record: UsageRecord, urgent: bool) -> asyncio.Future:
+        """Count a finished request's usage (its unsaved `record`) against its lease hold,
+        if any, and queue the record; the future is done once both are written. `urgent`
+        writes without waiting for more requests to join the batch."""
         if hold is not None:
-            lease, spent = hold.lease, prompt_tokens + completion_tokens
+            lease = hold.lease
             lease.in_flight -= hold.tokens
-            lease.unwritten += spent
+            lease.unwritten += record.prompt_tokens + record.completion_tokens
             lease.last_used = time.monotonic()
             totals = self.spends.setdefault(lease, [0, 0, 0])
-            totals[0] += prompt_tokens
-            totals[1] += completion_tokens
+            totals[0] += record.prompt_tokens
+            totals[1] += record.completion_tokens
             totals[2] += 1
         self.records.append(record)
         written = asyncio.get_running_loop().create_future()

@@ -54,26 +54,17 @@ def _settle_and_record_steps(settlement: dict | None, record: UsageRecord):
     yield from usage_records_steps(records=[record])
 
 
-def meter(*, hold, prompt_tokens: int, completion_tokens: int, record: dict, urgent: bool):
-    """Settle `hold` (what `reserve` returned, or None) to the actual usage and write the
-    usage record (`record`: UsageRecord fields, with `key` the ApiKey). Returns a future
-    done once both are written; `urgent` asks the ledger not to wait for a fuller batch."""
-    fields = dict(record)
-    key = fields.pop("key")
-    usage = UsageRecord(key_id=key.pk, user_id=key.user_id, created_at=timezone.now(), **fields)
+def meter(*, hold, record: UsageRecord, urgent: bool):
+    """Settle `hold` (what `reserve` returned, or None) to the usage of the unsaved usage
+    `record` and write the record. Returns a future done once both are written; `urgent`
+    asks the ledger not to wait for a fuller batch."""
     if isinstance(hold, ledger.LeaseHold) or (hold is None and ledger.active()):
-        return ledger.current().meter(
-            hold=hold,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            record=usage,
-            urgent=urgent,
-        )
+        return ledger.current().meter(hold=hold, record=record, urgent=urgent)
     settlement = None
     if hold is not None:
         settlement = {
             "reservation_id": hold.pk,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
+            "prompt_tokens": record.prompt_tokens,
+            "completion_tokens": record.completion_tokens,
         }
-    return background.spawn(run_steps_async(lambda: _settle_and_record_steps(settlement, usage)))
+    return background.spawn(run_steps_async(lambda: _settle_and_record_steps(settlement, record)))

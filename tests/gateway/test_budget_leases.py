@@ -29,11 +29,16 @@ def lasting_leases(monkeypatch):
 
     def give_back():
         monkeypatch.setattr(ledger, "LEASE_IDLE_S", 0)
-        for loop, book in list(ledger._ledgers.items()):
-            asyncio.run_coroutine_threadsafe(idle_timer_fired(book), loop).result(timeout=10)
+        on_each_ledger(idle_timer_fired)
         wait_settled()
 
     return give_back
+
+
+def on_each_ledger(make_coroutine) -> None:
+    """Run `make_coroutine(ledger)` on the server loop of each ledger, and wait for it."""
+    for loop, book in list(ledger._ledgers.items()):
+        asyncio.run_coroutine_threadsafe(make_coroutine(book), loop).result(timeout=10)
 
 
 async def idle_timer_fired(book) -> None:
@@ -199,8 +204,7 @@ def test_shutdown_writes_what_is_queued_and_gives_every_lease_back(
     with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=30) as plain:
         assert plain.post("/v1/completions", json=BODY).status_code == 200
     assert not UsageRecord.objects.exists()
-    for loop, book in list(ledger._ledgers.items()):
-        asyncio.run_coroutine_threadsafe(book.drain(), loop).result(timeout=10)
+    on_each_ledger(lambda book: book.drain())
     assert UsageRecord.objects.count() == 1
     window = key_day_window(api_key)
     assert (window.used_tokens, window.reserved_tokens) == (5, 0)
