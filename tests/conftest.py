@@ -6,7 +6,9 @@ Redis database): the suite uses real PostgreSQL and Redis.
 
 import pytest
 import redis as redis_lib
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connections
 
 from accounts.models import AccessApplication, User, UserStatus
 from accounts.services import api_key_create
@@ -85,3 +87,11 @@ def engine_url():
     """Base URL of the real embedded engine, one per test session (it takes seconds to load)."""
     with engine_server() as url:
         yield url
+
+
+@pytest.fixture
+async def async_db_connections_closed():
+    """Close the connections the async ORM opened in its worker thread, so the test database
+    can be dropped at the end of the session."""
+    yield
+    await sync_to_async(connections.close_all)()

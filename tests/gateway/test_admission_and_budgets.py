@@ -141,7 +141,7 @@ def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits):
 
 
 async def test_concurrent_requests_never_overspend_and_usage_matches_settlements(
-    gateway_url, api_secret, api_key, stub, model
+    async_db_connections_closed, gateway_url, api_secret, api_key, stub, model
 ):
     await sync_to_async(ApiKey.objects.filter(pk=api_key.pk).update)(daily_token_budget=100)
     body = {"model": "stub-model", "prompt": "hello", "max_tokens": 10}

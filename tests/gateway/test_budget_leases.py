@@ -117,7 +117,7 @@ def test_pausing_the_service_applies_to_the_next_leased_request(
 
 
 async def test_leased_and_exact_requests_together_never_overspend(
-    gateway_url, api_secret, api_key, stub, model, monkeypatch
+    async_db_connections_closed, gateway_url, api_secret, api_key, stub, model, monkeypatch
 ):
     # 1,000 tokens: leases while far from the limit, then each request reserved exactly.
     await sync_to_async(services.api_key_budget_set)(

@@ -5,7 +5,7 @@ import pytest
 
 from accounts.models import UsageRecord
 
-from .conftest import key_day_window
+from .conftest import key_day_window, wait_settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -121,6 +121,7 @@ def test_upstream_dying_mid_stream_yields_one_error_frame_without_done(client, s
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line]
+    wait_settled()  # the lease is given back after the record is written
     assert "data: [DONE]" not in lines
     error = json.loads(lines[-1][6:])["error"]
     assert error["code"] == "vllm_engine_dead"
@@ -181,6 +182,7 @@ def post_and_leave(gateway_url, api_secret, *, after: float) -> None:
     while not UsageRecord.objects.exists():
         assert time.monotonic() < deadline, "the abandoned request was never metered"
         time.sleep(0.05)
+    wait_settled()  # the lease is given back after the record is written
 
 
 def test_client_leaving_a_non_streaming_request_releases_its_hold(

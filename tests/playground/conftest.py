@@ -7,8 +7,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgiref.sync import sync_to_async
-from django.db import connections
 
 from acs_client.client import AcsClient
 
@@ -49,11 +47,3 @@ def no_enqueue(monkeypatch):
     queued = []
     monkeypatch.setattr("playground.tasks.run_execute.delay", queued.append)
     return queued
-
-
-@pytest.fixture
-async def async_db_connections_closed():
-    """Close the connections the async ORM opened in its worker thread, so the test database
-    can be dropped at the end of the session."""
-    yield
-    await sync_to_async(connections.close_all)()
