@@ -186,8 +186,10 @@ class _Ledger:
 
     def meter(self, *, hold: LeaseHold | None, record: UsageRecord, urgent: bool) -> asyncio.Future:
         """Count a finished request's usage (its unsaved `record`) against its lease hold,
-        if any, and queue the record; the future is done once both are written. `urgent`
-        writes without waiting for more requests to join the batch."""
+        if any, and queue the record; the future is done once both are written, or once the
+        writer gave up on them and logged it (it never fails: metering again would count
+        the usage twice). `urgent` writes without waiting for more requests to join the
+        batch."""
         if hold is not None:
             lease = hold.lease
             lease.in_flight -= hold.tokens
@@ -199,8 +201,6 @@ class _Ledger:
             totals[2] += 1
         self.records.append(record)
         written = asyncio.get_running_loop().create_future()
-        # Not every caller awaits it: mark a failure as seen (the writer logs it).
-        written.add_done_callback(lambda future: future.exception())
         self.waiters.append(written)
         if urgent:
             self.urgent.set()
@@ -247,8 +247,6 @@ class _Ledger:
         try:
             await run_steps_async(lambda: _batch_steps(spends, records))
         except Exception as error:
-            for waiter in waiters:
-                waiter.set_exception(error)
             self.failed_batches += 1
             if self.failed_batches < WRITE_ATTEMPTS:
                 logger.warning(
@@ -258,14 +256,17 @@ class _Ledger:
                     kept = self.spends.setdefault(lease, [0, 0, 0])
                     for index, value in enumerate(totals):
                         kept[index] += value
+                # Still queued, so their requests wait for the retry: were they told of the
+                # failure, they would meter again what the retry writes.
                 self.records[:0] = records
+                self.waiters[:0] = waiters
                 await asyncio.sleep(RETRY_S)
-            else:
-                self.failed_batches = 0
-                await self._write_one_by_one(spends, records)
-            return
-        self.failed_batches = 0
-        self._written(spends)
+                return
+            self.failed_batches = 0
+            await self._write_one_by_one(spends, records)
+        else:
+            self.failed_batches = 0
+            self._written(spends)
         for waiter in waiters:
             waiter.set_result(None)
 

@@ -196,6 +196,31 @@ def test_a_record_that_cannot_be_written_does_not_lose_the_others(
     assert (window.used_tokens, window.reserved_tokens) == (10, 0)
 
 
+def test_a_stream_whose_batch_fails_once_ends_with_done_and_is_metered_once(
+    client, stub, api_key, monkeypatch
+):
+    from django.db import OperationalError
+
+    batch_steps, failures = ledger._batch_steps, []
+
+    def failing_once(spends, records):
+        if not failures:
+            failures.append(records)
+            raise OperationalError("connection lost")
+        yield from batch_steps(spends, records)
+
+    monkeypatch.setattr(ledger, "_batch_steps", failing_once)
+    body = {**BODY, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    wait_settled()
+    # The [DONE] waited for the retried batch; the request was not metered a second time.
+    assert failures and lines[-1] == "data: [DONE]"
+    assert UsageRecord.objects.get().completion_tokens == 4
+    window = key_day_window(api_key)
+    assert (window.requests, window.used_tokens, window.reserved_tokens) == (1, 5, 0)
+
+
 def test_shutdown_writes_what_is_queued_and_gives_every_lease_back(
     client, stub, api_key, monkeypatch
 ):
