@@ -150,6 +150,10 @@ class _Windows:
     key_day: UsagePeriod
     account_month: UsagePeriod
 
+    @property
+    def ids(self) -> tuple[int, int, int]:
+        return self.key_month.pk, self.key_day.pk, self.account_month.pk
+
 
 # The budget and usage writes run on every API request, so they are plain SQL (the ORM cost
 # several milliseconds of CPU per request on these machines), written as *step generators*:
@@ -370,7 +374,6 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
             "This request does not fit in the remaining token budget of the key or account.",
         )
     output_tokens = applied * completions
-    window_ids = [windows.key_month.pk, windows.key_day.pk, windows.account_month.pk]
     reservation = BudgetReservation(
         key=key,
         user_id=key.user_id,
@@ -389,7 +392,13 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         " reserved_input = reserved_input + %s, reserved_output = reserved_output + %s,"
         " requests = requests + 1, activation_requests = activation_requests + %s"
         " WHERE id IN (%s, %s, %s)",
-        [prompt_tokens + output_tokens, prompt_tokens, output_tokens, int(activation), *window_ids],
+        [
+            prompt_tokens + output_tokens,
+            prompt_tokens,
+            output_tokens,
+            int(activation),
+            *windows.ids,
+        ],
     )
     insert = (
         f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, month_start,"
@@ -549,7 +558,7 @@ def budget_lease_steps(*, key, lease: BudgetLease, retiring, give_back: int, wor
     )
     rows = yield [*statements, _windows_reserved_change(lease, grant), insert, COMMIT]
     lease.pk = rows[0][0]
-    lease.window_ids = (windows.key_month.pk, windows.key_day.pk, windows.account_month.pk)
+    lease.window_ids = windows.ids
     return grant
 
 
@@ -567,18 +576,16 @@ def _lease_return_statements(lease, tokens: int, *, final: bool, now) -> Stateme
     ]
 
 
-def budget_lease_return_steps(*, lease, tokens: int | None = None, final: bool = True):
-    """Steps: give `tokens` of `lease` (a BudgetLease; None = all it holds) back to its
-    windows, marking it returned if `final`. Returns 1 if it gave anything back or marked
-    the lease, else 0 (an already returned lease)."""
+def budget_lease_return_steps(*, lease):
+    """Steps: give all that `lease` (a BudgetLease) holds back to its windows and mark it
+    returned. Returns 1, or 0 for a lease already returned."""
     rows = yield [
         (_windows_locking_select("id"), _lease_windows(lease)),
         (f"SELECT held_tokens FROM {_LEASES} WHERE id = %s AND returned_at IS NULL", [lease.pk]),
     ]
     if not rows:
         return 0
-    tokens = rows[0][0] if tokens is None else tokens
-    statements = _lease_return_statements(lease, tokens, final=final, now=timezone.now())
+    statements = _lease_return_statements(lease, rows[0][0], final=True, now=timezone.now())
     yield [(_NO_FLUSH_WAIT, []), *statements, COMMIT]
     return 1
 
