@@ -10,6 +10,10 @@ MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 100
 MAX_STEERING_VECTORS = 8
+# Full-vocabulary prompt logprobs (prompt_logprobs=-1) are ~3 MB of JSON per position: at
+# most this many prompt tokens (× n), and fewer with a residual-stream capture.
+FULL_VOCAB_MAX_PROMPT_TOKENS = 256
+FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE = 16
 
 
 class Strict(BaseModel):

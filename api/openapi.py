@@ -2,11 +2,15 @@
 
 import functools
 
-from acs_client.protocol import MAX_N, MAX_STEERING_VECTORS, MAX_STOP_STRINGS
+from acs_client.protocol import (
+    FULL_VOCAB_MAX_PROMPT_TOKENS,
+    MAX_N,
+    MAX_STEERING_VECTORS,
+    MAX_STOP_STRINGS,
+)
 
 from .errors import DEFAULT_RETRY_AFTER, NOT_RETRYABLE
 from .schemas import (
-    FULL_VOCAB_MAX_PROMPT_TOKENS,
     MAX_BODY_BYTES,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,

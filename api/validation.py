@@ -2,15 +2,17 @@
 
 from dataclasses import dataclass
 
-from acs_client.protocol import MAX_STOP_STRINGS
+from acs_client.protocol import (
+    FULL_VOCAB_MAX_PROMPT_TOKENS,
+    FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
+    MAX_STOP_STRINGS,
+)
 
 from .errors import ApiError
 from .models import LanguageModel
 from .schemas import (
     CAPTURE_MAX_VALUES,
     DEFAULT_MAX_TOKENS,
-    FULL_VOCAB_MAX_PROMPT_TOKENS,
-    FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
     CompletionRequest,

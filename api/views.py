@@ -7,7 +7,7 @@ from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.selectors import budget_windows
-from acs_client.protocol import MAX_STEERING_VECTORS
+from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
 
 from . import upstream
 from .auth import authenticate
@@ -17,7 +17,7 @@ from .db import run_db
 from .errors import ApiError, error_response
 from .middleware import request_id_for
 from .openapi import openapi_document
-from .schemas import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_BODY_BYTES
+from .schemas import MAX_BODY_BYTES
 from .selectors import model_get, model_list
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from acs_client.codec import decode as decode_tensor
-from acs_client.protocol import MAX_STOP_STRINGS
+from acs_client.protocol import (
+    FULL_VOCAB_MAX_PROMPT_TOKENS,
+    FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
+    MAX_STOP_STRINGS,
+)
 from engine.loader import MODEL_ID, LoadedModel
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest
-
-# Full-vocabulary prompt logprobs are ~3 MB of JSON per position; the API caps them like this.
-FULL_VOCAB_MAX_PROMPT_TOKENS = 256
-FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE = 16
 
 
 @dataclass(frozen=True)
