@@ -9,6 +9,7 @@ its batch beyond floating-point noise.
 """
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -476,7 +477,7 @@ class Prefill:
     def width(self) -> int:
         return self.input_ids.shape[1]
 
-    @property
+    @functools.cached_property
     def padding(self) -> list[int]:
         """Each row's number of padding columns (all on the left)."""
         return [self.width - len(prompt_ids) for prompt_ids in self.prompts]
