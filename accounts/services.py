@@ -678,19 +678,9 @@ _DAILY_COLUMNS = [
 ]
 
 
-def usage_record_create(*, key: ApiKey, now=None, **fields) -> UsageRecord:
-    """Write one request's metadata and add it to the daily roll-up, atomically. `fields` are
-    those of `usage_record_steps`."""
-    now = now or timezone.now()
-    return run_steps(
-        lambda: usage_record_steps(key_id=key.pk, user_id=key.user_id, now=now, **fields)
-    )
-
-
-def usage_record_steps(
+def usage_record_create(
     *,
-    key_id: int,
-    user_id: int,
+    key: ApiKey,
     request_id: str,
     endpoint: str,
     status_code: int,
@@ -704,14 +694,15 @@ def usage_record_steps(
     stream: bool = False,
     activation_layers: list[int] | None = None,
     workload: str = "",
-    now,
-):
-    """`usage_record_create` as steps (see `run_steps`); returns the UsageRecord written."""
+    now=None,
+) -> UsageRecord:
+    """Write one request's metadata and add it to the daily roll-up, atomically (the
+    gateway writes its records in batches with `usage_records_steps`)."""
     record = UsageRecord(
-        created_at=now,
+        created_at=now or timezone.now(),
         request_id=request_id,
-        user_id=user_id,
-        key_id=key_id,
+        user_id=key.user_id,
+        key_id=key.pk,
         model=model,
         endpoint=endpoint,
         status_code=status_code,
@@ -725,7 +716,7 @@ def usage_record_steps(
         activation_layers=activation_layers,
         workload=workload,
     )
-    yield from usage_records_steps(records=[record])
+    run_steps(lambda: usage_records_steps(records=[record]))
     return record
 
 
