@@ -195,7 +195,8 @@ CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
 # --- /v1 gateway (api/) ---
 # Every /v1 response carries X-Request-Id (outermost, so error pages get it too).
 MIDDLEWARE = ["api.middleware.RequestIdMiddleware", *MIDDLEWARE]
-# Where the gateway caches each model's tokenizer.json fetched from its upstream.
+# Where the gateway caches each model's tokenizer.json (attached to its row or fetched from
+# its upstream).
 ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" / "tokenizers"))
 # Celery's Django fixup closes the database connection before and after every task; reusing
 # it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the

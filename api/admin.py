@@ -1,10 +1,53 @@
+from django import forms
 from django.contrib import admin
 
 from .models import LanguageModel
+from .services import InvalidTokenizer, language_model_tokenizer_set, tokenizer_json_check
+
+
+class LanguageModelForm(forms.ModelForm):
+    tokenizer_file = forms.FileField(
+        required=False,
+        label="Upload tokenizer.json",
+        help_text="The model's HF tokenizer.json (plain vLLM serves none): the gateway then "
+        "counts prompt tokens itself instead of asking the upstream on every request.",
+    )
+    remove_tokenizer = forms.BooleanField(
+        required=False, help_text="Count prompt tokens through the upstream again."
+    )
+
+    class Meta:
+        model = LanguageModel
+        fields = [
+            "name",
+            "served_model_name",
+            "upstream_urls",
+            "activation_upstream_urls",
+            "max_model_len",
+            "n_layers",
+            "hidden_size",
+            "vocab_size",
+            "supports_activations",
+            "max_logprobs",
+            "status",
+            "is_default",
+        ]
+
+    def clean_tokenizer_file(self):
+        upload = self.cleaned_data["tokenizer_file"]
+        if upload is None:
+            return None
+        try:
+            tokenizer_json_check(upload.read())
+        except InvalidTokenizer as error:
+            raise forms.ValidationError(str(error)) from error
+        upload.seek(0)
+        return upload
 
 
 @admin.register(LanguageModel)
 class LanguageModelAdmin(admin.ModelAdmin):
+    form = LanguageModelForm
     list_display = [
         "name",
         "status",
@@ -13,6 +56,23 @@ class LanguageModelAdmin(admin.ModelAdmin):
         "max_model_len",
         "n_layers",
         "hidden_size",
+        "has_tokenizer",
     ]
     list_filter = ["status", "supports_activations"]
     search_fields = ["name", "served_model_name"]
+    readonly_fields = ["tokenizer_sha256"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).defer("tokenizer_json")
+
+    @admin.display(boolean=True, description="tokenizer attached")
+    def has_tokenizer(self, model):
+        return bool(model.tokenizer_sha256)
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        upload = form.cleaned_data.get("tokenizer_file")
+        if upload is not None:
+            language_model_tokenizer_set(model=obj, content=upload.read())
+        elif form.cleaned_data.get("remove_tokenizer"):
+            language_model_tokenizer_set(model=obj, content=None)

@@ -42,6 +42,14 @@ class LanguageModel(models.Model):
     max_logprobs = models.PositiveIntegerField(default=MAX_LOGPROBS)
     status = models.CharField(max_length=16, choices=ModelStatus.choices, default=ModelStatus.LIVE)
     is_default = models.BooleanField(default=False)
+    # Plain vLLM serves no tokenizer.json: without one here, the gateway would ask the upstream
+    # to count every prompt (POST /tokenize), a round trip per prompt on every request.
+    tokenizer_json = models.TextField(
+        blank=True,
+        help_text="The model's HF tokenizer.json. When set, the gateway counts prompt tokens "
+        "with it instead of asking the upstream.",
+    )
+    tokenizer_sha256 = models.CharField(max_length=64, blank=True, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

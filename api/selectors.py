@@ -19,7 +19,8 @@ _registry: dict = {"loaded_at": -1e9, "by_name": {}, "default": None}
 
 
 def _load_registry() -> None:
-    models = list(LanguageModel.objects.all())
+    # The tokenizer file (megabytes) is read once per process by api.tokenizer, not here.
+    models = list(LanguageModel.objects.defer("tokenizer_json"))
     _registry["by_name"] = {model.name: model for model in models}
     _registry["default"] = next((m for m in models if m.is_default), None)
     _registry["loaded_at"] = time.monotonic()
@@ -64,7 +65,7 @@ def upstream_states() -> list[dict]:
     now_ms = time.time() * 1000
     states = []
     try:
-        for model in LanguageModel.objects.all():
+        for model in LanguageModel.objects.defer("tokenizer_json"):
             kinds = [("completions", url) for url in model.upstream_urls] + [
                 ("activations", url) for url in model.activation_upstream_urls
             ]

@@ -1,9 +1,11 @@
 """Prompt-token counting with each model's own tokenizer, so context-length checks and budget
 reservations use the count the upstream will report.
 
-The tokenizer is the HF `tokenizer.json` the upstream serves, fetched once and cached in
-memory and under `settings.ACS_TOKENIZER_CACHE_DIR`. Upstreams without that file (plain vLLM)
-are asked to count through their POST /tokenize instead. Token-id prompts count their ids.
+The tokenizer is, in order: the tokenizer.json staff attached to the model row (what plain
+vLLM upstreams need: they serve no such file), else the one the upstream serves at
+/tokenizer.json (the embedded engine does). Either is loaded once per process and cached
+under `settings.ACS_TOKENIZER_CACHE_DIR`. Without either, the upstream counts each prompt
+through its POST /tokenize, a round trip per prompt. Token-id prompts count their ids.
 """
 
 import asyncio
@@ -15,10 +17,12 @@ from django.conf import settings
 from tokenizers import Tokenizer
 
 from . import upstream
+from .db import run_db
+from .models import LanguageModel
 
 # Text longer than this is tokenized in a worker thread, off the event loop.
 _INLINE_CHARS = 20_000
-# How long to remember that an upstream serves no tokenizer.json before asking again.
+# How long to remember that no tokenizer could be had before looking again.
 _MISSING_RETRY_S = 300.0
 
 _tokenizers: dict[tuple[str, str], Tokenizer | None] = {}
@@ -26,15 +30,19 @@ _missing_until: dict[tuple[str, str], float] = {}
 _locks: dict[tuple[str, str], asyncio.Lock] = {}
 
 
-def _cache_path(model_name: str, url: str) -> Path:
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+def _cache_path(model_name: str, source: str) -> Path:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     return Path(settings.ACS_TOKENIZER_CACHE_DIR) / f"{model_name}-{digest}.json"
 
 
 async def load_tokenizer(model) -> Tokenizer | None:
-    """The cached tokenizer of `model` (from the first of its upstreams that serves one), or
-    None if none does."""
-    cache_key = (model.name, ",".join(model.upstream_urls))
+    """The tokenizer of `model` (attached to its row, else from the first of its upstreams
+    that serves one), or None if there is none."""
+    if model.tokenizer_sha256:
+        source = f"sha256:{model.tokenizer_sha256}"
+    else:
+        source = ",".join(model.upstream_urls)
+    cache_key = (model.name, source)
     if cache_key in _tokenizers:
         return _tokenizers[cache_key]
     if _missing_until.get(cache_key, 0.0) > time.monotonic():
@@ -43,11 +51,10 @@ async def load_tokenizer(model) -> Tokenizer | None:
     async with lock:
         if cache_key in _tokenizers:
             return _tokenizers[cache_key]
-        tokenizer = None
-        for url in model.upstream_urls:
-            tokenizer = await _tokenizer_from(model.name, url)
-            if tokenizer is not None:
-                break
+        if model.tokenizer_sha256:
+            tokenizer = await _attached_tokenizer(model, source)
+        else:
+            tokenizer = await _served_tokenizer(model)
         if tokenizer is None:
             _missing_until[cache_key] = time.monotonic() + _MISSING_RETRY_S
             return None
@@ -55,14 +62,42 @@ async def load_tokenizer(model) -> Tokenizer | None:
         return tokenizer
 
 
-async def _tokenizer_from(model_name: str, url: str) -> Tokenizer | None:
-    path = _cache_path(model_name, url)
+async def _attached_tokenizer(model, source: str) -> Tokenizer | None:
+    path = _cache_path(model.name, source)
     content = await asyncio.to_thread(_read_file, path)
-    if content is None:
-        content = await upstream.fetch_tokenizer_json(url)
-        if content is None:
+    if content is None or hashlib.sha256(content).hexdigest() != model.tokenizer_sha256:
+        text = await run_db(_attached_tokenizer_json, model.pk, model.tokenizer_sha256)
+        if text is None:  # replaced since the registry was read; the next read has the new one
             return None
+        content = text.encode()
         await asyncio.to_thread(_write_file, path, content)
+    return await _parse(content)
+
+
+def _attached_tokenizer_json(model_id: int, sha256: str) -> str | None:
+    return (
+        LanguageModel.objects.filter(pk=model_id, tokenizer_sha256=sha256)
+        .values_list("tokenizer_json", flat=True)
+        .first()
+    )
+
+
+async def _served_tokenizer(model) -> Tokenizer | None:
+    for url in model.upstream_urls:
+        path = _cache_path(model.name, url)
+        content = await asyncio.to_thread(_read_file, path)
+        if content is None:
+            content = await upstream.fetch_tokenizer_json(url)
+            if content is None:
+                continue
+            await asyncio.to_thread(_write_file, path, content)
+        tokenizer = await _parse(content)
+        if tokenizer is not None:
+            return tokenizer
+    return None
+
+
+async def _parse(content: bytes) -> Tokenizer | None:
     try:
         return await asyncio.to_thread(Tokenizer.from_str, content.decode())
     except Exception:  # a malformed file: count through /tokenize instead

@@ -1,5 +1,8 @@
 """Gateway overhead benchmark: a zero-latency stub upstream called directly vs through the
-/v1 gateway (uvicorn + Django ASGI, real PostgreSQL and Redis), in one run.
+/v1 gateway (uvicorn + Django ASGI, real PostgreSQL and Redis), in one run, for three kinds of
+upstream: one that serves /tokenizer.json (like the embedded engine), a vLLM-shaped one
+(plain vLLM serves no tokenizer.json: the gateway counts prompts with its POST /tokenize),
+and the same vLLM-shaped one with the tokenizer attached to the model row.
 
     DATABASE_URL=postgres://... REDIS_URL=redis://.../N .venv/bin/python bench/gateway.py
 
@@ -32,20 +35,31 @@ CLIENTS = 64
 SEQUENTIAL = int(os.environ.get("BENCH_SEQUENTIAL", 400))
 CONCURRENT_SECONDS = float(os.environ.get("BENCH_CONCURRENT_SECONDS", 8))
 STREAMS = int(os.environ.get("BENCH_STREAMS", 150))
-BODY = {"model": "bench-stub", "prompt": "the capital of france is", "max_tokens": 8}
-STREAM_BODY = {**BODY, "stream": True}
+PROMPT = "the capital of france is"
+# Upstream kinds: (model row, label, whether its stub serves /tokenizer.json, attached).
+KINDS = [
+    ("bench-stub", "engine-like (serves tokenizer.json)", True, False),
+    ("bench-vllm", "plain vLLM (/tokenize per prompt)", False, False),
+    ("bench-vllm-attached", "plain vLLM, tokenizer on the row", False, True),
+]
 
 STUB_MAIN = """
 import sys, uvicorn
 sys.path.insert(0, {root!r})
 from tests.gateway.stub import StubUpstream
-uvicorn.run(StubUpstream(), host="127.0.0.1", port={port}, log_level="warning",
+stub = StubUpstream()
+stub.mode["serve_tokenizer_json"] = {serve_tokenizer_json}
+uvicorn.run(stub, host="127.0.0.1", port={port}, log_level="warning",
             lifespan="off", access_log=False)
 """
 
 
-def setup_rows(stub_url: str) -> list[str]:
-    """Migrate, then (re)create the bench model and 64 users with one key each."""
+def body(model: str, **fields) -> dict:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 8, **fields}
+
+
+def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
+    """Migrate, then (re)create the bench models and 64 users with one key each."""
     import django
 
     django.setup()
@@ -54,18 +68,24 @@ def setup_rows(stub_url: str) -> list[str]:
     from accounts.models import User, UserStatus
     from accounts.services import api_key_create
     from api.models import LanguageModel
+    from api.services import language_model_tokenizer_set
+    from tests.gateway.stub import build_tokenizer
 
     call_command("migrate", verbosity=0)
     User.objects.filter(email__startswith="bench-").delete()
-    LanguageModel.objects.filter(name="bench-stub").delete()
-    LanguageModel.objects.create(
-        name="bench-stub",
-        upstream_urls=[stub_url],
-        max_model_len=8192,
-        n_layers=4,
-        hidden_size=8,
-        vocab_size=1000,
-    )
+    LanguageModel.objects.filter(name__startswith="bench-").delete()
+    for name, _, serves_tokenizer, attached in KINDS:
+        model = LanguageModel.objects.create(
+            name=name,
+            upstream_urls=[stub_urls[serves_tokenizer]],
+            max_model_len=8192,
+            n_layers=4,
+            hidden_size=8,
+            vocab_size=1000,
+        )
+        if attached:
+            content = build_tokenizer().to_str().encode()
+            language_model_tokenizer_set(model=model, content=content)
     secrets = []
     for index in range(CLIENTS):
         user = User.objects.create_user(
@@ -107,13 +127,13 @@ def sequential(url, secrets, count, body):
     return first, steady
 
 
-def time_to_first_token(url, secrets, count):
+def time_to_first_token(url, secrets, count, stream_body):
     ttfts = []
     with httpx.Client(base_url=url, timeout=30) as http:
         for index in range(count + 10):
             headers = {"Authorization": f"Bearer {secrets[index % len(secrets)]}"}
             started = time.perf_counter()
-            with http.stream("POST", "/v1/completions", json=STREAM_BODY, headers=headers) as r:
+            with http.stream("POST", "/v1/completions", json=stream_body, headers=headers) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
                 for line in lines:
@@ -127,7 +147,7 @@ def time_to_first_token(url, secrets, count):
     return ttfts
 
 
-async def concurrent(url, secrets, seconds):
+async def concurrent(url, secrets, seconds, body):
     """requests/s and latencies with CLIENTS clients looping for `seconds`."""
     latencies, errors = [], 0
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
@@ -140,7 +160,7 @@ async def concurrent(url, secrets, seconds):
             while time.perf_counter() < stop_at:
                 started = time.perf_counter()
                 try:
-                    response = await http.post("/v1/completions", json=BODY, headers=headers)
+                    response = await http.post("/v1/completions", json=body, headers=headers)
                 except httpx.TransportError:
                     # A kept-alive connection the server closed as it was reused: an error,
                     # not a reason to lose the run.
@@ -157,20 +177,22 @@ async def concurrent(url, secrets, seconds):
 
 def main():
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    stub_port, gateway_port = free_port(), free_port()
-    stub_url = f"http://127.0.0.1:{stub_port}"
+    gateway_port = free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     processes = []
     try:
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-c", STUB_MAIN.format(root=str(ROOT), port=stub_port)]
+        stub_urls = {}
+        for serves_tokenizer in (True, False):
+            port = free_port()
+            code = STUB_MAIN.format(
+                root=str(ROOT), port=port, serve_tokenizer_json=serves_tokenizer
             )
-        )
-        wait_ready(f"{stub_url}/health", processes[-1], "the stub upstream")
+            processes.append(subprocess.Popen([sys.executable, "-c", code]))
+            stub_urls[serves_tokenizer] = f"http://127.0.0.1:{port}"
+            wait_ready(f"{stub_urls[serves_tokenizer]}/health", processes[-1], "a stub upstream")
         if os.environ.get("DATABASE_URL", "").startswith("postgres"):
             subprocess.run([str(ROOT / "scripts" / "ensure-test-db")], check=True)
-        secrets = setup_rows(stub_url)
+        secrets = setup_rows(stub_urls)
         env = {**os.environ, "DEBUG": "0", "LOG_LEVEL": "WARNING"}
         processes.append(
             subprocess.Popen(
@@ -194,7 +216,7 @@ def main():
             )
         )
         wait_ready(f"{gateway_url}/v1/openapi.json", processes[-1], "the gateway")
-        run(stub_url, gateway_url, secrets, processes[-1].pid)
+        run(stub_urls[True], gateway_url, secrets, processes[-1].pid)
     finally:
         for process in processes:
             stop(process)
@@ -206,59 +228,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def measure(url, secrets, model, pid=None) -> dict:
+    """Every figure of the table for one upstream, called at `url` with `model`'s requests."""
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    first, steady = sequential(url, secrets, SEQUENTIAL, body(model))
+    cpu_ms = (cpu_seconds(pid) - cpu_before) * 1000 / (SEQUENTIAL + CLIENTS) if pid else 0.0
+    ttft = time_to_first_token(url, secrets, STREAMS, body(model, stream=True))
+    rps, latencies, errors = asyncio.run(concurrent(url, secrets, CONCURRENT_SECONDS, body(model)))
+    return {
+        "sequential latency p50 (ms)": statistics.median(steady),
+        "sequential latency p99 (ms)": percentile(steady, 0.99),
+        "first request of a key p50 (ms)": statistics.median(first),
+        "stream time to first token p50 (ms)": statistics.median(ttft),
+        "64 clients requests/s": rps,
+        "64 clients latency p50 (ms)": statistics.median(latencies),
+        "64 clients latency p99 (ms)": percentile(latencies, 0.99),
+        "gateway CPU per sequential request (ms)": cpu_ms,
+        "errors under load": errors,
+    }
+
+
 def run(stub_url, gateway_url, secrets, gateway_pid):
-    direct_first, direct_seq = sequential(stub_url, secrets, SEQUENTIAL, BODY)
-    cpu_before = cpu_seconds(gateway_pid)
-    gateway_first, gateway_seq = sequential(gateway_url, secrets, SEQUENTIAL, BODY)
-    gateway_cpu_ms = (cpu_seconds(gateway_pid) - cpu_before) * 1000 / (SEQUENTIAL + CLIENTS)
-    direct_ttft = time_to_first_token(stub_url, secrets, STREAMS)
-    gateway_ttft = time_to_first_token(gateway_url, secrets, STREAMS)
-    direct_rps, direct_lat, direct_errors = asyncio.run(
-        concurrent(stub_url, secrets, CONCURRENT_SECONDS)
-    )
-    gateway_rps, gateway_lat, gateway_errors = asyncio.run(
-        concurrent(gateway_url, secrets, CONCURRENT_SECONDS)
-    )
-
-    def row(name, direct, gateway, unit, added=True):
-        extra = f"{gateway - direct:+9.2f}" if added else " " * 9
-        ratio = gateway / direct if direct else float("nan")
-        print(f"{name:<38} {direct:>9.2f} {gateway:>9.2f} {extra} {ratio:>7.2f}x  {unit}")
-
+    direct = measure(stub_url, secrets, KINDS[0][0])
+    through = {label: measure(gateway_url, secrets, name, gateway_pid) for name, label, *_ in KINDS}
     print(
         f"\nGateway benchmark ({SEQUENTIAL} sequential, {STREAMS} streams, {CLIENTS} clients "
-        f"for {CONCURRENT_SECONDS:.0f} s; cpus={os.cpu_count()})"
+        f"for {CONCURRENT_SECONDS:.0f} s; cpus={os.cpu_count()}). Columns: the stub called "
+        "directly, then through the gateway per upstream kind, as the value and, in brackets, "
+        "the ratio to direct:"
     )
-    print(f"{'measure':<38} {'direct':>9} {'gateway':>9} {'added':>9} {'ratio':>8}")
-    row(
-        "sequential latency p50",
-        statistics.median(direct_seq),
-        statistics.median(gateway_seq),
-        "ms",
+    for number, (_, label, *_) in enumerate(KINDS, start=1):
+        print(f"  [{number}] {label}")
+    header = f"{'measure':<42} {'direct':>9}" + "".join(
+        f" {f'[{number}]':>17}" for number in range(1, len(KINDS) + 1)
     )
-    row("sequential latency p99", percentile(direct_seq, 0.99), percentile(gateway_seq, 0.99), "ms")
-    row(
-        "first request of a key p50",
-        statistics.median(direct_first),
-        statistics.median(gateway_first),
-        "ms",
-    )
-    row(
-        "stream time to first token p50",
-        statistics.median(direct_ttft),
-        statistics.median(gateway_ttft),
-        "ms",
-    )
-    row("64 clients requests/s", direct_rps, gateway_rps, "req/s", added=False)
-    row(
-        "64 clients latency p50",
-        statistics.median(direct_lat),
-        statistics.median(gateway_lat),
-        "ms",
-    )
-    row("64 clients latency p99", percentile(direct_lat, 0.99), percentile(gateway_lat, 0.99), "ms")
-    print(f"gateway process CPU per sequential request: {gateway_cpu_ms:.2f} ms")
-    print(f"errors under load: direct {direct_errors}, gateway {gateway_errors}")
+    print(header)
+    for measure_name, direct_value in direct.items():
+        cells = [f"{direct_value:>9.2f}" if "CPU" not in measure_name else f"{'':>9}"]
+        for figures in through.values():
+            value = figures[measure_name]
+            ratio = value / direct_value if direct_value else float("nan")
+            shown = f"{value:.2f} ({ratio:.2f}x)" if direct_value else f"{value:.2f}"
+            cells.append(f"{shown:>17}")
+        print(f"{measure_name:<42} " + " ".join(cells))
 
 
 if __name__ == "__main__":
