@@ -1217,6 +1217,21 @@ def _api_key_status_move(*, key, acting_user, sources, target, action) -> ApiKey
     return locked
 
 
+# Windows that are parts of a key's monthly window: none may be set above the whole.
+_KEY_MONTHLY_PARTS = ("daily_token_budget", "monthly_input_budget", "monthly_output_budget")
+
+
+def _key_budget_consistency_errors(key: ApiKey, budgets: dict) -> dict:
+    """Errors for a change that sets a daily, input or output budget above the key's monthly
+    budget. (Lowering only the monthly budget is allowed: it caps the others anyway.)"""
+    monthly = budgets.get("monthly_token_budget", key.monthly_token_budget)
+    return {
+        field: f"At most the key's monthly budget ({monthly:,} tokens)."
+        for field in _KEY_MONTHLY_PARTS
+        if budgets.get(field) is not None and budgets[field] > monthly
+    }
+
+
 def api_key_budget_set(*, key: ApiKey, acting_user: User | None, budgets: dict) -> ApiKey:
     """Change some of a key's budgets (`budgets` maps names of `KEY_BUDGET_FIELDS` to values;
     None removes an optional input/output limit). Staff and the system may set anything; an
@@ -1240,6 +1255,7 @@ def api_key_budget_set(*, key: ApiKey, acting_user: User | None, budgets: dict) 
                 errors[field] = "Only staff can change this quota."
             elif value is not None and value > account_cap:
                 errors[field] = f"At most your account's monthly budget ({account_cap:,} tokens)."
+        errors = _key_budget_consistency_errors(locked, budgets) | errors
         if errors:
             raise ValidationError(errors)
         before = api_key_budgets(locked)

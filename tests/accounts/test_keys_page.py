@@ -205,6 +205,25 @@ def test_negative_budget_is_a_field_error(approved_client, api_key):
     assert response.context["rows"][0]["budget_form"].errors["daily_token_budget"]
 
 
+def test_daily_budget_above_the_keys_monthly_budget_is_a_field_error(approved_client, api_key):
+    before = (api_key.monthly_token_budget, api_key.daily_token_budget)
+    response = approved_client.post(
+        reverse("key_budget", args=[api_key.pk]),
+        budget_post(
+            api_key,
+            monthly_token_budget=50_000,
+            daily_token_budget=60_000,
+            monthly_output_budget=70_000,
+        ),
+    )
+    assert response.status_code == 200
+    errors = response.context["rows"][0]["budget_form"].errors
+    assert errors["daily_token_budget"] == ["At most the key's monthly budget (50,000 tokens)."]
+    assert errors["monthly_output_budget"] == ["At most the key's monthly budget (50,000 tokens)."]
+    api_key.refresh_from_db()
+    assert (api_key.monthly_token_budget, api_key.daily_token_budget) == before
+
+
 def test_playground_key_is_managed_pausable_but_not_renamable_or_revocable(
     approved_client, approved_user
 ):
