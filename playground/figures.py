@@ -17,9 +17,10 @@ PROBABILITY_COLOURS = [[0.0, "#d7301f"], [0.5, "#fdd49e"], [1.0, "#1a9850"]]
 
 
 def _label(token: str) -> str:
-    """A token as safe plotly text: HTML escaped, whitespace made visible."""
+    """A token as safe plotly text: HTML escaped, whitespace made visible. Quotes stay: plotly
+    shows `&quot;` literally (it decodes only a few named entities), and text needs none."""
     visible = token.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·")
-    return html.escape(visible or "∅")
+    return html.escape(visible or "∅", quote=False)
 
 
 def _layout(figure: go.Figure, title: str, height: int = 320) -> go.Figure:

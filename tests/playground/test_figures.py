@@ -91,6 +91,12 @@ def test_token_labels_escape_html():
     assert "&lt;script&gt;" in text and "&lt;b&gt;" in text
 
 
+def test_token_labels_keep_quotes_plotly_would_show_as_entities():
+    # plotly decodes &lt; &gt; &amp; and numeric entities in text, but not &quot;, which it
+    # would show literally: quotes need no escaping in text, so they stay as they are.
+    assert figures._label("say \"hi\" & 'bye'") == "say·\"hi\"·&amp;·'bye'"
+
+
 def test_top_k_figure_highlights_the_actual_token(positions):
     bar = figures.top_k_figure(positions[6]).data[0]
     assert list(bar.y) == [".", ",", "·and", ").", "·("]
@@ -165,7 +171,7 @@ def test_steering_difference_is_steered_minus_baseline_per_position():
     base = baseline["choices"][0]["logprobs"]["token_logprobs"]
     other = steered["choices"][0]["logprobs"]["token_logprobs"]
     assert list(bar.y) == pytest.approx([s - b for b, s in zip(base, other, strict=True)])
-    assert bar.customdata[0][0] == "&#x27;s"
+    assert bar.customdata[0][0] == "'s"
 
 
 def test_sweep_points_report_target_logprob_and_mean_shift():
@@ -176,5 +182,5 @@ def test_sweep_points_report_target_logprob_and_mean_shift():
     assert points[0]["target_logprob"] == pytest.approx(-0.79675, abs=1e-4)
     assert points[1]["target_logprob"] is None  # not in the steered top-5
     figure = figures.scale_sweep_figure(points, "'s")
-    assert [trace.name for trace in figure.data] == ["logprob of &#x27;s", "mean logprob shift"]
+    assert [trace.name for trace in figure.data] == ["logprob of 's", "mean logprob shift"]
     assert json.loads(figure.to_json())["data"][1]["yaxis"] == "y2"
