@@ -82,8 +82,13 @@ class _Request:
         return (time.perf_counter() - self.started) * 1000
 
     def server_timing(self) -> str:
+        """The Server-Timing header. A stream's is sent when it opens: its upstream part is
+        the time the upstream took to open the stream."""
         total = self.elapsed_ms()
-        upstream_ms = self.upstream_ms or 0.0
+        upstream_ms = self.upstream_ms
+        if upstream_ms is None:
+            started = self.upstream_started
+            upstream_ms = (time.perf_counter() - started) * 1000 if started is not None else 0.0
         return f"gateway;dur={total - upstream_ms:.2f}, upstream;dur={upstream_ms:.2f}"
 
     def clamp_headers(self) -> dict:

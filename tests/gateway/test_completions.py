@@ -105,6 +105,18 @@ def test_stream_without_include_usage_hides_the_usage_frame(client, stub):
     assert UsageRecord.objects.get().completion_tokens == 2
 
 
+def test_stream_server_timing_reports_the_time_the_upstream_took_to_open_it(client, stub):
+    from acs_client.client import parse_server_timing
+
+    stub.mode["delay"] = 0.3
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 1, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        timing = parse_server_timing(response.headers["Server-Timing"])
+        response.read()
+    assert timing["upstream"] >= 300
+    assert timing["gateway"] >= 0
+
+
 def test_idle_stream_gets_keepalive_comments(client, stub, limits):
     limits(KEEPALIVE_S=0.05)
     stub.mode["gap"] = 0.3
