@@ -197,12 +197,16 @@ class ReservationStatus(models.TextChoices):
 
 
 class BudgetReservation(models.Model):
-    """Tokens held for one request between `budget_reserve` and `budget_settle`. An
-    unsettled reservation (its holder crashed) is released by a periodic sweep."""
+    """Tokens held for one request between `budget_reserve` and `budget_settle`. Its gateway
+    process refreshes `alive_at` while the request runs (`api.metering`); a reservation not
+    refreshed for long (its holder crashed) is released by a periodic sweep, and a settle
+    that comes after all still charges what the request used."""
 
     key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="reservations")
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
     created_at = models.DateTimeField(default=timezone.now)
+    # When its process last said the request is still running (the sweep's clock).
+    alive_at = models.DateTimeField(default=timezone.now)
     month_start = models.DateField()
     day_start = models.DateField()
     prompt_tokens = models.BigIntegerField()
@@ -218,7 +222,7 @@ class BudgetReservation(models.Model):
     settled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["status", "created_at"])]
+        indexes = [models.Index(fields=["status", "alive_at"])]
 
     @property
     def clamped(self):
@@ -230,12 +234,13 @@ class BudgetLease(models.Model):
     many requests from memory instead of one reservation each (see `api.ledger`).
 
     `held_tokens` count as reserved in the windows until they are spent (moved to used by a
-    flush) or given back; a lease never returned (its process died) is released by the
-    same sweep as stale reservations."""
+    flush) or given back; a lease its process stopped refreshing (`alive_at`: the process
+    died) is released by the same sweep as stale reservations."""
 
     key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="leases")
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
     created_at = models.DateTimeField(default=timezone.now)
+    alive_at = models.DateTimeField(default=timezone.now)
     month_start = models.DateField()
     day_start = models.DateField()
     held_tokens = models.BigIntegerField(default=0)
@@ -245,7 +250,7 @@ class BudgetLease(models.Model):
     returned_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["returned_at", "created_at"])]
+        indexes = [models.Index(fields=["returned_at", "alive_at"])]
 
 
 class ServiceSettings(models.Model):

@@ -378,6 +378,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         key=key,
         user_id=key.user_id,
         created_at=now,
+        alive_at=now,
         month_start=month,
         day_start=day,
         prompt_tokens=prompt_tokens,
@@ -401,13 +402,14 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         ],
     )
     insert = (
-        f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, month_start,"
+        f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, alive_at, month_start,"
         " day_start, prompt_tokens, output_tokens, max_tokens_requested,"
         " max_tokens_applied, activation, status)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
         [
             key.pk,
             key.user_id,
+            ops.adapt_datetimefield_value(now),
             ops.adapt_datetimefield_value(now),
             ops.adapt_datefield_value(month),
             ops.adapt_datefield_value(day),
@@ -428,7 +430,8 @@ def budget_settle(
     *, reservation_id: int, prompt_tokens: int, completion_tokens: int, release: bool = False
 ) -> bool:
     """Replace a reservation's hold by the actual usage. Idempotent: settling twice changes
-    nothing and returns False. `release=True` marks a reservation freed by the sweep."""
+    nothing and returns False. `release=True` marks a reservation freed by the sweep; settling
+    one the sweep freed still charges the usage (the sweep already took its hold away)."""
     return run_steps(
         lambda: budget_settle_steps(
             reservation_id=reservation_id,
@@ -439,28 +442,56 @@ def budget_settle(
     )
 
 
-def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, release=False):
-    """`budget_settle` as steps (see `run_steps`)."""
-    status = ReservationStatus.RELEASED if release else ReservationStatus.SETTLED
-    # The conditional update is the lock and the idempotency check at once.
-    settle = (
+def _reservation_status_change(*, reservation_id, source, target, prompt_tokens, completion_tokens):
+    """The conditional update that is the lock and the idempotency check at once: moves the
+    reservation from `source` to `target` status and returns its windows and hold."""
+    return (
         f"UPDATE {_RESERVATIONS} SET status = %s, settled_prompt_tokens = %s,"
         " settled_completion_tokens = %s, settled_at = %s"
         " WHERE id = %s AND status = %s"
         " RETURNING key_id, user_id, month_start, day_start, prompt_tokens, output_tokens",
         [
-            status,
+            target,
             prompt_tokens,
             completion_tokens,
             connection.ops.adapt_datetimefield_value(timezone.now()),
             reservation_id,
-            ReservationStatus.RESERVED,
+            source,
         ],
     )
-    rows = yield [(_NO_FLUSH_WAIT, []), settle]
+
+
+def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, release=False):
+    """`budget_settle` as steps (see `run_steps`)."""
+    tokens = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    target = ReservationStatus.RELEASED if release else ReservationStatus.SETTLED
+    rows = yield [
+        (_NO_FLUSH_WAIT, []),
+        _reservation_status_change(
+            reservation_id=reservation_id,
+            source=ReservationStatus.RESERVED,
+            target=target,
+            **tokens,
+        ),
+    ]
+    still_held = bool(rows)
+    if not rows and not release:
+        # The sweep freed this hold while its request still ran (its process was frozen or
+        # lost its heartbeat): the usage is charged all the same, once, and nothing is
+        # un-reserved a second time.
+        rows = yield [
+            _reservation_status_change(
+                reservation_id=reservation_id,
+                source=ReservationStatus.RELEASED,
+                target=ReservationStatus.SETTLED,
+                **tokens,
+            )
+        ]
     if not rows:
         return False
     key_id, user_id, month, day, held_prompt, held_output = rows[0]
+    if not still_held:
+        held_prompt = held_output = 0
     windows = _windows_params(key_id=key_id, user_id=user_id, month=month, day=day)
     move = (
         f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
@@ -483,19 +514,41 @@ def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, rel
 
 
 def budget_release_stale(*, older_than) -> int:
-    """Free the holds of reservations whose request never settled and of leases never
-    returned (their process died); returns how many were freed."""
+    """Free the holds of reservations and leases whose process has not said they are alive
+    (`alive_at`, see `budget_holds_alive_steps`) for `older_than`: it died. Returns how many
+    were freed."""
     cutoff = timezone.now() - older_than
     stale = BudgetReservation.objects.filter(
-        status=ReservationStatus.RESERVED, created_at__lt=cutoff
+        status=ReservationStatus.RESERVED, alive_at__lt=cutoff
     ).values_list("id", flat=True)
     released = sum(
         budget_settle(reservation_id=rid, prompt_tokens=0, completion_tokens=0, release=True)
         for rid in list(stale)
     )
-    for lease in BudgetLease.objects.filter(returned_at=None, created_at__lt=cutoff):
+    for lease in BudgetLease.objects.filter(returned_at=None, alive_at__lt=cutoff):
         released += run_steps(lambda lease=lease: budget_lease_return_steps(lease=lease))
     return released
+
+
+def budget_holds_alive_steps(*, reservation_ids=(), lease_ids=(), now):
+    """Steps: mark the reservations and leases (ids) that a process still holds for running
+    requests as alive at `now`, so that the sweep of stale holds leaves them alone."""
+    statements = [(_NO_FLUSH_WAIT, [])]
+    when = connection.ops.adapt_datetimefield_value(now)
+    for table, ids, still_held, params in (
+        (_RESERVATIONS, reservation_ids, "status = %s", [ReservationStatus.RESERVED]),
+        (_LEASES, lease_ids, "returned_at IS NULL", []),
+    ):
+        if ids:
+            placeholders = ", ".join(["%s"] * len(ids))
+            statements.append(
+                (
+                    f"UPDATE {table} SET alive_at = %s"
+                    f" WHERE id IN ({placeholders}) AND {still_held}",
+                    [when, *ids, *params],
+                )
+            )
+    yield [*statements, COMMIT]
 
 
 # Budget leases (see `api.ledger`, which keeps them in memory). A lease takes at most
@@ -544,12 +597,13 @@ def budget_lease_steps(*, key, lease: BudgetLease, retiring, give_back: int, wor
         return 0
     ops = connection.ops
     insert = (
-        f"INSERT INTO {_LEASES} (key_id, user_id, created_at, month_start, day_start,"
-        " held_tokens, spent_prompt_tokens, spent_completion_tokens, requests)"
-        " VALUES (%s, %s, %s, %s, %s, %s, 0, 0, 0) RETURNING id",
+        f"INSERT INTO {_LEASES} (key_id, user_id, created_at, alive_at, month_start,"
+        " day_start, held_tokens, spent_prompt_tokens, spent_completion_tokens, requests)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, 0, 0, 0) RETURNING id",
         [
             key.pk,
             key.user_id,
+            ops.adapt_datetimefield_value(now),
             ops.adapt_datetimefield_value(now),
             ops.adapt_datefield_value(lease.month_start),
             ops.adapt_datefield_value(lease.day_start),

@@ -206,3 +206,8 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+
+# --- Playground live output (playground/streams.py) ---
+# Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
+# how long one blocking Redis read waits; its socket timeout is longer).
+PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15)

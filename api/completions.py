@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from accounts.models import UsageRecord
 
-from . import upstream
+from . import metering, upstream
 from .admission import admission_slot
 from .errors import ApiError, sse_error_frame
 from .metering import meter, reserve
@@ -75,6 +75,7 @@ class _Request:
         self.ttft_ms: float | None = None
         self.valid: ValidCompletion | None = None
         self.reservation = None
+        self.reservation_alive_at = 0.0  # time.monotonic() when it was last marked alive
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -161,7 +162,16 @@ class _Request:
             with contextlib.suppress(Exception):
                 self.reservation = await hold
             raise
+        self.reservation_alive_at = time.monotonic()
         return self.reservation.max_tokens_applied
+
+    def keep_reservation_alive(self) -> None:
+        """Mark the hold alive once every `metering.HOLD_HEARTBEAT_S` while the request runs,
+        so that the sweep of stale holds cannot free it under a long stream."""
+        now = time.monotonic()
+        if now - self.reservation_alive_at >= metering.HOLD_HEARTBEAT_S:
+            self.reservation_alive_at = now
+            metering.keep_alive(self.reservation)
 
 
 def _usage_tokens(body: dict) -> tuple[int, int] | None:
@@ -314,6 +324,8 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
             status, error_code, opened = 200, "", True
             yield StreamOpened({"Server-Timing": state.server_timing(), **state.clamp_headers()})
             async for raw in _with_keepalive(frames):
+                # Runs at least every KEEPALIVE_S, however slow the upstream.
+                state.keep_reservation_alive()
                 if raw is None:
                     yield b": keepalive\n\n"
                     continue

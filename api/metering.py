@@ -4,14 +4,17 @@
 process where it can (`api.ledger`), else as a reservation in one transaction of
 `accounts.services` step generators (`db.run_steps_async`). `meter` settles the hold to the
 actual usage and writes the usage record: batched by the ledger on the server loop, else in
-one transaction.
+one transaction. `keep_alive` tells the sweep of stale holds that a long request still runs.
 """
+
+import logging
 
 from django.utils import timezone
 
 from accounts.models import UsageRecord
 from accounts.services import (
     BudgetExceeded,
+    budget_holds_alive_steps,
     budget_reserve_steps,
     budget_settle_steps,
     usage_records_steps,
@@ -20,6 +23,13 @@ from accounts.services import (
 from . import background, ledger
 from .db import run_steps_async
 from .errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+# How often a running stream marks its hold alive: well under the age after which the sweep
+# frees a hold as a dead process's (`accounts.tasks.STALE_RESERVATION_AGE`, 30 minutes),
+# since a stream has no total time limit.
+HOLD_HEARTBEAT_S = 5 * 60
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
@@ -68,3 +78,21 @@ def meter(*, hold, record: UsageRecord, urgent: bool):
             "completion_tokens": record.completion_tokens,
         }
     return background.spawn(run_steps_async(lambda: _settle_and_record_steps(settlement, record)))
+
+
+def keep_alive(hold):
+    """Mark `hold` (what `reserve` returned) alive now, in work of its own, so that the sweep
+    leaves it (or the lease it was taken from) alone; returns that work's future."""
+    if isinstance(hold, ledger.LeaseHold):
+        ids = {"lease_ids": [hold.lease.row.pk]}
+    else:
+        ids = {"reservation_ids": [hold.pk]}
+    return background.spawn(_keep_alive(ids))
+
+
+async def _keep_alive(ids: dict) -> None:
+    try:
+        await run_steps_async(lambda: budget_holds_alive_steps(**ids, now=timezone.now()))
+    except Exception:
+        # Tried again at the next heartbeat; the sweep waits six of them.
+        logger.exception("could not mark budget holds %s alive", ids)

@@ -7,14 +7,18 @@ mid-run resumes where it was. Events are small JSON objects with a `type`:
 """
 
 import json
+import re
 
 import redis
 import redis.asyncio as redis_async
 from django.conf import settings
 
 STREAM_TTL = 3600
-# How long one blocking read waits before the caller sends a keepalive.
-FOLLOW_BLOCK_MS = 15_000
+# How much longer than a blocking read the socket waits for Redis's answer: below the block,
+# redis-py's default (5 s) cuts every idle read with a TimeoutError.
+SOCKET_TIMEOUT_MARGIN_S = 10
+# A Redis stream entry id, `<milliseconds>-<sequence>`, both unsigned 64-bit.
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 
 _sync_client = None
 
@@ -49,19 +53,38 @@ def replay(run_id) -> list[dict]:
     return [json.loads(fields[b"event"]) for _, fields in _client().xrange(stream_key(run_id))]
 
 
+def _async_client() -> redis_async.Redis:
+    """A client for the web process's reads, whose socket outlasts `follow`'s blocking read."""
+    return redis_async.Redis.from_url(
+        settings.REDIS_URL,
+        socket_timeout=settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS + SOCKET_TIMEOUT_MARGIN_S,
+    )
+
+
+def resume_after(last_event_id: str | None) -> str:
+    """Where `follow` resumes for a `Last-Event-ID` header: after that entry when it is one
+    of ours, else from the start (Redis refuses a malformed id, which would end the stream)."""
+    match = _ENTRY_ID.fullmatch(last_event_id or "")
+    if match is None or any(int(part) >= 2**64 for part in match.groups()):
+        return "0"
+    return last_event_id
+
+
 async def exists(run_id) -> bool:
     """Whether the run's stream is still kept (it expires `STREAM_TTL` after the last event)."""
-    client = redis_async.Redis.from_url(settings.REDIS_URL)
+    client = _async_client()
     try:
         return bool(await client.exists(stream_key(run_id)))
     finally:
         await client.aclose()
 
 
-async def follow(run_id, *, after: str = "0", block_ms: int = FOLLOW_BLOCK_MS):
-    """Yield `(entry_id, event)` from the start (or after `after`) until an `end` event;
-    yield `(None, None)` whenever `block_ms` passes with nothing new."""
-    client = redis_async.Redis.from_url(settings.REDIS_URL)
+async def follow(run_id, *, after: str = "0"):
+    """Yield `(entry_id, event)` from the start (or after `after`, an entry id) until an
+    `end` event; yield `(None, None)` whenever PLAYGROUND_SSE_KEEPALIVE_SECONDS pass with
+    nothing new, so that the caller can send a keepalive."""
+    client = _async_client()
+    block_ms = max(int(settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS * 1000), 1)
     key = stream_key(run_id)
     try:
         while True:

@@ -302,14 +302,16 @@ def _sse(entry_id, event) -> str:
 
 async def run_events(request, run_id):
     """Server-sent events of a run: everything published so far, then the rest as it comes,
-    ending with the `end` event. `Last-Event-ID` resumes after a reconnect."""
+    ending with the `end` event, with a `: keepalive` comment after every
+    PLAYGROUND_SSE_KEEPALIVE_SECONDS of silence. `Last-Event-ID` resumes after a reconnect
+    (one that is not an id of ours replays from the start)."""
     user = await request.auser()
     if not user.is_authenticated or not user.is_approved:
         raise Http404("No such run.")
     run = await Run.objects.filter(pk=run_id, user=user).only("id", "status").afirst()
     if run is None:
         raise Http404("No such run.")
-    after = request.headers.get("Last-Event-ID") or "0"
+    after = streams.resume_after(request.headers.get("Last-Event-ID"))
 
     async def events():
         yield ": connected\n\n"

@@ -3,15 +3,24 @@ import threading
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
-from accounts.models import BudgetReservation, Period, ServiceSettings, UsagePeriod
+from accounts.models import (
+    BudgetReservation,
+    Period,
+    ReservationStatus,
+    ServiceSettings,
+    UsagePeriod,
+)
 from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
 from accounts.services import (
     BudgetExceeded,
+    budget_holds_alive_steps,
     budget_release_stale,
     budget_reserve,
     budget_settle,
     harvest_quota_consume,
+    run_steps,
 )
 
 
@@ -106,10 +115,40 @@ def test_spend_cap_pauses_everything(api_key):
 def test_stale_reservations_are_released(api_key):
     reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10)
     BudgetReservation.objects.filter(pk=reservation.pk).update(
-        created_at=reservation.created_at - dt.timedelta(hours=1)
+        alive_at=reservation.created_at - dt.timedelta(hours=1)
     )
     assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
     assert key_window(api_key, Period.MONTH).reserved_tokens == 0
+
+
+def test_a_settle_after_the_sweep_charges_the_usage_once(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=20)
+    BudgetReservation.objects.filter(pk=reservation.pk).update(
+        alive_at=reservation.created_at - dt.timedelta(hours=1)
+    )
+    assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
+    # The request was still running: its settle charges what it used, and only once.
+    assert budget_settle(reservation_id=reservation.pk, prompt_tokens=10, completion_tokens=15)
+    assert not budget_settle(reservation_id=reservation.pk, prompt_tokens=10, completion_tokens=15)
+    assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    for window in UsagePeriod.objects.all():
+        assert (window.used_tokens, window.reserved_tokens) == (25, 0)
+        assert (window.used_input, window.used_output) == (10, 15)
+        assert (window.reserved_input, window.reserved_output) == (0, 0)
+    assert BudgetReservation.objects.get().status == ReservationStatus.SETTLED
+
+
+def test_a_hold_marked_alive_is_not_swept(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10)
+    hour_ago = reservation.created_at - dt.timedelta(hours=1)
+    BudgetReservation.objects.filter(pk=reservation.pk).update(
+        created_at=hour_ago, alive_at=hour_ago
+    )
+    run_steps(
+        lambda: budget_holds_alive_steps(reservation_ids=[reservation.pk], now=timezone.now())
+    )
+    assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    assert key_window(api_key, Period.MONTH).reserved_tokens == 20
 
 
 def test_daily_window_resets_at_utc_midnight_and_monthly_on_the_first(api_key):

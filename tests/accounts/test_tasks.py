@@ -14,7 +14,7 @@ def test_stale_reservations_are_released_and_fresh_ones_kept(api_key):
     stale = budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
     fresh = budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
     BudgetReservation.objects.filter(pk=stale.pk).update(
-        created_at=timezone.now() - dt.timedelta(minutes=31)
+        alive_at=timezone.now() - dt.timedelta(minutes=31)
     )
     assert release_stale_budget_reservations.delay().get() == 1
     stale.refresh_from_db()

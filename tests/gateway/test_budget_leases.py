@@ -2,6 +2,7 @@
 
 import asyncio
 import datetime as dt
+import time
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ from django.utils import timezone
 from accounts import services
 from accounts.models import BudgetLease, BudgetReservation, UsageRecord
 from accounts.periods import day_start, month_start
-from api import admission, background, ledger
+from api import admission, background, ledger, metering
 
 from .conftest import key_day_window, wait_settled
 from .test_admission_and_budgets import fire
@@ -159,7 +160,7 @@ def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count
     )
     assert granted > 0 and key_day_window(api_key).reserved_tokens == granted
     assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
-    BudgetLease.objects.filter(pk=lease.pk).update(created_at=now - dt.timedelta(hours=1))
+    BudgetLease.objects.filter(pk=lease.pk).update(alive_at=now - dt.timedelta(hours=1))
     assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
     assert key_day_window(api_key).reserved_tokens == 0
     assert BudgetLease.objects.get().returned_at is not None
@@ -170,6 +171,30 @@ def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count
     window = key_day_window(api_key)
     assert (window.used_tokens, window.reserved_tokens, window.requests) == (7, 0, 1)
     assert BudgetLease.objects.get().held_tokens == 0
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["reservation", "lease"])
+def test_a_long_live_stream_keeps_its_hold_through_the_sweep(
+    client, stub, api_key, monkeypatch, request, exact
+):
+    if exact:
+        request.getfixturevalue("exact_budgets")
+    monkeypatch.setattr(metering, "HOLD_HEARTBEAT_S", 0.2)
+    stub.mode["gap"] = 0.1
+    body = {**BODY, "max_tokens": 60, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        started, lines = time.monotonic(), response.iter_lines()
+        for _ in lines:
+            if time.monotonic() - started > 3:
+                break
+        # The hold was made 3 s ago, twice the sweep's age here, and the stream still runs.
+        assert services.budget_release_stale(older_than=dt.timedelta(seconds=1.5)) == 0
+        assert key_day_window(api_key).reserved_tokens > 0
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    wait_settled()
+    window = key_day_window(api_key)
+    assert (window.used_tokens, window.reserved_tokens) == (61, 0)
 
 
 def test_a_record_that_cannot_be_written_does_not_lose_the_others(

@@ -2,6 +2,7 @@
 without HX-Request, model output shown as text, the SSE replay, downloads and forms."""
 
 import ast
+import asyncio
 import io
 import json
 
@@ -344,6 +345,53 @@ async def test_sse_replays_what_is_published_then_ends(
     )
     rest = "".join([chunk.decode() async for chunk in resumed.streaming_content])
     assert '"type": "end"' in rest and "<b>Hi" not in rest
+
+
+def sse_events(body: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_sse_of_a_queued_run_idle_past_the_redis_socket_timeout_keeps_streaming(
+    async_db_connections_closed, async_client, approved_user, redis_client, settings
+):
+    # Just over redis-py's default 5 s socket timeout, which used to cut the blocking read.
+    settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS = 5.5
+    run = await Run.objects.acreate(user=approved_user, request={"prompt": "x"})
+    streams.publish(run.id, {"type": "status", "status": "queued"})
+    await async_client.aforce_login(approved_user)
+    response = await async_client.get(reverse("playground:run_events", args=[run.id]))
+
+    async def read_all() -> str:
+        chunks = []
+        async for chunk in response.streaming_content:
+            chunks.append(chunk.decode())
+            if chunk.decode() == ": keepalive\n\n":
+                streams.publish(run.id, {"type": "token", "choice": 0, "text": "late"})
+                streams.publish(run.id, {"type": "end", "status": "succeeded"})
+        return "".join(chunks)
+
+    body = await asyncio.wait_for(read_all(), timeout=60)
+    assert ": keepalive" in body
+    assert [e["type"] for e in sse_events(body)] == ["status", "token", "end"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("last_event_id", ["garbage", "1-2-3", "99999999999999999999-0", "-1"])
+async def test_sse_with_a_malformed_last_event_id_replays_from_the_start(
+    async_db_connections_closed, async_client, approved_user, redis_client, last_event_id
+):
+    run = await Run.objects.acreate(user=approved_user, request={"prompt": "x"})
+    for event in ({"type": "status", "status": "running"},
+                  {"type": "token", "choice": 0, "text": "Hi"},
+                  {"type": "end", "status": "succeeded"}):  # fmt: skip
+        streams.publish(run.id, event)
+    await async_client.aforce_login(approved_user)
+    response = await async_client.get(
+        reverse("playground:run_events", args=[run.id]), headers={"Last-Event-ID": last_event_id}
+    )
+    body = "".join([chunk.decode() async for chunk in response.streaming_content])
+    assert [e["type"] for e in sse_events(body)] == ["status", "token", "end"]
 
 
 @pytest.mark.django_db(transaction=True)
