@@ -205,3 +205,9 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+
+# --- Deployment (docs/deploy.md) ---
+# The beat sweep frees budget holds and leases older than this: a live process settles a
+# request within the 14-minute request limit and renews its leases every minute, so anything
+# older belongs to a process that died.
+ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60)
