@@ -122,6 +122,8 @@ def production_env(*, work: Path, web_urls: list[str], engine_url: str, secrets:
         "MEDIA_ROOT": str(work / "media"),
         "ACS_TOKENIZER_CACHE_DIR": str(work / "tokenizers"),
         "CELERY_TASK_ALWAYS_EAGER": "0",
+        # No SMTP server here: mail (the approval e-mail) goes to the worker's log.
+        "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
         "LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
         # Procfile.production's knobs: two web replicas of one uvicorn worker each.
@@ -242,6 +244,8 @@ def main() -> int:
                     stderr=subprocess.STDOUT,
                 )
             )
+        empty_env = work / "empty.env"
+        empty_env.write_text("")
         with open(honcho_log, "wb") as log:
             honcho = subprocess.Popen(
                 [
@@ -253,6 +257,9 @@ def main() -> int:
                     str(base_port),
                     "-c",
                     "web=2",
+                    # Only the environment built here, not a developer's .env.
+                    "-e",
+                    str(empty_env),
                 ],
                 cwd=ROOT,
                 env=env,
