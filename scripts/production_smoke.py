@@ -2,13 +2,13 @@
 
     DATABASE_URL=postgres://.../acs_smoke REDIS_URL=redis://.../14 scripts/production-smoke
 
-Generates secrets (`manage.py acs_secrets`), (re)creates DATABASE_URL's database, migrates,
-collects static files, runs `check --deploy`, starts Procfile.production (two web replicas,
-worker, beat) with honcho and the embedded engine, all with DEBUG=0; creates an approved
-account and key with the CLI; then sends a completion to one replica, a stream to the other
-(it must end with `data: [DONE]`) and a playground run through the portal (log in, submit
-the form, wait until the run succeeded). Stops everything it started; exits non-zero with
-the reason (and the tail of the logs) when anything fails.
+Generates secrets (`python -m accounts.secret_generation`), (re)creates DATABASE_URL's
+database, migrates, collects static files, runs `check --deploy`, starts
+Procfile.production (two web replicas, worker, beat) with honcho and the embedded engine, all
+with DEBUG=0; creates an approved account and key with the CLI; then sends a completion to
+one replica, a stream to the other (it must end with `data: [DONE]`) and a playground run
+through the portal (log in, submit the form, wait until the run succeeded). Stops everything
+it started; exits non-zero with the reason (and the tail of the logs) when anything fails.
 """
 
 import json
@@ -223,9 +223,15 @@ def main() -> int:
     web_urls = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
     engine_port = free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    secrets = dict(
-        line.split("=", 1) for line in manage("acs_secrets", env=dict(os.environ)).splitlines()
+    # As on a fresh machine: the settings do not load before the secrets exist.
+    generated = subprocess.run(
+        [PYTHON, "-m", "accounts.secret_generation"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
+    secrets = dict(line.split("=", 1) for line in generated.stdout.splitlines())
     env = production_env(work=work, web_urls=web_urls, engine_url=engine_url, secrets=secrets)
     processes: list[subprocess.Popen] = []
     honcho_log = work / "honcho.log"

@@ -153,6 +153,18 @@ def client_for(replica: Replica, secret: str, connections: int) -> httpx.AsyncCl
     )
 
 
+async def post_retrying(http: httpx.AsyncClient, body: dict) -> httpx.Response:
+    """POST a completion as a well-behaved client does: a retryable 503 (on an overloaded
+    machine, db_pool_exhausted while 100 requests queue for one account's window lock) is
+    sent again after its Retry-After (capped at 1 s here)."""
+    for _ in range(20):
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 503 or "Retry-After" not in response.headers:
+            return response
+        await asyncio.sleep(min(float(response.headers["Retry-After"]), 1.0))
+    return response
+
+
 async def wait_for(condition, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not await condition():
@@ -182,7 +194,7 @@ async def test_budget_is_exact_across_replicas(
     clients = [client_for(replica, secret, 60) for replica in replicas for secret in secrets]
     try:
         responses = await asyncio.gather(
-            *(clients[i % len(clients)].post("/v1/completions", json=body) for i in range(200))
+            *(post_retrying(clients[i % len(clients)], body) for i in range(200))
         )
     finally:
         for http in clients:
