@@ -6,9 +6,11 @@ PY := $(VENV)/bin/python
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+# scripts/production-smoke drops and recreates this database.
+SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-web test-engine test-browser lint format bench services
+.PHONY: run test test-web test-engine test-browser test-deploy lint format bench services
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || "$$(scripts/python-for-web)" -m venv $(VENV)
@@ -54,7 +56,13 @@ test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(TEST_DATABASE_URL) scripts/ensure-test-db
 	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(VENV)/bin/pytest tests/browser
 
-test: lint test-engine test-web test-browser
+# docs/deploy.md on this machine: DEBUG=0, generated secrets, two web replicas, worker, beat
+# and engine, used through a completion, a stream and a playground run (minutes, so not a
+# pytest test).
+test-deploy: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
+	DATABASE_URL=$(SMOKE_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) scripts/production-smoke
+
+test: lint test-engine test-web test-browser test-deploy
 
 bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	$(ENGINE_PY) bench/engine.py

@@ -4,12 +4,10 @@ import datetime as dt
 import smtplib
 
 from celery import shared_task
+from django.conf import settings
 
 from . import services
 from .models import AccessApplication
-
-# A reservation whose request has not settled after this long belongs to a dead process.
-STALE_RESERVATION_AGE = dt.timedelta(minutes=30)
 
 
 @shared_task(
@@ -27,5 +25,7 @@ def send_application_decision_email(application_id: int) -> None:
 
 @shared_task
 def release_stale_budget_reservations() -> int:
-    """Free the budget holds of requests that never settled (beat: every 5 minutes)."""
-    return services.budget_release_stale(older_than=STALE_RESERVATION_AGE)
+    """Free the budget holds of requests that never settled and the leases never returned
+    (beat: every 5 minutes); past ACS_STALE_RESERVATION_SECONDS they belong to a dead process."""
+    age = dt.timedelta(seconds=settings.ACS_STALE_RESERVATION_SECONDS)
+    return services.budget_release_stale(older_than=age)

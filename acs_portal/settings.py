@@ -211,3 +211,9 @@ GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
 # Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
 # how long one blocking Redis read waits; its socket timeout is longer).
 PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15)
+
+# --- Deployment (docs/deploy.md) ---
+# The beat sweep frees budget holds and leases not marked alive for this long: a live process
+# marks the holds of its running requests and its leases alive every few minutes, so anything
+# older belongs to a process that died.
+ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60)

@@ -27,7 +27,7 @@ from .errors import ApiError
 logger = logging.getLogger(__name__)
 
 # How often a running stream marks its hold alive: well under the age after which the sweep
-# frees a hold as a dead process's (`accounts.tasks.STALE_RESERVATION_AGE`, 30 minutes),
+# frees a hold as a dead process's (`settings.ACS_STALE_RESERVATION_SECONDS`, 30 minutes),
 # since a stream has no total time limit.
 HOLD_HEARTBEAT_S = 5 * 60
 

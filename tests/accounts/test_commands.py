@@ -1,8 +1,13 @@
 """The operator CLI: acs_accounts, acs_keys, acs_demo."""
 
+import os
+import subprocess
+import sys
 from io import StringIO
+from pathlib import Path
 
 import pytest
+from cryptography.fernet import Fernet
 from django.core import mail
 from django.core.management import CommandError, call_command
 
@@ -132,3 +137,35 @@ def test_acs_demo_is_idempotent_and_prints_the_key_only_once(db, settings):
     assert secret not in second
     assert User.objects.filter(email__endswith="@acs.local").count() == 2
     assert ApiKey.objects.count() == 1
+
+
+def test_acs_secrets_prints_fresh_long_secrets_and_a_valid_fernet_key():
+    first, second = (
+        dict(line.split("=", 1) for line in run("acs_secrets").splitlines()) for _ in range(2)
+    )
+    names = {"SECRET_KEY", "API_KEY_HMAC_SECRET", "PLAYGROUND_KEY_ENCRYPTION_KEY"}
+    assert set(first) == set(second) == names
+    for name in names:
+        assert first[name] != second[name]
+    assert len(first["SECRET_KEY"]) >= 50
+    assert len(set(first["SECRET_KEY"])) >= 5
+    assert len(first["API_KEY_HMAC_SECRET"]) >= 40
+    fernet = Fernet(first["PLAYGROUND_KEY_ENCRYPTION_KEY"].encode())
+    assert fernet.decrypt(fernet.encrypt(b"acs-secret")) == b"acs-secret"
+
+
+def test_secrets_are_generated_where_settings_cannot_load_yet():
+    """With DEBUG off and no secrets, the settings refuse to load; the first secrets must
+    still come out."""
+    environment = {"PATH": os.environ["PATH"], "DEBUG": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accounts.secret_generation"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert set(lines) == {"SECRET_KEY", "API_KEY_HMAC_SECRET", "PLAYGROUND_KEY_ENCRYPTION_KEY"}
+    Fernet(lines["PLAYGROUND_KEY_ENCRYPTION_KEY"].encode())

@@ -1,0 +1,300 @@
+"""Bring up the production configuration of docs/deploy.md on this machine and use it.
+
+    DATABASE_URL=postgres://.../acs_smoke REDIS_URL=redis://.../14 scripts/production-smoke
+
+Generates secrets (`python -m accounts.secret_generation`), (re)creates DATABASE_URL's
+database, migrates, collects static files, runs `check --deploy`, starts
+Procfile.production (two web replicas, worker, beat) with honcho and the embedded engine, all
+with DEBUG=0; creates an approved account and key with the CLI; then sends a completion to
+one replica, a stream to the other (it must end with `data: [DONE]`) and a playground run
+through the portal (log in, submit the form, wait until the run succeeded). Stops everything
+it started; exits non-zero with the reason (and the tail of the logs) when anything fails.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+MODEL = "smollm2-135m"  # the registry row the first migrations create, at ENGINE_URL
+EMAIL = "smoke@example.org"
+PASSWORD = "smoke-test-password-1234"
+RUN_TIMEOUT_S = 180
+# What `check --deploy` may report here and only here: mail goes to the console (no SMTP
+# server on this machine) and loopback is plain HTTP (behind the TLS proxy these are set).
+LOOPBACK_CHECKS = {
+    "mail.E001",
+    "security.W004",
+    "security.W008",
+    "security.W012",
+    "security.W016",
+}
+
+
+class SmokeFailure(Exception):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise SmokeFailure(message)
+
+
+def manage(*args: str, env: dict) -> str:
+    result = subprocess.run(
+        [PYTHON, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise SmokeFailure(f"manage.py {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
+    return result.stdout
+
+
+def check_deploy(env: dict) -> None:
+    result = subprocess.run(
+        [PYTHON, "manage.py", "check", "--deploy"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    output = result.stdout + result.stderr
+    reported = set(re.findall(r"\(([a-z_]+\.[EWC]\d+)\)", output))
+    check(reported <= LOOPBACK_CHECKS, f"check --deploy:\n{output}")
+    check(result.returncode == 0 or reported, f"check --deploy failed:\n{output}")
+    print(f"check --deploy: only the loopback differences {sorted(reported)}")
+
+
+def recreate_database(url: str) -> None:
+    check(url.startswith("postgres"), "DATABASE_URL must be a PostgreSQL URL")
+    server, name = url.rsplit("/", 1)
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        connection.execute(f'CREATE DATABASE "{name}"')
+
+
+def two_free_ports() -> int:
+    """A base port P with P and P+1 free: honcho gives web.1 port P and web.2 port P+1."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise SmokeFailure("no two consecutive free ports")
+
+
+def production_env(*, work: Path, web_urls: list[str], engine_url: str, secrets: dict) -> dict:
+    database_url = os.environ["DATABASE_URL"]
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
+    return {
+        **os.environ,
+        **secrets,
+        "DEBUG": "0",
+        # Plain HTTP on loopback; behind the TLS proxy these are 1 (docs/deploy.md).
+        "SECURE_SSL_REDIRECT": "0",
+        "SESSION_COOKIE_SECURE": "0",
+        "CSRF_COOKIE_SECURE": "0",
+        "SECURE_HSTS_SECONDS": "0",
+        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "CSRF_TRUSTED_ORIGINS": ",".join(web_urls),
+        "SITE_URL": web_urls[0],
+        "GATEWAY_URL": web_urls[0],
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "CELERY_BROKER_URL": redis_url,
+        "ENGINE_URL": engine_url,
+        "MEDIA_ROOT": str(work / "media"),
+        "ACS_TOKENIZER_CACHE_DIR": str(work / "tokenizers"),
+        "CELERY_TASK_ALWAYS_EAGER": "0",
+        # No SMTP server here: mail (the approval e-mail) goes to the worker's log.
+        "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
+        "LOG_LEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+        # Procfile.production's knobs: two web replicas of one uvicorn worker each.
+        "WEB_HOST": "127.0.0.1",
+        "WEB_WORKERS": "1",
+        "FORWARDED_ALLOW_IPS": "127.0.0.1",
+        "WORKER_CONCURRENCY": "2",
+        "BEAT_SCHEDULE_FILE": str(work / "celerybeat-schedule"),
+    }
+
+
+def completion(web_url: str, secret: str) -> None:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+    response = httpx.post(
+        f"{web_url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=120,
+    )
+    check(response.status_code == 200, f"completion: {response.status_code} {response.text}")
+    payload = response.json()
+    check(payload["usage"]["completion_tokens"] >= 1, f"completion without tokens: {payload}")
+    print(f"completion on {web_url}: {payload['choices'][0]['text']!r}")
+
+
+def stream(web_url: str, secret: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Five reasons to learn Rust:\n1.",
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    frames = []
+    with httpx.stream(
+        "POST",
+        f"{web_url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=120,
+    ) as response:
+        check(response.status_code == 200, f"stream: {response.status_code} {response.read()}")
+        frames = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    check(frames and frames[-1] == "[DONE]", f"stream did not end with [DONE]: {frames[-3:]}")
+    chunks = [json.loads(frame) for frame in frames[:-1]]
+    check(not any("error" in chunk for chunk in chunks), f"stream error: {chunks}")
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    print(f"stream on {web_url}: {len(frames)} frames, {text!r}, ends with [DONE]")
+
+
+def playground_run(web_url: str) -> None:
+    """As a browser would without JavaScript: log in, submit the playground form, follow the
+    redirect to the run and reload it until the worker has run it through the gateway."""
+    with httpx.Client(base_url=web_url, timeout=60) as browser:
+        browser.get("/login/")
+        login = browser.post(
+            "/login/",
+            data={"username": EMAIL, "password": PASSWORD},
+            headers={"X-CSRFToken": browser.cookies["csrftoken"]},
+        )
+        check(login.status_code == 302, f"login: {login.status_code}")
+        page = browser.get("/playground/")
+        check(page.status_code == 200, f"playground page: {page.status_code}")
+        submitted = browser.post(
+            "/playground/runs/new/",
+            data={"model": MODEL, "prompt": "Once upon a time", "max_tokens": "8", "stream": "on"},
+            headers={"X-CSRFToken": browser.cookies["csrftoken"]},
+        )
+        check(submitted.status_code == 302, f"run submit: {submitted.status_code}")
+        run_url = submitted.headers["location"]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            status = re.search(r'data-run-status="(\w+)"', browser.get(run_url).text)
+            check(status is not None, f"{run_url} shows no run status")
+            if status[1] == "succeeded":
+                print(f"playground run {run_url} succeeded")
+                return
+            check(status[1] != "failed", f"playground run {run_url} failed")
+            check(time.monotonic() < deadline, f"playground run still {status[1]}")
+            time.sleep(0.5)
+
+
+def wait_for_beat(log: Path, honcho: subprocess.Popen) -> None:
+    """Beat sends its due sweeps at start; wait until its log shows one sent."""
+    deadline = time.monotonic() + 60
+    while "Sending due task" not in log.read_text(errors="replace"):
+        check(honcho.poll() is None, "honcho exited")
+        check(time.monotonic() < deadline, "beat sent no task within 60 s")
+        time.sleep(0.5)
+    print("beat is sending its sweeps")
+
+
+def main() -> int:
+    check("DATABASE_URL" in os.environ, "set DATABASE_URL to a PostgreSQL database to (re)create")
+    work = Path(tempfile.mkdtemp(prefix="acs-production-smoke-"))
+    base_port = two_free_ports()
+    web_urls = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
+    engine_port = free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    # As on a fresh machine: the settings do not load before the secrets exist.
+    generated = subprocess.run(
+        [PYTHON, "-m", "accounts.secret_generation"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    secrets = dict(line.split("=", 1) for line in generated.stdout.splitlines())
+    env = production_env(work=work, web_urls=web_urls, engine_url=engine_url, secrets=secrets)
+    processes: list[subprocess.Popen] = []
+    honcho_log = work / "honcho.log"
+    try:
+        recreate_database(env["DATABASE_URL"])
+        manage("migrate", "--noinput", "-v", "0", env=env)
+        manage("collectstatic", "--noinput", "-v", "0", env=env)
+        check_deploy(env)
+        with open(work / "engine.log", "wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    [*engine_command(engine_port), "--log-level", "warning"],
+                    cwd=ROOT,
+                    env={**env, "ACS_ENGINE_THREADS": env.get("ACS_ENGINE_THREADS", "1")},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        empty_env = work / "empty.env"
+        empty_env.write_text("")
+        with open(honcho_log, "wb") as log:
+            honcho = subprocess.Popen(
+                [
+                    str(ROOT / ".venv" / "bin" / "honcho"),
+                    "start",
+                    "-f",
+                    "Procfile.production",
+                    "-p",
+                    str(base_port),
+                    "-c",
+                    "web=2",
+                    # Only the environment built here, not a developer's .env.
+                    "-e",
+                    str(empty_env),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            processes.append(honcho)
+        manage("acs_accounts", "create", EMAIL, "--password", PASSWORD, "--approve", env=env)
+        secret = manage("acs_keys", "create", EMAIL, "--name", "smoke", env=env).split()[-1]
+        for url in web_urls:
+            wait_ready(f"{url}/login/", honcho, f"web replica {url}")
+        wait_ready(f"{engine_url}/health", processes[0], "the engine")
+        print(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
+        completion(web_urls[0], secret)
+        stream(web_urls[1], secret)
+        playground_run(web_urls[1])
+        wait_for_beat(honcho_log, honcho)
+        print("production smoke: OK")
+        return 0
+    except (SmokeFailure, RuntimeError) as failure:
+        print(f"production smoke FAILED: {failure}", file=sys.stderr)
+        for log in sorted(work.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-30:]
+            print(f"--- {log.name} (last lines)", *tail, sep="\n", file=sys.stderr)
+        return 1
+    finally:
+        for process in reversed(processes):
+            stop(process)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
