@@ -11,6 +11,11 @@ Wire format, as sent and received in `activations` objects::
 float32 and is exact for bfloat16 values. NaN stays NaN (sign kept, made quiet), ±inf and ±0
 keep their sign, float32 values beyond the bfloat16 range round to ±inf, subnormals round like
 any other value.
+
+Decoding is bounded: `decode` refuses a shape of more than `max_values` values, and a zstd
+frame whose declared content size differs from the shape's, before decompressing anything,
+then reads at most the shape's size; no allocation depends on an unchecked number from the
+sender.
 """
 
 import base64
@@ -25,6 +30,9 @@ WIRE_DTYPE = "int16"
 ORIGINAL_DTYPE = "torch.bfloat16"
 COMPRESSION = "zstd"
 ZSTD_LEVEL = 3
+# The most values `decode` accepts unless the caller sets a tighter bound: the largest tensor
+# the API returns (a capture of 64 Mi values, 128 MiB of bfloat16).
+MAX_VALUES = 64 * 1024 * 1024
 
 _BFLOAT16_QUIET_BIT = 0x0040
 
@@ -70,11 +78,35 @@ def encode_vector(array: np.ndarray) -> dict:
     return encode_bfloat16_bits(float32_to_bfloat16_bits(array.astype(np.float32)))
 
 
-def decode_bfloat16_bits(obj: dict) -> np.ndarray:
+def decode_bfloat16_bits(obj: dict, *, max_values: int = MAX_VALUES) -> np.ndarray:
     """Decode the codec object to its bfloat16 bit patterns (uint16) in the encoded shape.
 
-    Raises ValueError naming the problem for any malformed object.
+    Raises ValueError naming the problem for any malformed object, a shape of more than
+    `max_values` values, or data that does not decompress to exactly the shape's size.
     """
+    shape = check_header(obj, max_values=max_values)
+    expected_bytes = 2 * math.prod(shape)
+    frame = b64decode_data(obj.get("data"))
+    check_frame_size(frame, shape)
+    raw = _decompress(frame, expected_bytes)
+    if len(raw) != expected_bytes:
+        raise ValueError(_size_mismatch(len(raw), shape))
+    return np.frombuffer(raw, dtype="<u2").astype(np.uint16).reshape(shape)
+
+
+def decode(obj: dict, *, max_values: int = MAX_VALUES) -> np.ndarray:
+    """Decode the codec object to a float32 array; exact for the encoded bfloat16 values.
+
+    Raises ValueError naming the problem for bad base64, a bad zstd frame, a size that does not
+    match the shape, a shape of more than `max_values` values, or an unsupported dtype or
+    compression.
+    """
+    return bfloat16_bits_to_float32(decode_bfloat16_bits(obj, max_values=max_values))
+
+
+def check_header(obj: dict, *, max_values: int = MAX_VALUES) -> tuple[int, ...]:
+    """Check the codec object's dtype, compression and shape (at most `max_values` values)
+    without touching its data; return the shape. ValueError naming the problem otherwise."""
     if not isinstance(obj, dict):
         raise ValueError("activations must be an object with data, dtype, shape, compression")
     _check_field(obj, "dtype", WIRE_DTYPE)
@@ -84,23 +116,29 @@ def decode_bfloat16_bits(obj: dict) -> np.ndarray:
             f"unsupported original_dtype {obj['original_dtype']!r}; expected {ORIGINAL_DTYPE!r}"
         )
     shape = _parse_shape(obj.get("shape"))
-    expected_bytes = 2 * math.prod(shape)
-    raw = _decompress(_b64decode(obj.get("data")), expected_bytes)
-    if len(raw) != expected_bytes:
-        raise ValueError(
-            f"data holds {len(raw)} bytes but shape {shape} needs {expected_bytes} "
-            f"(2 bytes per value)"
-        )
-    return np.frombuffer(raw, dtype="<u2").astype(np.uint16).reshape(shape)
+    values = math.prod(shape)
+    if values > max_values:
+        raise ValueError(f"shape {list(shape)} holds {values} values; at most {max_values} allowed")
+    return shape
 
 
-def decode(obj: dict) -> np.ndarray:
-    """Decode the codec object to a float32 array; exact for the encoded bfloat16 values.
+def check_frame_size(frame: bytes, shape) -> None:
+    """Without decompressing, refuse a zstd frame that declares a content size other than the
+    `shape`'s (frames written by streaming compressors declare none; `_decompress` then bounds
+    what it reads)."""
+    try:
+        declared = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as error:
+        raise ValueError(f"data is not a valid zstd frame: {error}") from None
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared != 2 * math.prod(shape):
+        raise ValueError(_size_mismatch(declared, shape))
 
-    Raises ValueError naming the problem for bad base64, a bad zstd frame, a size that does not
-    match the shape, or an unsupported dtype or compression.
-    """
-    return bfloat16_bits_to_float32(decode_bfloat16_bits(obj))
+
+def _size_mismatch(size: int, shape) -> str:
+    return (
+        f"data holds {size} bytes but shape {list(shape)} needs {2 * math.prod(shape)} "
+        "(2 bytes per value)"
+    )
 
 
 def _check_field(obj: dict, name: str, expected: str) -> None:
@@ -119,7 +157,8 @@ def _parse_shape(shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _b64decode(data) -> bytes:
+def b64decode_data(data) -> bytes:
+    """The zstd frame in a codec object's base64 `data`; ValueError naming the problem."""
     if not isinstance(data, str):
         raise ValueError("data must be a base64 string")
     try:

@@ -10,6 +10,12 @@ MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 100
 MAX_STEERING_VECTORS = 8
+# prompt_count × n × max_tokens of one request: the most output work a request may ask for.
+OUTPUT_WORK_CAP = 32_000
+# Values (layers × positions × hidden) of all of a request's steering vectors together, checked
+# from their shapes before any is decompressed: 32 MiB of bfloat16, four times what an 8 MiB
+# body of incompressible vectors can carry.
+STEERING_MAX_VALUES = 16 * 1024 * 1024
 # Full-vocabulary prompt logprobs (prompt_logprobs=-1) are ~3 MB of JSON per position: at
 # most this many prompt tokens (× n), and fewer with a residual-stream capture.
 FULL_VOCAB_MAX_PROMPT_TOKENS = 256

@@ -7,13 +7,13 @@ from acs_client.protocol import (
     MAX_N,
     MAX_STEERING_VECTORS,
     MAX_STOP_STRINGS,
+    OUTPUT_WORK_CAP,
 )
 
 from .errors import DEFAULT_RETRY_AFTER, NOT_RETRYABLE
 from .schemas import (
     MAX_BODY_BYTES,
     NON_STREAMING_MAX_TOKENS,
-    OUTPUT_WORK_CAP,
     CompletionRequest,
 )
 

@@ -4,6 +4,7 @@ plus the ACS activation fields; the fields and limits shared with the engine are
 
 from pydantic import BaseModel, Field, ValidationError
 
+from acs_client.codec import MAX_VALUES
 from acs_client.protocol import (
     MAX_STEERING_VECTORS,
     CompletionFields,
@@ -15,10 +16,10 @@ from acs_client.protocol import (
 from .errors import ApiError
 
 DEFAULT_MAX_TOKENS = 16
-OUTPUT_WORK_CAP = 32_000
 NON_STREAMING_MAX_TOKENS = 15_600
-# layers × tokens × hidden values one capture may return (128 MiB of bfloat16).
-CAPTURE_MAX_VALUES = 64 * 1024 * 1024
+# layers × tokens × hidden values one capture may return (128 MiB of bfloat16): the largest
+# tensor the codec decodes by default.
+CAPTURE_MAX_VALUES = MAX_VALUES
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 

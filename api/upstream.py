@@ -7,6 +7,17 @@ circuit for CLOSED_TRUST_S between checks), skips a URL that keeps failing
 probe request is let through, and its outcome closes or re-opens it). Failures are mapped to
 the contract's error codes as `ApiError`.
 
+Only what says the upstream is unwell counts as a failure: a transport error, a 5xx, invalid
+JSON. An answer about the request itself never counts, so no user can open the circuit for
+everyone with requests of their own making: a 4xx; a 503/429 "busy" (its queue is full:
+`wrapper_saturated`, or the model is loading) - the upstream is healthy, and the client
+retries after Retry-After; a 5xx marked as caused by the request (error type
+`invalid_request_error`, or an out-of-memory on its size: `vllm_oom`). No request is too
+large for the embedded engine's queue: it takes in a request of any number of sequences the
+output-work cap allows (prompt_count x n <= 32,000 / max_tokens) and feeds them to its
+batch as room frees up. A timeout is `upstream_deadline` and does not count either: a slow
+answer to a long request is not a sick upstream.
+
 For other callers (a harvest worker capturing one prompt, completion jobs):
 
     body = await upstream_completion(model, payload)
@@ -57,6 +68,11 @@ _PASSTHROUGH_STATUS = {
     "kv_cache_unverified": 503,
     "modal_cold_boot": 503,
 }
+# Contract codes of upstream errors that say nothing against the upstream's health (see the
+# module docstring).
+_NOT_UPSTREAM_FAILURES = frozenset(
+    {"wrapper_saturated", "modal_cold_boot", "capture_preempted", "vllm_oom"}
+)
 _CONTEXT_WORDS = re.compile(r"context|maximum model length|too long", re.IGNORECASE)
 _OOM_WORDS = re.compile(r"out of memory|\boom\b", re.IGNORECASE)
 
@@ -258,6 +274,14 @@ def _error_fields(content: bytes) -> tuple[str, str]:
     return "", str(error or "")
 
 
+def _error_type(content: bytes) -> str:
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("type") or "") if isinstance(error, dict) else ""
+
+
 def _retry_after(headers) -> int | None:
     value = headers.get("retry-after") if headers is not None else None
     try:
@@ -331,13 +355,21 @@ async def _post(urls, path, payload, *, timeout, stream=False):
     raise AssertionError("unreachable")
 
 
+def counts_against_upstream(status: int, content: bytes, error: ApiError) -> bool:
+    """Whether an upstream's error answer (`error`, as mapped) feeds its circuit breaker: only
+    a 5xx that is neither "busy" nor marked as caused by the request."""
+    if status < 500 or error.code in _NOT_UPSTREAM_FAILURES:
+        return False
+    return _error_type(content) != "invalid_request_error"
+
+
 async def _raise_for_status(target: Target, response: httpx.Response) -> None:
     if response.status_code < 400:
         return
     content = await response.aread()
     await response.aclose()
     error = map_upstream_error(response.status_code, content, response.headers)
-    if response.status_code >= 500 and error.code != "modal_cold_boot":
+    if counts_against_upstream(response.status_code, content, error):
         await record_failure(target)
     raise error
 

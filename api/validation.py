@@ -1,11 +1,15 @@
 """Everything checked about a completion body before any upstream work."""
 
+import math
 from dataclasses import dataclass
 
+from acs_client import codec
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     MAX_STOP_STRINGS,
+    OUTPUT_WORK_CAP,
+    STEERING_MAX_VALUES,
 )
 
 from .errors import ApiError
@@ -14,7 +18,6 @@ from .schemas import (
     CAPTURE_MAX_VALUES,
     DEFAULT_MAX_TOKENS,
     NON_STREAMING_MAX_TOKENS,
-    OUTPUT_WORK_CAP,
     CompletionRequest,
     parse_body,
 )
@@ -97,9 +100,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
     capture_layers = request.capture_layers(model.n_layers)
     if capture_layers is not None:
         _check_capture(request, prompts, capture_layers, model)
-    for index, vector in enumerate(request.apply_steering_vectors or []):
-        _check_steering_vector(index, vector, model)
-
     counts = await count_prompt_tokens(
         model, prompts, add_special_tokens=request.add_special_tokens
     )
@@ -112,6 +112,8 @@ async def validate_completion(payload: object) -> ValidCompletion:
                 f"{where} {count} tokens; with max_tokens {max_tokens} that exceeds the "
                 f"model's context of {model.max_model_len} tokens.",
             )
+    if request.apply_steering_vectors:
+        _check_steering(request.apply_steering_vectors, model, max(counts) + max_tokens)
     prompt_tokens = sum(counts)
     if request.prompt_logprobs == -1:
         limit = (
@@ -185,34 +187,65 @@ def _check_capture(request, prompts, layers, model) -> None:
     _check_layers("output_residual_stream", layers, model)
 
 
-def _check_steering_vector(index: int, vector, model: LanguageModel) -> None:
+def _check_steering(vectors, model: LanguageModel, sequence_tokens: int) -> None:
+    """Every steering vector's full shape, positions and data size, from the codec object and
+    the zstd frame header without decompressing anything (the engine decodes, within the same
+    bounds). `sequence_tokens`: the longest prompt's tokens + max_tokens."""
+    values = sum(
+        _check_steering_vector(index, vector, model, sequence_tokens)
+        for index, vector in enumerate(vectors)
+    )
+    if values > STEERING_MAX_VALUES:
+        raise _invalid(
+            f"'apply_steering_vectors' hold {values} values together; at most "
+            f"{STEERING_MAX_VALUES} are allowed."
+        )
+
+
+def _check_steering_vector(index: int, vector, model: LanguageModel, sequence_tokens: int) -> int:
+    """Check one steering vector; return its number of values."""
     field = f"apply_steering_vectors.{index}"
     _check_layers(f"{field}.layer_indices", vector.layer_indices, model)
     tensor = vector.activations
     for name, expected in SUPPORTED_CODEC.items():
         if getattr(tensor, name) != expected:
             raise _invalid(f"'{field}.activations.{name}' must be '{expected}'.")
+    positions = vector.position_indices
+    if positions is not None:
+        if not positions:
+            raise _invalid(f"'{field}.position_indices' must list at least one position.")
+        bad = next((p for p in positions if not 0 <= p < sequence_tokens), None)
+        if bad is not None:
+            raise _invalid(
+                f"Position {bad} in '{field}.position_indices' is outside the sequence; "
+                f"positions are 0–{sequence_tokens - 1} (prompt tokens + max_tokens)."
+            )
+        if len(set(positions)) != len(positions):
+            raise _invalid(f"'{field}.position_indices' names a position twice.")
     shape = tensor.shape
     if len(shape) not in (2, 3):
         raise _invalid(
             f"'{field}.activations.shape' must be [layers, hidden] or [layers, positions, hidden]."
+        )
+    if len(shape) == 3 and positions is None:
+        raise _invalid(
+            f"'{field}.activations.shape' is [layers, positions, hidden], which needs "
+            "position_indices."
         )
     if shape[-1] != model.hidden_size:
         raise _invalid(
             f"'{field}.activations' has hidden size {shape[-1]}; the model's is "
             f"{model.hidden_size}."
         )
-    if shape[0] != len(vector.layer_indices):
+    rows = [len(vector.layer_indices)] + ([len(positions)] if len(shape) == 3 else [])
+    if shape != [*rows, model.hidden_size]:
         raise _invalid(
-            f"'{field}.activations' has {shape[0]} rows but layer_indices names "
-            f"{len(vector.layer_indices)} layers."
+            f"'{field}.activations.shape' is {shape}, but layer_indices"
+            + (" and position_indices" if len(shape) == 3 else "")
+            + f" make it {[*rows, model.hidden_size]}."
         )
-    positions = vector.position_indices
-    if positions is not None:
-        if not positions or any(p < 0 for p in positions):
-            raise _invalid(f"'{field}.position_indices' must list non-negative positions.")
-        if len(shape) == 3 and shape[1] != len(positions):
-            raise _invalid(
-                f"'{field}.activations' has {shape[1]} positions but position_indices lists "
-                f"{len(positions)}."
-            )
+    try:
+        codec.check_frame_size(codec.b64decode_data(tensor.data), shape)
+    except ValueError as error:
+        raise _invalid(f"'{field}.activations.data': {error}.") from None
+    return math.prod(shape)

@@ -14,7 +14,8 @@ def _env_int(name: str, default: int) -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     """`ACS_ENGINE_MAX_ACTIVE` sequences decode together; up to `ACS_ENGINE_MAX_WAITING` more
-    wait (beyond that: 503 engine_overloaded). `ACS_ENGINE_THREADS` torch threads."""
+    wait (beyond that: 503 engine_overloaded, except that a request larger than the whole queue
+    is taken in when nothing else waits). `ACS_ENGINE_THREADS` torch threads."""
 
     cache_dir: Path = field(default_factory=default_cache_dir)
     max_active: int = field(default_factory=lambda: _env_int("ACS_ENGINE_MAX_ACTIVE", 64))

@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from acs_client.codec import check_header
 from acs_client.codec import decode as decode_tensor
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     MAX_STOP_STRINGS,
+    OUTPUT_WORK_CAP,
+    STEERING_MAX_VALUES,
 )
 from engine.loader import MODEL_ID, LoadedModel
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest
@@ -84,6 +87,7 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
     if request.stream_options is not None and not request.stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true")
     prompts = tokenize_prompts(request.prompt, request.add_special_tokens, loaded)
+    check_output_work(len(prompts) * request.n, request.max_tokens)
     check_lengths(prompts, request.max_tokens, loaded.max_model_len)
     capture_layers = capture_layer_list(request, len(prompts), loaded.n_layers)
     check_full_vocab_limit(request, prompts, capture_layers is not None)
@@ -109,7 +113,9 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         capture_layers=capture_layers,
-        steering=steering_additions(request, loaded),
+        steering=steering_additions(
+            request, loaded, max(len(ids) for ids in prompts) + request.max_tokens
+        ),
     )
 
 
@@ -149,6 +155,16 @@ def tokenize_prompts(prompt, add_special_tokens: bool, loaded: LoadedModel) -> l
             raise RequestError(f"prompt {index} is empty")
         tokenized.append(ids)
     return tokenized
+
+
+def check_output_work(sequences: int, max_tokens: int) -> None:
+    """A request's sequences are queued and run whatever their number (see the scheduler), so
+    the output-work cap is what bounds one request's work."""
+    if sequences * max_tokens > OUTPUT_WORK_CAP:
+        raise RequestError(
+            f"{sequences} sequences (prompts x n) x max_tokens {max_tokens} = "
+            f"{sequences * max_tokens} exceeds the output-work cap of {OUTPUT_WORK_CAP}"
+        )
 
 
 def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
@@ -201,15 +217,24 @@ def check_full_vocab_limit(request: CompletionRequest, prompts, with_capture: bo
         )
 
 
-def steering_additions(request: CompletionRequest, loaded: LoadedModel):
-    """Decode and check every steering vector; group the rows by the layer they are added to."""
+def steering_additions(request: CompletionRequest, loaded: LoadedModel, sequence_tokens: int):
+    """Decode and check every steering vector; group the rows by the layer they are added to.
+    Shapes are checked before any data is decompressed, and all vectors together may hold at
+    most STEERING_MAX_VALUES values. `sequence_tokens`: the longest prompt + max_tokens."""
     by_layer: dict[int, list[SteeringAddition]] = {}
+    values = 0
     for index, spec in enumerate(request.apply_steering_vectors or []):
         what = f"apply_steering_vectors[{index}]"
         check_layers(spec.layer_indices, loaded.n_layers, what)
         if not math.isfinite(spec.scale):
             raise RequestError(f"{what}: scale must be a finite number")
-        vectors = decode_steering_tensor(spec, loaded.hidden_size, what)
+        shape = steering_shape(spec, loaded.hidden_size, sequence_tokens, what)
+        values += math.prod(shape)
+        if values > STEERING_MAX_VALUES:
+            raise RequestError(
+                f"apply_steering_vectors hold more than {STEERING_MAX_VALUES} values together"
+            )
+        vectors = decode_steering_tensor(spec, shape, what)
         if spec.scale == 0:
             continue  # an exact no-op, so the forward pass stays bit-identical
         positions = tuple(spec.position_indices) if spec.position_indices is not None else None
@@ -225,37 +250,52 @@ def steering_additions(request: CompletionRequest, loaded: LoadedModel):
     return by_layer
 
 
-def decode_steering_tensor(spec, hidden_size: int, what: str) -> np.ndarray:
-    try:
-        vectors = decode_tensor(spec.activations)
-    except ValueError as error:
-        raise RequestError(f"{what}.activations: {error}") from None
-    layers = len(spec.layer_indices)
+def steering_shape(spec, hidden_size: int, sequence_tokens: int, what: str) -> tuple[int, ...]:
+    """The steering vector's shape, checked against its layers, positions and the model from
+    the codec header alone (its data is not touched)."""
     positions = spec.position_indices
     if positions is not None:
         if not positions:
             raise RequestError(f"{what}: position_indices must not be empty")
-        if any(position < 0 for position in positions):
-            raise RequestError(f"{what}: position_indices must be non-negative")
-    if vectors.ndim == 2:
+        bad = next((p for p in positions if not 0 <= p < sequence_tokens), None)
+        if bad is not None:
+            raise RequestError(
+                f"{what}: position {bad} is outside the sequence; positions are "
+                f"0..{sequence_tokens - 1} (prompt tokens + max_tokens)"
+            )
+        if len(set(positions)) != len(positions):
+            raise RequestError(f"{what}: position_indices lists a position more than once")
+    try:
+        shape = check_header(spec.activations, max_values=STEERING_MAX_VALUES)
+    except ValueError as error:
+        raise RequestError(f"{what}.activations: {error}") from None
+    layers = len(spec.layer_indices)
+    if len(shape) == 2:
         expected = (layers, hidden_size)
-    elif vectors.ndim == 3 and positions is not None:
+    elif len(shape) == 3 and positions is not None:
         expected = (layers, len(positions), hidden_size)
-    elif vectors.ndim == 3:
+    elif len(shape) == 3:
         raise RequestError(f"{what}: a 3-D vector needs position_indices")
     else:
+        raise RequestError(f"{what}: activations must be 2-D or 3-D, got shape {list(shape)}")
+    if shape[-1] != hidden_size:
         raise RequestError(
-            f"{what}: activations must be 2-D or 3-D, got shape {list(vectors.shape)}"
+            f"{what}: hidden size {shape[-1]} does not match the model's {hidden_size}"
         )
-    if vectors.shape[-1] != hidden_size:
+    if shape != expected:
         raise RequestError(
-            f"{what}: hidden size {vectors.shape[-1]} does not match the model's {hidden_size}"
-        )
-    if vectors.shape != expected:
-        raise RequestError(
-            f"{what}: activations shape {list(vectors.shape)} does not match layer_indices "
+            f"{what}: activations shape {list(shape)} does not match layer_indices "
             f"(expected {list(expected)})"
         )
+    return shape
+
+
+def decode_steering_tensor(spec, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """Decode a vector whose `shape` was checked: no more than that is ever decompressed."""
+    try:
+        vectors = decode_tensor(spec.activations, max_values=math.prod(shape))
+    except ValueError as error:
+        raise RequestError(f"{what}.activations: {error}") from None
     if not np.isfinite(vectors).all():
         raise RequestError(f"{what}: activations contain inf or nan")
     return vectors

@@ -35,6 +35,7 @@ from engine.outputs import (
     vllm_prompt_logprobs,
 )
 from engine.preparation import PreparedRequest
+from engine.protocol import RequestError
 from engine.sampling import make_generator, select_token
 
 log = logging.getLogger(__name__)
@@ -133,10 +134,22 @@ class Scheduler:
         self._thread.join(timeout=10)
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue a request; Overloaded when the waiting queue cannot take its sequences."""
+        """Queue a request. Overloaded (busy: retry later) when other requests wait and its
+        sequences would take the queue past `max_waiting`; a request larger than the whole
+        queue is taken in once nothing else waits (its prompts are then admitted as room frees
+        up, at most `max_active` sequences running), so no request is refused for its size
+        alone. RequestError when its n samples of one prompt could never run together."""
+        if request.prepared.n > self.max_active:
+            raise RequestError(
+                f"n = {request.prepared.n} samples of a prompt run together, and this engine "
+                f"runs at most {self.max_active} sequences at once"
+            )
         request.unfinished = request.prepared.sequence_count
         with self._condition:
-            if self._waiting_sequences + request.unfinished > self.max_waiting:
+            if (
+                self._waiting_sequences
+                and self._waiting_sequences + request.unfinished > self.max_waiting
+            ):
                 raise Overloaded(f"engine queue is full ({self.max_waiting} waiting sequences)")
             for prompt_index in range(len(request.prepared.prompts)):
                 self._waiting.append(PromptGroup(request, prompt_index))

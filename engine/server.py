@@ -162,6 +162,17 @@ async def completions(request: Request) -> Response:
         return error_response(
             RequestError(str(error), "engine_overloaded", status=503, error_type="server_error")
         )
+    except MemoryError:
+        # Preparing this request alone ran out of memory: a 5xx marked as the request's fault
+        # (its error type), which the gateway does not count against the engine's health.
+        return error_response(
+            RequestError(
+                "the request does not fit in the engine's memory",
+                "oom",
+                status=500,
+                error_type="invalid_request_error",
+            )
+        )
     watcher = asyncio.ensure_future(watch_disconnect(request, engine_request))
     if prepared.stream:
         frames = stream_frames(scheduler, engine_request, watcher)

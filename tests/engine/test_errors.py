@@ -2,6 +2,7 @@
 
 import base64
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import zstandard
 from conftest import MODEL, EngineProcess
 
 from acs_client.codec import encode_vector
+from tests.bombs import zero_bomb
 
 HIDDEN = 576
 
@@ -60,7 +62,26 @@ BAD_REQUESTS = [
         "invalid_request",
         "zstd",
     ),
-    (steer(activations={**codec((1, HIDDEN)), "shape": [1, 577]}), "invalid_request", "bytes"),
+    (
+        steer(activations={**codec((1, HIDDEN)), "shape": [2, HIDDEN]}, layer_indices=[3, 4]),
+        "invalid_request",
+        "bytes",
+    ),
+    (
+        steer(activations=codec((1, 1, HIDDEN)), position_indices=[10**6]),
+        "invalid_request",
+        "position 1000000 is outside the sequence",
+    ),
+    (
+        steer(activations=codec((1, 2, HIDDEN)), position_indices=[1, 1]),
+        "invalid_request",
+        "more than once",
+    ),
+    (
+        {"prompt": ["a", "b"], "n": 16, "max_tokens": 1001},
+        "invalid_request",
+        "exceeds the output-work cap of 32000",
+    ),
     (steer(activations={**codec((1, HIDDEN)), "dtype": "float32"}), "invalid_request", "dtype"),
     (steer(activations={**codec((1, HIDDEN)), "compression": "gzip"}), "invalid_request", "gzip"),
     (steer(activations=codec((1, HIDDEN)), extra=1), "invalid_request", "extra"),
@@ -150,6 +171,57 @@ def test_queue_overflow_is_a_503_with_retry_after(tiny_engine):
     idle = {"active_sequences": 0, "waiting_sequences": 0}
     wait_for(lambda: tiny_engine.stats().items() >= idle.items(), timeout_s=5)
     assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def peak_rss_kb(pid: int) -> int:
+    """The process's peak resident set size (VmHWM, kB) since it started."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+
+@pytest.mark.parametrize(
+    ("shape", "values", "spec"),
+    [
+        # An 11 KB body whose zeros decompressed to 268 MB, then 537 MB of float32.
+        ([1, 233017, HIDDEN], 233017 * HIDDEN, {}),
+        # A 311-byte body whose shape alone asked for a 115 GB buffer (MemoryError, a 500).
+        ([1, 10**8, HIDDEN], 8, {}),
+        # A position past the sequence (its row would never be used).
+        ([1, 2, HIDDEN], 2 * HIDDEN, {"position_indices": [0, 10**8]}),
+    ],
+)
+def test_steering_decompression_bomb_is_a_400_without_a_memory_spike(
+    tiny_engine, shape, values, spec
+):
+    vector = {"activations": zero_bomb(shape, values), "layer_indices": [3], **spec}
+    bomb = {"apply_steering_vectors": [vector]}
+    pid = tiny_engine.process.pid
+    peak_before = peak_rss_kb(pid)
+    response = tiny_engine.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1, **bomb}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert "apply_steering_vectors[0]" in response.json()["error"]["message"]
+    assert peak_rss_kb(pid) - peak_before < 64 * 1024, "no allocation of the claimed shape"
+
+
+def test_request_larger_than_the_waiting_queue_is_taken_in_when_the_queue_is_empty(tiny_engine):
+    """The tiny engine waits at most 1 sequence and runs 1: a 3-prompt request is queued whole
+    and its prompts run one after another (no retryable 503 for what can never fit)."""
+    body = {"model": MODEL, "prompt": ["One", "Two", "Three"], "max_tokens": 1}
+    response = tiny_engine.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert [choice["index"] for choice in response.json()["choices"]] == [0, 1, 2]
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_more_samples_than_the_engine_runs_at_once_is_a_400(tiny_engine):
+    body = {"model": MODEL, "prompt": "Hello", "n": 2, "max_tokens": 1}
+    response = tiny_engine.client.post("/v1/completions", json=body, timeout=20)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert "at most 1 sequences at once" in response.json()["error"]["message"]
 
 
 def test_health_and_completions_are_503_while_the_model_loads(tmp_path):

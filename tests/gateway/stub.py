@@ -101,7 +101,7 @@ class StubUpstream:
         if mode.get("status"):
             headers = {"Retry-After": str(mode["retry_after"])} if mode.get("retry_after") else {}
             error = mode.get("error") or {"code": "boom", "message": "stub failure"}
-            await _json(send, {"error": {**error, "type": "x"}}, mode["status"], headers)
+            await _json(send, {"error": {"type": "x", **error}}, mode["status"], headers)
             return
         prompts = payload["prompt"]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

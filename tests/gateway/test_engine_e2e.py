@@ -7,11 +7,13 @@ import openai
 import pytest
 from django.conf import settings
 
+from accounts.services import api_key_create
 from acs_client.codec import decode, encode_vector
-from api import tokenizer
+from api import tokenizer, upstream
 from api.models import LanguageModel
 from api.selectors import registry_clear
 
+from ..bombs import zero_bomb
 from .conftest import SETTLED_HOOKS, wait_settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -133,6 +135,50 @@ def test_engine_steering_scale_zero_is_a_no_op_and_large_scale_changes_text(clie
         },
     )
     assert wrong.status_code == 400 and "hidden size" in wrong.json()["error"]["message"]
+
+
+def test_requests_larger_than_the_engine_queue_never_open_the_circuit_for_others(
+    client, engine_model, gateway_url, other_user
+):
+    """257 sequences are more than the engine's waiting queue holds (256): the engine takes
+    such a request in whole, and nothing about it counts against the engine's health."""
+    body = {"model": "smollm2-135m", "prompt": ["Hi"] * 257, "max_tokens": 1}
+    for _ in range(upstream.FAILURE_THRESHOLD + 1):
+        response = client.post("/v1/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 257
+    _, other_secret = api_key_create(user=other_user, name="other key", acting_user=None)
+    with httpx.Client(
+        base_url=gateway_url,
+        headers={"Authorization": f"Bearer {other_secret}"},
+        timeout=120,
+        event_hooks=SETTLED_HOOKS,
+    ) as other:
+        response = other.post(
+            "/v1/completions",
+            json={"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+        )
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("shape", "values"),
+    [
+        ([1, 233017, 576], 233017 * 576),  # an 11 KB body of 268 MB of zeros
+        ([1, 10**8, 576], 8),  # a tiny body whose shape asks for 115 GB
+    ],
+)
+def test_steering_decompression_bomb_is_refused_by_the_gateway(client, engine_model, shape, values):
+    steering = [{"activations": zero_bomb(shape, values), "layer_indices": [10]}]
+    response = client.post(
+        "/v1/completions",
+        json={"model": "smollm2-135m", "prompt": PROMPT, "apply_steering_vectors": steering},
+        timeout=120,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert "apply_steering_vectors.0.activations.shape" in error["message"]
 
 
 def test_engine_stream_through_the_gateway(sdk):

@@ -1,7 +1,10 @@
 """Every error code the gateway produces, with its status and retry headers."""
 
+import base64
+
 import numpy as np
 import pytest
+import zstandard
 
 from accounts.models import ApiKey, KeyStatus, UsageRecord, User, UserStatus
 from accounts.services import service_spend_cap_set
@@ -29,9 +32,22 @@ def assert_error(response, status, code, *, retry_after=None, should_retry=None)
     return error
 
 
-def steering(hidden=8, layers=(1,), **extra):
-    vector = np.ones((len(layers), hidden), dtype=np.float32)
+def steering(hidden=8, layers=(1,), shape=None, **extra):
+    vector = np.ones(shape or (len(layers), hidden), dtype=np.float32)
     return [{"activations": encode_vector(vector), "layer_indices": list(layers), **extra}]
+
+
+def lying_steering(shape, frame_values):
+    """A steering vector whose shape claims `shape` but whose zstd frame declares (and holds)
+    `frame_values` values."""
+    frame = zstandard.ZstdCompressor().compress(b"\0" * 2 * frame_values)
+    vector = steering()[0]
+    vector["activations"] = {
+        **vector["activations"],
+        "shape": list(shape),
+        "data": base64.b64encode(frame).decode(),
+    }
+    return [vector]
 
 
 @pytest.mark.parametrize(
@@ -62,6 +78,34 @@ def steering(hidden=8, layers=(1,), **extra):
         ({"apply_steering_vectors": steering(hidden=9)}, "invalid_request", "hidden size"),
         ({"apply_steering_vectors": steering(layers=(9,))}, "invalid_request", "Layer 9"),
         ({"apply_steering_vectors": steering() * 9}, "invalid_request", "apply_steering"),
+        (
+            {"apply_steering_vectors": steering(shape=(1, 3, 8))},
+            "invalid_request",
+            "apply_steering_vectors.0.activations.shape' is [layers, positions, hidden], which "
+            "needs position_indices",
+        ),
+        (
+            {"apply_steering_vectors": steering(shape=(1, 2, 8), position_indices=[0, 1, 2])},
+            "invalid_request",
+            "apply_steering_vectors.0.activations.shape' is [1, 2, 8], but layer_indices and "
+            "position_indices make it [1, 3, 8]",
+        ),
+        (
+            {"apply_steering_vectors": steering(shape=(1, 1, 8), position_indices=[3])},
+            "invalid_request",
+            "Position 3 in 'apply_steering_vectors.0.position_indices' is outside the sequence",
+        ),
+        (
+            {"apply_steering_vectors": steering(shape=(1, 2, 8), position_indices=[1, 1])},
+            "invalid_request",
+            "names a position twice",
+        ),
+        (
+            {"apply_steering_vectors": lying_steering((1, 8), 512 * 1024)},
+            "invalid_request",
+            "apply_steering_vectors.0.activations.data': data holds 1048576 bytes but shape "
+            "[1, 8] needs 16",
+        ),
         ({"model": "nope"}, "model_not_found", "nope"),
         ({"max_tokens": 15_601, "stream": False}, "deadline_infeasible", "15600"),
         ({"max_tokens": 60, "prompt": "the capital of france is"}, "context_length_exceeded", "64"),
@@ -85,6 +129,18 @@ def test_invalid_body_is_refused_before_any_upstream_work(client, stub, changes,
     assert mentions in error["message"]
     assert stub.requests == []
     assert UsageRecord.objects.get().error_code == code
+
+
+def test_steering_vectors_over_the_value_limit_are_refused(client, stub, monkeypatch):
+    from api import validation
+
+    monkeypatch.setattr(validation, "STEERING_MAX_VALUES", 15)
+    body = {**BASE, "apply_steering_vectors": steering() * 2}
+    error = assert_error(
+        client.post("/v1/completions", json=body), 400, "invalid_request", should_retry=False
+    )
+    assert "'apply_steering_vectors' hold 16 values together; at most 15" in error["message"]
+    assert stub.requests == []
 
 
 def test_context_limit_of_the_real_max_model_len_with_long_streams(client, stub):
@@ -344,6 +400,30 @@ def test_failing_upstream_opens_the_circuit_then_recovers(client, stub, monkeypa
     assert client.post("/v1/completions", json=BASE).status_code == 200
     assert r.get(upstream.circuit_keys(stub.url)[0]) is None
     assert client.post("/v1/completions", json=BASE).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"status": 503, "error": {"code": "engine_overloaded", "message": "busy"}},
+        {"status": 429, "error": {"code": "too_many", "message": "busy"}},
+        {"status": 503, "error": {"code": "model_loading", "message": "loading"}},
+        {"status": 500, "error": {"code": "oom", "message": "out of memory on its size"}},
+        {"status": 500, "error": {"code": "x", "message": "m", "type": "invalid_request_error"}},
+        {"status": 400, "error": {"code": "invalid_request", "message": "too many sequences"}},
+    ],
+)
+def test_answers_about_the_request_or_load_never_open_the_circuit(client, stub, mode):
+    from api import upstream
+
+    stub.mode.update(mode)
+    for _ in range(upstream.FAILURE_THRESHOLD + 2):
+        response = client.post("/v1/completions", json=BASE)
+        assert response.status_code >= 400
+        assert response.json()["error"]["code"] != "circuit_open"
+    stub.mode.clear()
+    assert client.post("/v1/completions", json=BASE).status_code == 200
+    assert len(stub.requests) == upstream.FAILURE_THRESHOLD + 3
 
 
 def test_round_robin_skips_an_open_upstream(client, stub):
