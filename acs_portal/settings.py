@@ -205,3 +205,8 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+
+# --- Engine surface (issue 12.9) ---
+# When set, `python -m engine serve` requires `Authorization: Bearer <this>` and the gateway
+# sends it to every upstream (vLLM's --api-key takes the same header). Same variable for both.
+ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
