@@ -55,8 +55,12 @@ def login_failed(*, username: str, ip: str) -> int:
     key = _key(username, ip)
     lockout = settings.ACS_LOGIN_LOCKOUT_SECONDS
     try:
-        failures = _redis().incr(key)
-        if failures == 1 or failures == settings.ACS_LOGIN_FAILURE_LIMIT:
+        # One round trip: the counter is created with its expiry, so it can never outlive it.
+        pipe = _redis().pipeline(transaction=True)
+        pipe.set(key, 0, ex=lockout, nx=True)
+        pipe.incr(key)
+        failures = pipe.execute()[1]
+        if failures == settings.ACS_LOGIN_FAILURE_LIMIT:
             _redis().expire(key, lockout)
     except redis.RedisError:
         log.warning("login throttle: Redis unreachable, not counting failures", exc_info=True)

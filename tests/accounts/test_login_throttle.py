@@ -72,11 +72,13 @@ def test_an_unknown_account_is_locked_too(db):
     assert not AuditLog.objects.filter(action="user.login_locked").exists()
 
 
-def test_the_lock_expires(settings, approved_user):
-    settings.ACS_LOGIN_LOCKOUT_SECONDS = 1
+def test_the_lock_expires(approved_user, redis_client):
     client = Client()
     fail(client, approved_user.email, 5)
     assert LOCKED_MESSAGE in log_in(client, approved_user.email, PASSWORD).content.decode()
+    [lock] = redis_client.keys("login:failures:*")
+    assert 890 < redis_client.ttl(lock) <= 900
+    redis_client.expire(lock, 1)  # as if the 15 minutes had passed
     deadline = time.monotonic() + 15
     while log_in(client, approved_user.email, PASSWORD).status_code != 302:
         assert time.monotonic() < deadline, "the lock did not expire"
