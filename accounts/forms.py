@@ -1,8 +1,12 @@
 """Portal forms. Each field's error is shown next to the field by the templates."""
 
+import math
+
 from django import forms
 from django.contrib.auth import password_validation
+from django.contrib.auth.forms import AuthenticationForm
 
+from . import login_throttle
 from .models import ApiKey, User, UserStatus
 
 USAGE_RULES = (
@@ -62,6 +66,36 @@ class SignupForm(ApplicationForm):
             except forms.ValidationError as error:
                 self.add_error("password", error)
         return cleaned
+
+
+class LoginForm(AuthenticationForm):
+    """Django's login form, refusing an account and IP address pair that is locked after too
+    many wrong passwords (see `accounts.login_throttle`) before it checks the password."""
+
+    def clean(self):
+        username = self.cleaned_data.get("username")
+        if not username:
+            return super().clean()
+        ip = self.request.META.get("REMOTE_ADDR", "")
+        if seconds := login_throttle.locked_seconds(username=username, ip=ip):
+            raise self.locked_error(seconds)
+        try:
+            cleaned = super().clean()
+        except forms.ValidationError:
+            if seconds := login_throttle.login_failed(username=username, ip=ip):
+                raise self.locked_error(seconds) from None
+            raise
+        login_throttle.login_succeeded(username=username, ip=ip)
+        return cleaned
+
+    @staticmethod
+    def locked_error(seconds: int) -> forms.ValidationError:
+        minutes = math.ceil(seconds / 60)
+        return forms.ValidationError(
+            f"Too many wrong passwords for this account from your address. Try again in "
+            f"{minutes} minute{'s' if minutes != 1 else ''}.",
+            code="login_locked",
+        )
 
 
 class KeyCreateForm(forms.Form):

@@ -1166,6 +1166,18 @@ def user_budget_set(*, user: User, acting_user: User | None, monthly_token_budge
     return user
 
 
+def user_login_lock(*, user, ip: str, failures: int, lockout_seconds: int):
+    """Record that `user`'s sign-ins from `ip` are refused for `lockout_seconds` after
+    `failures` wrong passwords (`accounts.login_throttle` keeps the lock itself)."""
+    with transaction.atomic():
+        return audit_log(
+            actor=None,
+            action="user.login_locked",
+            target=user,
+            after={"ip": ip, "failures": failures, "lockout_seconds": lockout_seconds},
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # Key management
 

@@ -217,3 +217,14 @@ PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 1
 # marks the holds of its running requests and its leases alive every few minutes, so anything
 # older belongs to a process that died.
 ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60)
+
+# --- Engine surface (issue 12.9) ---
+# When set, `python -m engine serve` requires `Authorization: Bearer <this>` and the gateway
+# sends it to every upstream (vLLM's --api-key takes the same header). Same variable for both.
+ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
+
+# --- Login throttling (issue 12.10, accounts/login_throttle.py) ---
+# After this many wrong passwords for one account from one IP address, that pair's sign-ins
+# are refused for ACS_LOGIN_LOCKOUT_SECONDS (other addresses and accounts are unaffected).
+ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5)
+ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60)

@@ -40,6 +40,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
+from django.conf import settings
 
 from .clients import http_client, redis_client, upstream_transport
 from .errors import ApiError
@@ -321,6 +322,12 @@ def _endpoint(base: str, path: str) -> httpx.URL:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
+def _auth_headers() -> dict:
+    """The shared upstream token (ACS_ENGINE_TOKEN), sent on every request to an upstream."""
+    token = settings.ACS_ENGINE_TOKEN
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 async def _post(urls, path, payload, *, timeout, stream=False):
     """POST to the next healthy URL (one retry on another URL when the connection fails)
     and return `(target, response)`; the response is open when `stream`, else read."""
@@ -332,7 +339,7 @@ async def _post(urls, path, payload, *, timeout, stream=False):
             "POST",
             _endpoint(target.url, path),
             content=content,
-            headers=_JSON_HEADERS,
+            headers={**_JSON_HEADERS, **_auth_headers()},
             extensions={"timeout": timeout.as_dict()},
         )
         try:
@@ -457,7 +464,7 @@ async def upstream_health(urls: list[str]) -> dict:
     async def one(url):
         try:
             response = await http_client().get(
-                url.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S
+                url.rstrip("/") + "/health", headers=_auth_headers(), timeout=HEALTH_TIMEOUT_S
             )
             body = response.json() if response.content else {}
         except (httpx.HTTPError, ValueError):
@@ -472,7 +479,9 @@ async def upstream_health(urls: list[str]) -> dict:
 async def fetch_tokenizer_json(url: str) -> bytes | None:
     """The HF tokenizer JSON an upstream serves at /tokenizer.json, or None."""
     try:
-        response = await http_client().get(url.rstrip("/") + "/tokenizer.json", timeout=30.0)
+        response = await http_client().get(
+            url.rstrip("/") + "/tokenizer.json", headers=_auth_headers(), timeout=30.0
+        )
     except httpx.HTTPError:
         return None
     return response.content if response.status_code == 200 else None
@@ -484,6 +493,7 @@ async def tokenize_remote(url: str, prompt, *, model_name: str, add_special_toke
         response = await http_client().post(
             url.rstrip("/") + "/tokenize",
             json={"model": model_name, "prompt": prompt, "add_special_tokens": add_special_tokens},
+            headers=_auth_headers(),
             timeout=30.0,
         )
     except httpx.HTTPError as error:

@@ -11,11 +11,20 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _env_hosts() -> frozenset[str]:
+    value = os.environ.get("ACS_ENGINE_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
+    return frozenset(host.strip().lower() for host in value.split(",") if host.strip())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """`ACS_ENGINE_MAX_ACTIVE` sequences decode together; up to `ACS_ENGINE_MAX_WAITING` more
     wait (beyond that: 503 engine_overloaded, except that a request larger than the whole queue
-    is taken in when nothing else waits). `ACS_ENGINE_THREADS` torch threads."""
+    is taken in when nothing else waits). `ACS_ENGINE_THREADS` torch threads.
+
+    The engine has no user accounts, so it only answers requests whose Host is one of
+    `ACS_ENGINE_ALLOWED_HOSTS` (host names, any port; a web page's DNS-rebound name is not),
+    and, when `ACS_ENGINE_TOKEN` is set, that carry `Authorization: Bearer <token>`."""
 
     cache_dir: Path = field(default_factory=default_cache_dir)
     max_active: int = field(default_factory=lambda: _env_int("ACS_ENGINE_MAX_ACTIVE", 64))
@@ -23,3 +32,5 @@ class EngineConfig:
     threads: int = field(
         default_factory=lambda: _env_int("ACS_ENGINE_THREADS", os.cpu_count() or 1)
     )
+    allowed_hosts: frozenset[str] = field(default_factory=_env_hosts)
+    token: str = field(default_factory=lambda: os.environ.get("ACS_ENGINE_TOKEN", ""))

@@ -5,6 +5,7 @@ loaded, /health and the model endpoints answer 503.
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -12,6 +13,8 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -79,10 +82,69 @@ def create_app(config: EngineConfig) -> Starlette:
             Route("/tokenizer.json", tokenizer_json, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ],
+        middleware=[Middleware(RequestGuard, config=config)],
         lifespan=lifespan,
     )
     app.state.engine = state
     return app
+
+
+class RequestGuard:
+    """ASGI middleware refusing, before any route runs, what should never reach an engine that
+    has no accounts: a Host outside `allowed_hosts` (a page rebinding its DNS name to
+    127.0.0.1 keeps its own name there), a POST body that is not `application/json` (what a
+    cross-site page can send without a CORS preflight), and, when `token` is set, a request
+    without `Authorization: Bearer <token>` (except /health, which liveness probes poll)."""
+
+    def __init__(self, app, config: EngineConfig):
+        self.app = app
+        self.allowed_hosts = config.allowed_hosts
+        self.expected_authorization = f"Bearer {config.token}".encode() if config.token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> RequestError | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host", "")
+        if host_name(host) not in self.allowed_hosts:
+            return RequestError(
+                f"the Host {host!r} is not one this engine serves (ACS_ENGINE_ALLOWED_HOSTS)",
+                code="host_not_allowed",
+                status=421,
+            )
+        if self.expected_authorization is not None and scope["path"] != "/health":
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected_authorization):
+                return RequestError(
+                    "this engine needs Authorization: Bearer <ACS_ENGINE_TOKEN>",
+                    code="invalid_token",
+                    status=401,
+                    error_type="authentication_error",
+                )
+        if scope["method"] == "POST":
+            media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                return RequestError(
+                    f"the body must be application/json, not {media_type or 'unlabelled'}",
+                    code="unsupported_media_type",
+                    status=415,
+                )
+        return None
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header, lowercased: `localhost:8001` → `localhost`, `[::1]:80`
+    → `[::1]`."""
+    host = host.lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0]
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:

@@ -3,6 +3,7 @@ them again, and its error code is shown on the run if a request still fails ther
 
 import io
 import math
+import uuid
 
 import numpy as np
 from django import forms
@@ -17,26 +18,62 @@ MAX_TOKENS_NON_STREAMING = 15_600
 OUTPUT_WORK_CAP = 32_000
 DEFAULT_MAX_LOGPROBS = 100
 MAX_SWEEP_SCALES = 12
+# |scale| (or |multiple of the typical norm|) above this swamps the residual stream entirely.
+MAX_SCALE = 1000.0
+# Layer lists when the model list (and so the model's layer count) cannot be read.
+MAX_LAYERS_UNKNOWN_MODEL = 64
+# Contrast prompts are short phrases; each is captured at one layer.
+MAX_CONTRAST_PROMPT_CHARS = 2000
+# The steering prompt is sent once per scale plus the baseline.
+MAX_STEERING_PROMPT_CHARS = 8000
+# A comma-separated list field: long enough for every layer of a large model, written out.
+LIST_FIELD_MAX_CHARS = 1000
 
 
-def _int_list(text: str, *, field: str) -> list[int]:
+def _split_list(text: str, *, field: str, max_count: int) -> list[str]:
+    """The comma-separated parts of `text`, refused before splitting when there are more
+    than `max_count` (a field of 100,000 zeros must not become a list of 100,000)."""
+    if text.count(",") >= max_count:
+        raise forms.ValidationError(
+            f"{field}: at most {max_count}; you gave {text.count(',') + 1:,}."
+        )
+    return [part for part in text.replace(" ", "").split(",") if part]
+
+
+def _int_list(text: str, *, field: str, max_count: int) -> list[int]:
+    """Distinct whole numbers, at most `max_count` of them."""
     try:
-        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+        values = [int(part) for part in _split_list(text, field=field, max_count=max_count)]
     except ValueError:
         raise forms.ValidationError(f"{field}: write whole numbers separated by commas.") from None
     if not values:
         raise forms.ValidationError(f"{field}: give at least one number.")
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise forms.ValidationError(f"{field}: {repeated} is listed more than once.")
     return values
 
 
-def _float_list(text: str, *, field: str) -> list[float]:
+def _float_list(text: str, *, field: str, max_count: int) -> list[float]:
     try:
-        values = [float(part) for part in text.replace(" ", "").split(",") if part]
+        values = [float(p) for p in _split_list(text, field=field, max_count=max_count)]
     except ValueError:
         raise forms.ValidationError(f"{field}: write numbers separated by commas.") from None
     if not values or not all(math.isfinite(value) for value in values):
         raise forms.ValidationError(f"{field}: give at least one finite number.")
     return values
+
+
+class SubmitOnceForm(forms.Form):
+    """A form whose submission creates runs. It carries a hidden one-time token, new each
+    time the form is rendered, stored with the first run it creates: the same token posted
+    again (a double click, a resent page) returns what the first post made."""
+
+    submit_token = forms.UUIDField(widget=forms.HiddenInput, required=False)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["submit_token"].initial = uuid.uuid4()
 
 
 class ModelCapabilities:
@@ -65,7 +102,7 @@ class ModelCapabilities:
         return ""
 
 
-class CompletionForm(forms.Form):
+class CompletionForm(SubmitOnceForm):
     """Every field of POST /v1/completions, grouped in the template."""
 
     model = forms.ChoiceField()
@@ -102,7 +139,9 @@ class CompletionForm(forms.Form):
         choices=[("", "Off"), ("all", "All layers"), ("layers", "These layers")],
         label="Capture residual stream",
     )
-    capture_layers = forms.CharField(required=False, help_text="Layer indices, e.g. 0, 8, 16.")
+    capture_layers = forms.CharField(
+        required=False, max_length=LIST_FIELD_MAX_CHARS, help_text="Layer indices, e.g. 0, 8, 16."
+    )
 
     def __init__(self, *args, models: list[dict], capabilities: ModelCapabilities, **kwargs):
         super().__init__(*args, **kwargs)
@@ -173,14 +212,9 @@ class CompletionForm(forms.Form):
         capture = data.get("capture")
         if capture == "layers":
             try:
-                data["layers"] = _int_list(data.get("capture_layers") or "", field="Layers")
+                data["layers"] = _layer_list(data.get("capture_layers") or "", self.capabilities)
             except forms.ValidationError as error:
                 self.add_error("capture_layers", error)
-            else:
-                n_layers = self.capabilities.n_layers
-                outside = [v for v in data["layers"] if v < 0 or (n_layers and v >= n_layers)]
-                if outside:
-                    self.add_error("capture_layers", f"No such layer: {outside[0]}.")
         if capture:
             if len(prompts) != 1 or n != 1:
                 self.add_error("capture", "Capture needs exactly one prompt and n = 1.")
@@ -240,6 +274,17 @@ class CompletionForm(forms.Form):
         return initial
 
 
+def _layer_list(text: str, capabilities: ModelCapabilities) -> list[int]:
+    """Distinct layer indices of the model, at most one per layer it has."""
+    n_layers = capabilities.n_layers
+    layers = _int_list(text, field="Layers", max_count=n_layers or MAX_LAYERS_UNKNOWN_MODEL)
+    outside = next((v for v in layers if v < 0 or (n_layers and v >= n_layers)), None)
+    if outside is not None:
+        top = f" Layers run from 0 to {n_layers - 1}." if n_layers else ""
+        raise forms.ValidationError(f"No such layer: {outside}.{top}")
+    return layers
+
+
 def _limit_layer(field: forms.IntegerField, capabilities: ModelCapabilities) -> None:
     if capabilities.n_layers:
         top = capabilities.n_layers - 1
@@ -248,12 +293,20 @@ def _limit_layer(field: forms.IntegerField, capabilities: ModelCapabilities) -> 
         field.help_text = f"0–{top}."
 
 
-class ContrastVectorForm(forms.Form):
+class ContrastVectorForm(SubmitOnceForm):
     prefix = "contrast"
     name = forms.CharField(max_length=100)
     layer = forms.IntegerField(min_value=0)
-    positive = forms.CharField(label="Prompt towards", widget=forms.Textarea(attrs={"rows": 2}))
-    negative = forms.CharField(label="Prompt away from", widget=forms.Textarea(attrs={"rows": 2}))
+    positive = forms.CharField(
+        label="Prompt towards",
+        max_length=MAX_CONTRAST_PROMPT_CHARS,
+        widget=forms.Textarea(attrs={"rows": 2}),
+    )
+    negative = forms.CharField(
+        label="Prompt away from",
+        max_length=MAX_CONTRAST_PROMPT_CHARS,
+        widget=forms.Textarea(attrs={"rows": 2}),
+    )
     method = forms.ChoiceField(
         choices=[
             (VectorMethod.CONTRAST_LAST, "Last token"),
@@ -301,15 +354,19 @@ class UploadVectorForm(forms.Form):
             raise forms.ValidationError(str(error)) from None
 
 
-class SteeringForm(forms.Form):
+class SteeringForm(SubmitOnceForm):
     """A baseline (scale 0) and steered runs with the same seed; several scales make a sweep."""
 
     prefix = "steer"
 
     vector = forms.ModelChoiceField(queryset=SteeringVector.objects.none())
-    prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), strip=False)
+    prompt = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 2}), strip=False, max_length=MAX_STEERING_PROMPT_CHARS
+    )
     layers = forms.CharField(
-        required=False, help_text="Layers to add the vector at; empty: the vector's own layer."
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        help_text="Layers to add the vector at; empty: the vector's own layer.",
     )
     scale_unit = forms.ChoiceField(
         choices=[("absolute", "Absolute scale"), ("typical", "× layer's typical norm")],
@@ -317,7 +374,9 @@ class SteeringForm(forms.Form):
     )
     scales = forms.CharField(
         initial="4",
-        help_text=f"One scale, or up to {MAX_SWEEP_SCALES} separated by commas for a sweep.",
+        max_length=LIST_FIELD_MAX_CHARS,
+        help_text=f"One scale, or up to {MAX_SWEEP_SCALES} different ones separated by commas "
+        f"for a sweep; each within ±{MAX_SCALE:g}.",
     )
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=16)
     temperature = forms.FloatField(min_value=0, initial=0)
@@ -341,20 +400,27 @@ class SteeringForm(forms.Form):
             return data
         try:
             data["layer_list"] = (
-                _int_list(data["layers"], field="Layers") if data.get("layers") else [vector.layer]
+                _layer_list(data["layers"], self.capabilities)
+                if data.get("layers")
+                else [vector.layer]
             )
         except forms.ValidationError as error:
             self.add_error("layers", error)
-        n_layers = self.capabilities.n_layers
-        if n_layers and any(not 0 <= v < n_layers for v in data.get("layer_list", [])):
-            self.add_error("layers", f"Layers run from 0 to {n_layers - 1}.")
         try:
-            scales = _float_list(data.get("scales") or "", field="Scales")
+            scales = _float_list(
+                data.get("scales") or "", field="Scales", max_count=MAX_SWEEP_SCALES
+            )
         except forms.ValidationError as error:
             self.add_error("scales", error)
             return data
-        if len(scales) > MAX_SWEEP_SCALES:
-            self.add_error("scales", f"At most {MAX_SWEEP_SCALES} scales.")
+        if len(set(scales)) != len(scales):
+            self.add_error(
+                "scales", "Scales: each scale once; the sweep runs one request per scale."
+            )
+            return data
+        if any(abs(scale) > MAX_SCALE for scale in scales):
+            self.add_error("scales", f"Scales: each within ±{MAX_SCALE:g}.")
+            return data
         if data.get("scale_unit") == "typical":
             if not vector.layer_typical_norm or not vector.norm:
                 self.add_error(

@@ -63,10 +63,20 @@ class Run(models.Model):
     # Time to first token as the worker, a client of /v1, saw it (streamed runs).
     api_ttft_ms = models.FloatField(null=True, blank=True)
     usage = models.JSONField(null=True, blank=True)
+    # The one-time token of the form submission that created this run (the first run of a
+    # group): the same token submitted again returns this run instead of creating more.
+    submit_token = models.UUIDField(null=True, blank=True)
 
     class Meta:
         ordering = ["-queued_at"]
         indexes = [models.Index(fields=["user", "-queued_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "submit_token"],
+                condition=Q(submit_token__isnull=False),
+                name="one_run_per_form_submission",
+            )
+        ]
 
     def __str__(self):
         return f"run {self.id} ({self.kind}, {self.status})"

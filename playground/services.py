@@ -78,8 +78,30 @@ def run_create(
     scale: float | None = None,
     vector: SteeringVector | None = None,
     meta: dict | None = None,
+    submit_token: uuid.UUID | None = None,
 ) -> Run:
-    """Store a queued run and enqueue its execution once the transaction commits."""
+    """Store a queued run and enqueue its execution once the transaction commits.
+
+    With a `submit_token` (of the form that asked for it), a second call with the same
+    token returns the run the first one created (see `submitted_once`)."""
+    return submitted_once(
+        user=user,
+        submit_token=submit_token,
+        create=lambda: _run_create(
+            user=user,
+            request=request,
+            kind=kind,
+            group=group,
+            scale=scale,
+            vector=vector,
+            meta=meta,
+            submit_token=submit_token,
+        ),
+        existing=lambda run: run,
+    )
+
+
+def _run_create(*, user, request, kind, group, scale, vector, meta, submit_token) -> Run:
     from .tasks import run_execute
 
     with transaction.atomic():
@@ -92,9 +114,31 @@ def run_create(
             vector=vector,
             request=request,
             meta=meta or {},
+            submit_token=submit_token,
         )
         transaction.on_commit(lambda: run_execute.delay(str(run.id)))
     return run
+
+
+def submitted_once(*, user: User, submit_token: uuid.UUID | None, create, existing):
+    """`create()`, unless the form submission `submit_token` already created its runs: then
+    `existing(first run of that submission)`. `create` stores the token on the first run it
+    creates, in its own transaction; the unique (user, submit_token) constraint makes a
+    concurrent duplicate fail there and roll back whole, so one submission creates once."""
+
+    def previous() -> Run | None:
+        if submit_token is None:
+            return None
+        return Run.objects.filter(user=user, submit_token=submit_token).first()
+
+    if (run := previous()) is not None:
+        return existing(run)
+    try:
+        return create()
+    except IntegrityError:
+        if (run := previous()) is None:
+            raise
+        return existing(run)
 
 
 def run_claim(*, run_id) -> Run | None:
@@ -362,27 +406,45 @@ def steering_vector_create(
 
 
 def contrast_runs_create(
-    *, user: User, model: str, name: str, layer: int, method: str, positive: str, negative: str
+    *,
+    user: User,
+    model: str,
+    name: str,
+    layer: int,
+    method: str,
+    positive: str,
+    negative: str,
+    submit_token: uuid.UUID | None = None,
 ) -> uuid.UUID:
     """Queue the two capture runs of a contrast vector; the vector is saved when both have
-    succeeded (`steering_vector_from_contrast`). Returns the pair's group id."""
-    group = uuid.uuid4()
-    with transaction.atomic():
-        for role, prompt in (("positive", positive), ("negative", negative)):
-            run_create(
-                user=user,
-                kind=RunKind.CONTRAST,
-                group=group,
-                request={
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "output_residual_stream": [layer],
-                },
-                meta={"role": role, "vector_name": name, "layer": layer, "method": method},
-            )
-    return group
+    succeeded (`steering_vector_from_contrast`). Returns the pair's group id (that of the
+    first pair, when `submit_token` was submitted before)."""
+
+    def create() -> uuid.UUID:
+        group = uuid.uuid4()
+        with transaction.atomic():
+            for role, prompt in (("positive", positive), ("negative", negative)):
+                _run_create(
+                    user=user,
+                    kind=RunKind.CONTRAST,
+                    group=group,
+                    scale=None,
+                    vector=None,
+                    request={
+                        "model": model,
+                        "prompt": prompt,
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "output_residual_stream": [layer],
+                    },
+                    meta={"role": role, "vector_name": name, "layer": layer, "method": method},
+                    submit_token=submit_token if role == "positive" else None,
+                )
+        return group
+
+    return submitted_once(
+        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
+    )
 
 
 def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: str) -> np.ndarray:
@@ -443,32 +505,36 @@ def steering_runs_create(
     scales: list[float],
     kind: str,
     target_token: str = "",
+    submit_token: uuid.UUID | None = None,
 ) -> uuid.UUID:
     """Queue a baseline (scale 0) and one steered run per scale, all with the same request
-    and seed, adding `vector` at `layers`. Returns the group id of the comparison."""
-    group = uuid.uuid4()
-    with transaction.atomic():
-        for scale in [0.0, *scales]:
-            request = dict(base_request)
-            request["apply_steering_vectors"] = [
-                {
-                    "activations": encode_vector(
-                        np.tile(decode(vector.data)[None, :], (len(layers), 1))
-                    ),
-                    "layer_indices": layers,
-                    "scale": scale,
-                }
-            ]
-            run_kind = kind
-            if kind == RunKind.STEERING_STEERED and scale == 0.0:
-                run_kind = RunKind.STEERING_BASELINE
-            run_create(
-                user=user,
-                kind=run_kind,
-                group=group,
-                scale=scale,
-                vector=vector,
-                request=request,
-                meta={"target_token": target_token, "layers": layers},
-            )
-    return group
+    and seed, adding `vector` at `layers`. Returns the group id of the comparison (that of
+    the first comparison, when `submit_token` was submitted before)."""
+
+    def create() -> uuid.UUID:
+        group = uuid.uuid4()
+        activations = encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
+        with transaction.atomic():
+            for scale in [0.0, *scales]:
+                request = dict(base_request)
+                request["apply_steering_vectors"] = [
+                    {"activations": activations, "layer_indices": layers, "scale": scale}
+                ]
+                run_kind = kind
+                if kind == RunKind.STEERING_STEERED and scale == 0.0:
+                    run_kind = RunKind.STEERING_BASELINE
+                _run_create(
+                    user=user,
+                    kind=run_kind,
+                    group=group,
+                    scale=scale,
+                    vector=vector,
+                    request=request,
+                    meta={"target_token": target_token, "layers": layers},
+                    submit_token=submit_token if scale == 0.0 else None,
+                )
+        return group
+
+    return submitted_once(
+        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
+    )

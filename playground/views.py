@@ -3,12 +3,14 @@
 
 import io
 import json
+import uuid
 
 import numpy as np
 from django.conf import settings
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 from safetensors.numpy import save as safetensors_save
@@ -116,8 +118,22 @@ def run_submit(request):
             fragment="completion_form",
             target="#completion-form",
         )
-    run = services.run_create(user=request.user, request=form.to_request())
-    return _run_created(request, run)
+    run = services.run_create(
+        user=request.user,
+        request=form.to_request(),
+        submit_token=form.cleaned_data["submit_token"],
+    )
+    return _with_new_submit_token(request, _run_created(request, run), form)
+
+
+def _with_new_submit_token(request, response, form):
+    """An htmx answer to `form` leaves the form on the page: give it a new one-time token
+    (out of band), so that its next deliberate submission is a new one."""
+    if request.htmx:
+        field = form["submit_token"]
+        context = {"name": field.html_name, "id": field.auto_id, "token": uuid.uuid4()}
+        response.content += render_to_string("playground/_submit_token.html", context).encode()
+    return response
 
 
 def _run_created(request, run: Run):
@@ -364,8 +380,9 @@ def vector_contrast_create(request):
         method=data["method"],
         positive=data["positive"],
         negative=data["negative"],
+        submit_token=data["submit_token"],
     )
-    return _group_response(request, group)
+    return _with_new_submit_token(request, _group_response(request, group), form)
 
 
 @approved_required
@@ -427,8 +444,9 @@ def steering_submit(request):
         scales=scales,
         kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
         target_token=data.get("target_token") or "",
+        submit_token=data["submit_token"],
     )
-    return _group_response(request, group)
+    return _with_new_submit_token(request, _group_response(request, group), form)
 
 
 def _group_response(request, group):

@@ -98,6 +98,26 @@
     }
   });
 
+  // A form that creates runs ([data-submit-once]) keeps its submit button disabled while its
+  // request is in flight and for a moment after: a fast answer gives the form a new one-time
+  // token, and the second click of a double click must not send it. (The server returns the
+  // first run for a token it has seen, which covers a resend of the same token.)
+  var RESUBMIT_PAUSE_MS = 800;
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    var form = event.detail.elt;
+    if (!form.matches || !form.matches("form[data-submit-once]")) return;
+    var buttons = form.querySelectorAll("button[type=submit]");
+    var started = Date.now();
+    buttons.forEach(function (button) { button.disabled = true; });
+    form.addEventListener("htmx:afterRequest", function answered(after) {
+      if (after.detail.elt !== form) return; // a request of an element inside the form
+      form.removeEventListener("htmx:afterRequest", answered);
+      setTimeout(function () {
+        buttons.forEach(function (button) { button.disabled = false; });
+      }, Math.max(0, started + RESUBMIT_PAUSE_MS - Date.now()));
+    });
+  });
+
   // afterSwap, not afterSettle: the event stream opens as soon as the panel is in the page.
   document.addEventListener("htmx:afterSwap", function (event) {
     var panel = event.detail.elt.querySelector && event.detail.elt.querySelector(".run-panel");

@@ -105,7 +105,9 @@ def test_bad_request_is_a_400_naming_the_problem(client, fields, code, message):
 
 
 def test_bad_json_is_a_400(client):
-    response = client.post("/v1/completions", content=b"{not json")
+    response = client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "bad_json"
 
@@ -231,7 +233,7 @@ def test_health_and_completions_are_503_while_the_model_loads(tmp_path):
     from engine.server import create_app
 
     # Without entering the client, the lifespan (which starts loading) never runs.
-    client = TestClient(create_app(EngineConfig(cache_dir=tmp_path)))
+    client = TestClient(create_app(EngineConfig(cache_dir=tmp_path)), base_url="http://127.0.0.1")
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["model_loaded"] is False
     refused = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
