@@ -12,6 +12,8 @@ MAX_LOGPROBS = 100
 MAX_STEERING_VECTORS = 8
 # prompt_count × n × max_tokens of one request: the most output work a request may ask for.
 OUTPUT_WORK_CAP = 32_000
+# A non-streaming request must finish within the 14-minute limit.
+NON_STREAMING_MAX_TOKENS = 15_600
 # Values (layers × positions × hidden) of all of a request's steering vectors together, checked
 # from their shapes before any is decompressed: 32 MiB of bfloat16, four times what an 8 MiB
 # body of incompressible vectors can carry.

@@ -16,7 +16,6 @@ from acs_client.protocol import (
 from .errors import ApiError
 
 DEFAULT_MAX_TOKENS = 16
-NON_STREAMING_MAX_TOKENS = 15_600
 # layers × tokens × hidden values one capture may return (128 MiB of bfloat16): the largest
 # tensor the codec decodes by default.
 CAPTURE_MAX_VALUES = MAX_VALUES

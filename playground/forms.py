@@ -9,13 +9,16 @@ import numpy as np
 from django import forms
 from django.core.validators import MaxValueValidator
 
+from acs_client.protocol import (
+    MAX_N,
+    MAX_STOP_STRINGS,
+    NON_STREAMING_MAX_TOKENS,
+    OUTPUT_WORK_CAP,
+)
+
 from .models import SteeringVector, VectorMethod
 from .services import VectorError, vector_from_upload
 
-MAX_N = 16
-MAX_STOP = 4
-MAX_TOKENS_NON_STREAMING = 15_600
-OUTPUT_WORK_CAP = 32_000
 DEFAULT_MAX_LOGPROBS = 100
 MAX_SWEEP_SCALES = 12
 # |scale| (or |multiple of the typical norm|) above this swamps the residual stream entirely.
@@ -113,7 +116,7 @@ class CompletionForm(SubmitOnceForm):
     max_tokens = forms.IntegerField(
         required=False,
         min_value=1,
-        help_text=f"Needed with several prompts or n > 1; ≤ {MAX_TOKENS_NON_STREAMING:,} "
+        help_text=f"Needed with several prompts or n > 1; ≤ {NON_STREAMING_MAX_TOKENS:,} "
         f"without streaming; prompts × n × max_tokens ≤ {OUTPUT_WORK_CAP:,}.",
     )
     temperature = forms.FloatField(required=False, min_value=0, help_text="≥ 0; default 1.0.")
@@ -124,7 +127,7 @@ class CompletionForm(SubmitOnceForm):
         required=False,
         widget=forms.Textarea(attrs={"rows": 2}),
         strip=False,
-        help_text=f"Up to {MAX_STOP} strings, one per line.",
+        help_text=f"Up to {MAX_STOP_STRINGS} strings, one per line.",
     )
     n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text="1–16.")
     logprobs = forms.IntegerField(required=False, min_value=0)
@@ -169,8 +172,10 @@ class CompletionForm(SubmitOnceForm):
 
     def clean_stop(self):
         stops = [line for line in self.cleaned_data["stop"].splitlines() if line]
-        if len(stops) > MAX_STOP:
-            raise forms.ValidationError(f"At most {MAX_STOP} stop strings; you gave {len(stops)}.")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise forms.ValidationError(
+                f"At most {MAX_STOP_STRINGS} stop strings; you gave {len(stops)}."
+            )
         return stops
 
     def clean_logprobs(self):
@@ -204,10 +209,10 @@ class CompletionForm(SubmitOnceForm):
                 f"prompts × n × max_tokens = {len(prompts) * n * max_tokens:,} is over the "
                 f"output-work cap of {OUTPUT_WORK_CAP:,}.",
             )
-        if max_tokens and not data.get("stream") and max_tokens > MAX_TOKENS_NON_STREAMING:
+        if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
             self.add_error(
                 "max_tokens",
-                f"Without streaming max_tokens is at most {MAX_TOKENS_NON_STREAMING:,}.",
+                f"Without streaming max_tokens is at most {NON_STREAMING_MAX_TOKENS:,}.",
             )
         capture = data.get("capture")
         if capture == "layers":
