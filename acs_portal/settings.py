@@ -205,3 +205,9 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+
+# --- Harvest jobs: retention and size (issue 12.3) ---
+# A harvest job's files are deleted (the job then reads as expired) this long after it ends.
+ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 * 3600)
+# The most bytes one harvest job may write (checked at submission, enforced per batch).
+ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3)

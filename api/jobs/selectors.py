@@ -50,10 +50,10 @@ def jobs_for_user(*, user, limit=50) -> dict:
 
 
 def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:
-    """Signed paths to a finished job's files, all expiring together: `{manifest_url,
-    shard_urls, stats_url, urls_expire_at}` (paths; the API makes them absolute), or None
-    while the job is not done."""
-    if job.status != HarvestJobStatus.DONE:
+    """Signed paths to a job's files, all expiring together: `{manifest_url, shard_urls,
+    stats_url, urls_expire_at}` (paths; the API makes them absolute), or None while the job
+    has none to offer: it is done, or failed on a limit after writing some batches."""
+    if job.status not in (HarvestJobStatus.DONE, HarvestJobStatus.FAILED) or not job.files:
         return None
     expires_at = download_expiry(now=now or timezone.now())
 
