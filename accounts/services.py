@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import connection, transaction
+from django.db.models import F
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -689,6 +690,14 @@ def _harvest_quota_steps(*, key: ApiKey, now):
             [windows.key_month.pk],
         )
     ]
+
+
+def harvest_quota_refund(*, key_id: int, month) -> None:
+    """Give back one harvest job counted against the key's quota of `month` (the first day
+    of the month it was submitted in), for a job that ended without delivering files."""
+    UsagePeriod.objects.filter(
+        key_id=key_id, period=Period.MONTH, start=month, harvest_jobs__gt=0
+    ).update(harvest_jobs=F("harvest_jobs") - 1)
 
 
 def budget_activations_refund_steps(*, reservation: BudgetReservation, count: int):

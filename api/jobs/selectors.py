@@ -2,6 +2,7 @@
 
 import uuid
 
+from django.conf import settings
 from django.utils import timezone
 
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
@@ -47,6 +48,11 @@ def jobs_for_user(*, user, limit=50) -> dict:
         job.is_active for job in harvest_jobs
     )
     return {"completion_jobs": completion_jobs, "harvest_jobs": harvest_jobs, "active": active}
+
+
+def harvest_retention_days() -> str:
+    """ACS_HARVEST_RETENTION_SECONDS in days, for messages ("7", "0.5")."""
+    return f"{settings.ACS_HARVEST_RETENTION_SECONDS / 86400:g}"
 
 
 def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:

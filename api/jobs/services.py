@@ -21,12 +21,14 @@ from django.db.models import F
 from django.utils import timezone
 
 from accounts.models import ApiKey, BudgetReservation, UsageRecord
+from accounts.periods import month_start
 from accounts.services import (
     BudgetExceeded,
     budget_activations_refund_steps,
     budget_reserve,
     budget_settle_steps,
     harvest_quota_consume,
+    harvest_quota_refund,
     run_steps,
     usage_records_steps,
 )
@@ -289,8 +291,8 @@ def harvest_job_submit(
 
 
 def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
-    """Cancel a pending or running job (a running worker stops before its next batch), or
-    raise `HarvestNotCancellable`."""
+    """Cancel a pending or running job (a running worker stops before its next batch) and
+    give its harvest-quota slot back, or raise `HarvestNotCancellable`."""
     now = now or timezone.now()
     cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
         status=HarvestJobStatus.CANCELLED, completed_at=now, lease_expires_at=None
@@ -300,7 +302,14 @@ def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
         raise HarvestNotCancellable(
             f"The job is {job.status}; only pending or running jobs can be cancelled."
         )
+    _harvest_quota_give_back(job)
     return job
+
+
+def _harvest_quota_give_back(job: HarvestJob) -> None:
+    """A job that ended without files (cancelled, or failed before it had any to keep) does
+    not count against the harvest quota; its captures were paid batch by batch."""
+    harvest_quota_refund(key_id=job.key_id, month=month_start(job.created_at))
 
 
 class _HarvestStopped(Exception):
@@ -388,14 +397,16 @@ def harvest_job_execute(*, job_id, now=None) -> None:
 
 def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
     """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
-    the output it keeps."""
-    HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+    the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
+    failed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
         status=HarvestJobStatus.FAILED,
         completed_at=timezone.now(),
         lease_expires_at=None,
         error=error.body()["error"],
         **kept,
     )
+    if failed and not kept.get("files"):
+        _harvest_quota_give_back(job)
 
 
 def _harvest_heartbeat(job: HarvestJob, *, prompts_done: int) -> None:

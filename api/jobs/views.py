@@ -190,10 +190,9 @@ async def _harvest_size_check(harvest: HarvestRequest, model, layers: list[int])
 
 
 def _expiry_message() -> str:
-    days = settings.ACS_HARVEST_RETENTION_SECONDS / 86400
     return (
-        f"This job's files were deleted {days:g} days after it ended; submit the prompts "
-        "again to harvest them anew."
+        f"This job's files were deleted {selectors.harvest_retention_days()} days after it "
+        "ended; submit the prompts again to harvest them anew."
     )
 
 

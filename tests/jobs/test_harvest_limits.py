@@ -237,3 +237,25 @@ def test_the_beat_sweep_deletes_the_files_of_jobs_past_their_retention(
     assert download.status_code == 404
     assert "deleted" in download.json()["error"]["message"]
     assert api_client.get(f"/v1/harvest/{recent.pk}").json()["status"] == "done"
+
+
+def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
+    api_key, engine_model, redis_client, monkeypatch
+):
+    def harvest_jobs_counted():
+        return _windows(api_key)[0].harvest_jobs
+
+    cancelled = _submit(api_key)
+    failing = _submit(api_key)
+    assert harvest_jobs_counted() == 2
+
+    services.harvest_job_cancel(job=cancelled)
+    assert harvest_jobs_counted() == 1
+
+    async def upstream_lost(*args, **kwargs):
+        raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+
+    monkeypatch.setattr(services, "capture_batch", upstream_lost)
+    services.harvest_job_execute(job_id=failing.pk)
+    assert HarvestJob.objects.get(pk=failing.pk).status == HarvestJobStatus.FAILED
+    assert harvest_jobs_counted() == 0
