@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import connection, transaction
+from django.db.models import F
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
@@ -110,6 +111,19 @@ def api_key_authenticate(authorization: str | None, *, scope: str = Scope.COMPLE
     key = ApiKey.objects.select_related("user").filter(prefix=match.group(1)).first()
     if key is None or not hmac.compare_digest(key.secret_hash, api_key_hash(token)):
         raise AuthError("invalid_api_key", "The API key is not valid.")
+    api_key_check(key, scope=scope)
+    now = timezone.now()
+    if key.last_used_at is None or (now - key.last_used_at).total_seconds() > (
+        _LAST_USED_RESOLUTION
+    ):
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+        key.last_used_at = now
+    return key
+
+
+def api_key_check(key: ApiKey, *, scope: str = Scope.COMPLETIONS) -> None:
+    """Raise `AuthError` unless `key` (with `.user` loaded) may call the API now: key_revoked,
+    key_disabled, account_suspended, account_not_approved (401), scope_denied (403)."""
     if key.status == KeyStatus.REVOKED:
         raise AuthError("key_revoked", "This API key has been revoked; create a new one.")
     if key.status == KeyStatus.DISABLED:
@@ -121,12 +135,14 @@ def api_key_authenticate(authorization: str | None, *, scope: str = Scope.COMPLE
         raise AuthError("account_not_approved", "This account has not been approved.")
     if scope not in key.scopes:
         raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
-    now = timezone.now()
-    if key.last_used_at is None or (now - key.last_used_at).total_seconds() > (
-        _LAST_USED_RESOLUTION
-    ):
-        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
-        key.last_used_at = now
+
+
+def api_key_recheck(*, key_id: int, scope: str = Scope.COMPLETIONS) -> ApiKey:
+    """Read the key and its account again and `api_key_check` them: for work that starts
+    long after its request was authenticated (jobs), which a revoked or paused key or a
+    suspended account must stop."""
+    key = ApiKey.objects.select_related("user").get(pk=key_id)
+    api_key_check(key, scope=scope)
     return key
 
 
@@ -316,14 +332,16 @@ def budget_reserve(
     prompt_tokens: int,
     max_tokens: int,
     completions: int = 1,
-    activation: bool = False,
+    activation: int = 0,
     now=None,
 ) -> BudgetReservation:
     """Hold `prompt_tokens + completions * max_tokens` against every budget window of the key
     and its account. If the windows cannot cover it, `max_tokens` is lowered
     (`reservation.max_tokens_applied`); if not even the prompt and one token per completion
-    fit, raise `BudgetExceeded`. `completions` is prompt_count × n. Concurrent calls never
-    reserve past any limit. Always pair with `budget_settle`."""
+    fit, raise `BudgetExceeded`. `completions` is prompt_count × n. `activation` is how many
+    activation requests the hold counts against the monthly quota (a /v1 request: True, one;
+    a harvest batch: one per prompt), refused whole if they do not all fit. Concurrent calls
+    never reserve past any limit. Always pair with `budget_settle`."""
     now = now or timezone.now()
     return run_steps(
         lambda: budget_reserve_steps(
@@ -337,13 +355,20 @@ def budget_reserve(
     )
 
 
+def _spend_cap_check(spend_cap_paused: bool) -> None:
+    if spend_cap_paused:
+        raise BudgetExceeded("spend_cap", "The service is paused by its spend cap.")
+
+
 def _tightest_windows(*, key, windows, spend_cap_paused, activation):
     """`(total, input, output)` tokens left for a request of `key` in its locked windows
     (input and output None when the key has no such budget); raises BudgetExceeded when the
-    spend cap or the activation quota refuses the request."""
-    if spend_cap_paused:
-        raise BudgetExceeded("spend_cap", "The service is paused by its spend cap.")
-    if activation and windows.key_month.activation_requests >= key.monthly_activation_quota:
+    spend cap or the activation quota refuses the request (`activation` requests of it)."""
+    _spend_cap_check(spend_cap_paused)
+    if (
+        activation
+        and windows.key_month.activation_requests + activation > key.monthly_activation_quota
+    ):
         raise BudgetExceeded(
             "activation_quota_exceeded",
             "This key's monthly activation-request quota is spent; it resets on the 1st.",
@@ -385,7 +410,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         output_tokens=output_tokens,
         max_tokens_requested=max_tokens,
         max_tokens_applied=applied,
-        activation=activation,
+        activation=bool(activation),
     )
     ops = connection.ops
     hold = (
@@ -417,7 +442,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
             output_tokens,
             max_tokens,
             applied,
-            activation,
+            bool(activation),
             ReservationStatus.RESERVED,
         ],
     )
@@ -698,15 +723,16 @@ _SPEND_FIELDS = ("prompt_tokens", "completion_tokens", "requests")
 
 def harvest_quota_consume(*, key: ApiKey, now=None) -> None:
     """Count one harvest job against the key's monthly quota, or raise `BudgetExceeded`
-    (harvest_quota_exceeded)."""
+    (harvest_quota_exceeded, or spend_cap while the service is paused)."""
     now = now or timezone.now()
     run_steps(lambda: _harvest_quota_steps(key=key, now=now))
 
 
 def _harvest_quota_steps(*, key: ApiKey, now):
-    windows, _ = yield from _lock_windows_steps(
+    windows, spend_cap_paused = yield from _lock_windows_steps(
         key_id=key.pk, user_id=key.user_id, month=month_start(now), day=day_start(now)
     )
+    _spend_cap_check(spend_cap_paused)
     if windows.key_month.harvest_jobs >= key.monthly_harvest_quota:
         raise BudgetExceeded(
             "harvest_quota_exceeded",
@@ -717,6 +743,34 @@ def _harvest_quota_steps(*, key: ApiKey, now):
             f"UPDATE {_PERIODS} SET harvest_jobs = harvest_jobs + 1 WHERE id = %s",
             [windows.key_month.pk],
         )
+    ]
+
+
+def harvest_quota_refund(*, key_id: int, month) -> None:
+    """Give back one harvest job counted against the key's quota of `month` (the first day
+    of the month it was submitted in), for a job that ended without delivering files."""
+    UsagePeriod.objects.filter(
+        key_id=key_id, period=Period.MONTH, start=month, harvest_jobs__gt=0
+    ).update(harvest_jobs=F("harvest_jobs") - 1)
+
+
+def budget_activations_refund_steps(*, reservation: BudgetReservation, count: int):
+    """Steps: give back `count` of the activation requests `reservation` counted, for
+    captures it held that did no work (a harvest batch that failed). Compose after the
+    reservation's `budget_settle_steps`, in the same transaction."""
+    windows = _windows_params(
+        key_id=reservation.key_id,
+        user_id=reservation.user_id,
+        month=reservation.month_start,
+        day=reservation.day_start,
+    )
+    yield [
+        (_windows_locking_select("id"), windows),
+        (
+            f"UPDATE {_PERIODS} SET activation_requests = activation_requests - %s"
+            f" WHERE {_WINDOWS_WHERE}",
+            [count, *windows],
+        ),
     ]
 
 

@@ -228,3 +228,9 @@ ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
 # are refused for ACS_LOGIN_LOCKOUT_SECONDS (other addresses and accounts are unaffected).
 ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5)
 ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60)
+
+# --- Harvest jobs: retention and size (issue 12.3) ---
+# A harvest job's files are deleted (the job then reads as expired) this long after it ends.
+ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 * 3600)
+# The most bytes one harvest job may write (checked at submission, enforced per batch).
+ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3)

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import transaction
 
 from accounts.models import ApiKey, Scope
-from accounts.services import AuthError, api_key_authenticate
+from accounts.services import AuthError, api_key_authenticate, api_key_recheck
 
 from .clients import redis_client
 from .db import run_db
@@ -70,11 +70,26 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
     outcome = await run_db(_authenticate, authorization, scope)
     if isinstance(outcome, AuthError):
         _cache.pop(digest, None)
-        raise ApiError(outcome.status, outcome.code, outcome.message)
+        raise _refusal(outcome)
     if len(_cache) >= AUTH_CACHE_MAX_ENTRIES:
         _cache.clear()
     _cache[digest] = _Entry(outcome, generation, time.monotonic() + AUTH_CACHE_SECONDS)
     return outcome
+
+
+def _refusal(error: AuthError) -> ApiError:
+    return ApiError(error.status, error.code, error.message)
+
+
+def key_recheck(key_id: int, *, scope: str = Scope.COMPLETIONS) -> ApiKey:
+    """Synchronous: the key re-read from the database if it and its account may still call
+    the API, else the ApiError `authenticate` would raise for it now. Workers call it when
+    a job starts (and before each harvest batch), since a key can be revoked, paused or its
+    account suspended after the job was submitted."""
+    try:
+        return api_key_recheck(key_id=key_id, scope=scope)
+    except AuthError as error:
+        raise _refusal(error) from None
 
 
 def access_generation_bump() -> None:

@@ -52,6 +52,7 @@ NOT_RETRYABLE = {
     "request_too_large",
     "budget_exceeded",
     "activation_quota_exceeded",
+    "harvest_quota_exceeded",
     "upstream_auth",
     "capture_rows_missing",
     "activation_engine_unconfigured",

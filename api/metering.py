@@ -55,7 +55,13 @@ async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
             )
         )
     except BudgetExceeded as error:
-        raise ApiError(429, error.code, error.message) from None
+        raise budget_refusal(error) from None
+
+
+def budget_refusal(error: BudgetExceeded) -> ApiError:
+    """The contract's 429 for a request the budgets refuse (Retry-After for spend_cap,
+    X-Should-Retry: false for spent budgets and quotas)."""
+    return ApiError(429, error.code, error.message)
 
 
 def _settle_and_record_steps(settlement: dict | None, record: UsageRecord):

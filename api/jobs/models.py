@@ -82,14 +82,22 @@ class HarvestJobStatus(models.TextChoices):
     DONE = "done", "Done"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+    # Ended more than ACS_HARVEST_RETENTION_SECONDS ago: its files are deleted.
+    EXPIRED = "expired", "Expired"
 
 
 HARVEST_ACTIVE_STATUSES = (HarvestJobStatus.PENDING, HarvestJobStatus.RUNNING)
+HARVEST_ENDED_STATUSES = (
+    HarvestJobStatus.DONE,
+    HarvestJobStatus.FAILED,
+    HarvestJobStatus.CANCELLED,
+)
 
 
 class HarvestJob(models.Model):
     """Residual-stream captures of many prompts, written as safetensors files under
-    `storage_prefix` in Django's default storage."""
+    `storage_prefix` in Django's default storage, deleted (the job then reads as expired)
+    ACS_HARVEST_RETENTION_SECONDS after the job ends."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(
@@ -111,7 +119,8 @@ class HarvestJob(models.Model):
     completed_at = models.DateTimeField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
-    # Names of the files written, relative to storage_prefix, once the job is done.
+    # Names of the files written, relative to storage_prefix, once the job is done (or
+    # failed on a limit after some batches: what they wrote).
     files = models.JSONField(default=list, blank=True)
 
     class Meta:

@@ -18,10 +18,15 @@ POLL_SECONDS = 2
 
 
 def _plotted_job(harvest_jobs, wanted: str | None):
-    done = [job for job in harvest_jobs if job.status == HarvestJobStatus.DONE]
+    # Done jobs, and failed ones that kept the batches they wrote (with their stats).
+    plottable = [
+        job
+        for job in harvest_jobs
+        if job.files and job.status in (HarvestJobStatus.DONE, HarvestJobStatus.FAILED)
+    ]
     if wanted:
-        return next((job for job in done if str(job.pk) == wanted), None)
-    return done[0] if done else None
+        return next((job for job in plottable if str(job.pk) == wanted), None)
+    return plottable[0] if plottable else None
 
 
 @approved_required
@@ -43,6 +48,7 @@ def _render_jobs(request):
         "plotted": plotted,
         "figure": harvest_norm_figure(plotted) if plotted else None,
         "poll_seconds": POLL_SECONDS,
+        "harvest_retention_days": selectors.harvest_retention_days(),
     }
     template = "jobs/page.html#jobs" if request.htmx else "jobs/page.html"
     return render(request, template, context)

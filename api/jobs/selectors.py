@@ -2,6 +2,7 @@
 
 import uuid
 
+from django.conf import settings
 from django.utils import timezone
 
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
@@ -49,11 +50,16 @@ def jobs_for_user(*, user, limit=50) -> dict:
     return {"completion_jobs": completion_jobs, "harvest_jobs": harvest_jobs, "active": active}
 
 
+def harvest_retention_days() -> str:
+    """ACS_HARVEST_RETENTION_SECONDS in days, for messages ("7", "0.5")."""
+    return f"{settings.ACS_HARVEST_RETENTION_SECONDS / 86400:g}"
+
+
 def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:
-    """Signed paths to a finished job's files, all expiring together: `{manifest_url,
-    shard_urls, stats_url, urls_expire_at}` (paths; the API makes them absolute), or None
-    while the job is not done."""
-    if job.status != HarvestJobStatus.DONE:
+    """Signed paths to a job's files, all expiring together: `{manifest_url, shard_urls,
+    stats_url, urls_expire_at}` (paths; the API makes them absolute), or None while the job
+    has none to offer: it is done, or failed on a limit after writing some batches."""
+    if job.status not in (HarvestJobStatus.DONE, HarvestJobStatus.FAILED) or not job.files:
         return None
     expires_at = download_expiry(now=now or timezone.now())
 

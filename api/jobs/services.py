@@ -9,6 +9,7 @@ worker died, so no job stays running forever.
 import hashlib
 import json
 import logging
+import time
 import uuid
 from datetime import timedelta
 
@@ -19,17 +20,30 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from accounts.models import ApiKey
-from accounts.services import harvest_quota_consume
+from accounts.models import ApiKey, BudgetReservation, UsageRecord
+from accounts.periods import month_start
+from accounts.services import (
+    BudgetExceeded,
+    budget_activations_refund_steps,
+    budget_reserve,
+    budget_settle_steps,
+    harvest_quota_consume,
+    harvest_quota_refund,
+    run_steps,
+    usage_records_steps,
+)
 from acs_client.codec import bfloat16_bits_to_float32
+from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError
+from api.metering import budget_refusal
 from api.models import LanguageModel
 
 from . import tasks
-from .capture import capture_batch
+from .capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
 from .models import (
     HARVEST_ACTIVE_STATUSES,
+    HARVEST_ENDED_STATUSES,
     CompletionJob,
     CompletionJobStatus,
     HarvestJob,
@@ -39,7 +53,9 @@ from .storage import (
     MANIFEST_NAME,
     STATS_NAME,
     Tensor,
+    harvest_bytes_estimate,
     harvest_file_write,
+    harvest_files_delete,
     manifest_bytes,
     safetensors_bytes,
 )
@@ -113,7 +129,9 @@ def _claim(model, *, job_id, from_status, to_status, lease: timedelta, now):
 
 def completion_job_execute(*, job_id, now=None) -> None:
     """Run a queued job through the same completion path as POST /v1/completions (budgets,
-    admission and metering apply) and store its response. A response the contract marks as
+    admission and metering apply) and store its response. A key revoked or paused, or an
+    account suspended, since the job was submitted fails it with the error the API would
+    answer now, before any upstream work. A response the contract marks as
     retryable (it has Retry-After) re-queues the job after that delay, up to
     ACS_JOB_MAX_ATTEMPTS attempts in all. Does nothing if the job is not queued."""
     now = now or timezone.now()
@@ -130,13 +148,16 @@ def completion_job_execute(*, job_id, now=None) -> None:
     request_id = f"job-{job.pk.hex[:12]}-{uuid.uuid4().hex[:12]}"
     try:
         result = async_to_sync(completion_run)(
-            key=job.key,
+            key=key_recheck(job.key_id),
             payload=job.request,
             request_id=request_id,
             endpoint="completion-jobs",
             workload=job.workload,
         )
         status, body, headers = result.status, result.body, dict(result.headers)
+    except ApiError as refusal:
+        # From key_recheck: completion_run answers its own errors as a result.
+        status, body, headers = refusal.status, refusal.body(), refusal.headers()
     except Exception:
         # completion_run answers every failure of the request itself; this is the worker's.
         logger.exception("completion job %s crashed (request %s)", job.pk, request_id)
@@ -270,8 +291,8 @@ def harvest_job_submit(
 
 
 def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
-    """Cancel a pending or running job (a running worker stops before its next batch), or
-    raise `HarvestNotCancellable`."""
+    """Cancel a pending or running job (a running worker stops before its next batch) and
+    give its harvest-quota slot back, or raise `HarvestNotCancellable`."""
     now = now or timezone.now()
     cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
         status=HarvestJobStatus.CANCELLED, completed_at=now, lease_expires_at=None
@@ -281,20 +302,47 @@ def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
         raise HarvestNotCancellable(
             f"The job is {job.status}; only pending or running jobs can be cancelled."
         )
+    _harvest_quota_give_back(job)
     return job
+
+
+def _harvest_quota_give_back(job: HarvestJob) -> None:
+    """A job that ended without files (cancelled, or failed before it had any to keep) does
+    not count against the harvest quota; its captures were paid batch by batch."""
+    harvest_quota_refund(key_id=job.key_id, month=month_start(job.created_at))
 
 
 class _HarvestStopped(Exception):
     """The job left `running` (cancelled, or failed by the sweep) while a worker ran it."""
 
 
+class _HarvestRefused(Exception):
+    """A budget, quota, spend-cap or size limit refused the next batch: the job fails with
+    `error` and keeps the batches already written (`files`, `prompts_done`)."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+        self.files: list[str] = []
+        self.prompts_done = 0
+
+
 def harvest_job_execute(*, job_id, now=None) -> None:
     """Capture every prompt of a pending job through the model's activation upstream, a batch
     of ACS_HARVEST_BATCH_SIZE prompts at a time, writing one safetensors shard per batch,
-    then `stats.safetensors`, then `manifest.json` last. Checks for cancellation and renews
-    its lease between batches. A retryable upstream error (Retry-After) puts the job back to
-    pending after that delay, up to ACS_JOB_MAX_ATTEMPTS attempts; any other error fails it
-    with a message. Does nothing if the job is not pending."""
+    then `stats.safetensors`, then `manifest.json` last. Does nothing if the job is not
+    pending.
+
+    Before each batch the worker checks for cancellation and renews its lease, re-checks the
+    key and its account (a key revoked or paused, or an account suspended, fails the job
+    with the API's code), and pays for the batch like /v1 captures (`_batch_capture`). A
+    budget, quota or spend-cap refusal, or a batch that would take the job's files past
+    ACS_HARVEST_MAX_JOB_BYTES, fails the job with that code and keeps what was written (with
+    its stats and a manifest) for download: a paused service fails a harvest rather than
+    holding its job slot for the hour the pause lasts at least. A retryable upstream error
+    (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
+    attempts (it starts again from its first prompt); any other error fails it with a
+    message."""
     now = now or timezone.now()
     job = _claim(
         HarvestJob,
@@ -309,6 +357,9 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     try:
         files = _harvest(job)
     except _HarvestStopped:
+        return
+    except _HarvestRefused as refused:
+        _harvest_fail(job, refused.error, prompts_done=refused.prompts_done, files=refused.files)
         return
     except ApiError as error:
         if (
@@ -344,13 +395,18 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     )
 
 
-def _harvest_fail(job: HarvestJob, error: ApiError) -> None:
-    HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
+    """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
+    the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
+    failed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
         status=HarvestJobStatus.FAILED,
         completed_at=timezone.now(),
         lease_expires_at=None,
         error=error.body()["error"],
+        **kept,
     )
+    if failed and not kept.get("files"):
+        _harvest_quota_give_back(job)
 
 
 def _harvest_heartbeat(job: HarvestJob, *, prompts_done: int) -> None:
@@ -373,42 +429,162 @@ def _harvest(job: HarvestJob) -> list[str]:
             "activation_engine_unconfigured",
             f"Model {job.model!r} no longer offers activation capture.",
         )
-    stats = ActivationStats(n_layers=len(job.layers), hidden_size=language_model.hidden_size)
+    output = _HarvestOutput(job, hidden_size=language_model.hidden_size)
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
-    shards = []
-    for shard_index, start in enumerate(range(0, job.n_prompts, batch_size)):
+    for start in range(0, job.n_prompts, batch_size):
         _harvest_heartbeat(job, prompts_done=start)
-        batch = job.prompts[start : start + batch_size]
-        captures = async_to_sync(capture_batch)(
+        key = key_recheck(job.key_id)
+        token_lists = async_to_sync(tokenize_batch)(
             language_model,
-            prompts=batch,
+            prompts=job.prompts[start : start + batch_size],
             layers=job.layers,
             add_special_tokens=job.add_special_tokens,
             first_index=start,
         )
-        tensors = {}
-        for index, (tokens, bits) in enumerate(captures, start=start):
-            tensors[f"prompt_{index}"] = Tensor.bfloat16(bits)
-            tensors[f"tokens_{index}"] = Tensor.from_array(np.asarray(tokens, dtype=np.int32))
-            stats.add(bits)
-        name = f"shard_{shard_index:05d}.safetensors"
-        harvest_file_write(job.storage_prefix, name, safetensors_bytes(tensors))
-        shards.append({"name": name, "tensors": list(tensors)})
+        try:
+            output.check_room(token_lists, first_index=start)
+            captures = _batch_capture(
+                job, key=key, model=language_model, token_lists=token_lists, first_index=start
+            )
+        except _HarvestRefused as refused:
+            refused.prompts_done = output.prompts_written
+            refused.files = output.finish() if output.shards else []
+            raise
+        output.add_shard(captures, first_index=start)
     _harvest_heartbeat(job, prompts_done=job.n_prompts)
-    harvest_file_write(job.storage_prefix, STATS_NAME, stats.safetensors())
-    manifest = {
-        "job_id": str(job.pk),
-        "model": job.model,
-        "layers": job.layers,
-        "hidden_size": language_model.hidden_size,
-        "dtype": "bfloat16",
-        "n_prompts": job.n_prompts,
-        "add_special_tokens": job.add_special_tokens,
-        "shards": shards,
-        "stats": {"name": STATS_NAME, "tensors": list(ActivationStats.TENSORS)},
-    }
-    harvest_file_write(job.storage_prefix, MANIFEST_NAME, manifest_bytes(manifest))
-    return [*(shard["name"] for shard in shards), STATS_NAME, MANIFEST_NAME]
+    return output.finish()
+
+
+def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture]:
+    """Capture one tokenized batch, paid for like the same captures sent to /v1/completions:
+    its worst case (its prompt tokens, one generated token and one activation request per
+    prompt) is reserved against every budget window first (raising _HarvestRefused with the
+    API's code when they cannot cover it), then settled to the upstream's usage, with a usage
+    record; a batch that fails is settled to nothing and its activation requests given back."""
+    started = time.perf_counter()
+    try:
+        hold = budget_reserve(
+            key=key,
+            prompt_tokens=sum(len(tokens) for tokens in token_lists),
+            max_tokens=CAPTURE_MAX_TOKENS,
+            completions=len(token_lists),
+            activation=len(token_lists),
+        )
+    except BudgetExceeded as exceeded:
+        raise _HarvestRefused(budget_refusal(exceeded)) from None
+    try:
+        captures = async_to_sync(capture_batch)(
+            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+        )
+    except BaseException:
+        run_steps(lambda: _batch_settle_steps(hold, held=len(token_lists), captures=[]))
+        raise
+    record = UsageRecord(
+        created_at=timezone.now(),
+        key_id=key.pk,
+        user_id=key.user_id,
+        request_id=f"harvest-{job.pk.hex[:12]}-{first_index}",
+        endpoint="harvest",
+        status_code=200,
+        latency_ms=(time.perf_counter() - started) * 1000,
+        model=job.model,
+        prompt_tokens=sum(capture.prompt_tokens for capture in captures),
+        completion_tokens=sum(capture.completion_tokens for capture in captures),
+        activation_layers=job.layers,
+    )
+    run_steps(
+        lambda: _batch_settle_steps(hold, held=len(token_lists), captures=captures, record=record)
+    )
+    return captures
+
+
+def _batch_settle_steps(
+    hold: BudgetReservation, *, held: int, captures: list[Capture], record=None
+):
+    """Steps: settle a batch's hold to the usage of its `captures`, give back the activation
+    requests of the `held` captures that did not happen, and write its usage `record`."""
+    settled = yield from budget_settle_steps(
+        reservation_id=hold.pk,
+        prompt_tokens=sum(capture.prompt_tokens for capture in captures),
+        completion_tokens=sum(capture.completion_tokens for capture in captures),
+    )
+    if settled and held > len(captures):
+        yield from budget_activations_refund_steps(reservation=hold, count=held - len(captures))
+    if record is not None:
+        yield from usage_records_steps(records=[record])
+
+
+class _HarvestOutput:
+    """A job's files as its batches arrive: one shard per batch, the running stats, and the
+    bytes written, kept under ACS_HARVEST_MAX_JOB_BYTES."""
+
+    def __init__(self, job: HarvestJob, *, hidden_size: int):
+        self.job = job
+        self.hidden_size = hidden_size
+        self.stats = ActivationStats(n_layers=len(job.layers), hidden_size=hidden_size)
+        self.shards: list[dict] = []
+        self.bytes_written = 0
+        self.prompts_written = 0
+
+    def check_room(self, token_lists: list[list[int]], *, first_index: int) -> None:
+        """Raise _HarvestRefused (request_too_large) if the batch's captures would take the
+        job's files past the cap, before they are paid for."""
+        limit = settings.ACS_HARVEST_MAX_JOB_BYTES
+        needed = harvest_bytes_estimate(
+            prompt_tokens=sum(len(tokens) for tokens in token_lists),
+            n_layers=len(self.job.layers),
+            hidden_size=self.hidden_size,
+        )
+        if self.bytes_written + needed > limit:
+            raise _HarvestRefused(
+                harvest_too_large(
+                    f"The captures from prompt {first_index} on take this job's files past "
+                    f"{limit} bytes, the most one harvest job may write"
+                )
+            )
+
+    def add_shard(self, captures: list[Capture], *, first_index: int) -> None:
+        tensors = {}
+        for index, capture in enumerate(captures, start=first_index):
+            tensors[f"prompt_{index}"] = Tensor.bfloat16(capture.bits)
+            tensors[f"tokens_{index}"] = Tensor.from_array(
+                np.asarray(capture.tokens, dtype=np.int32)
+            )
+            self.stats.add(capture.bits)
+        name = f"shard_{len(self.shards):05d}.safetensors"
+        content = safetensors_bytes(tensors)
+        harvest_file_write(self.job.storage_prefix, name, content)
+        self.shards.append({"name": name, "tensors": list(tensors)})
+        self.bytes_written += len(content)
+        self.prompts_written += len(captures)
+
+    def finish(self) -> list[str]:
+        """Write the stats and the manifest of the shards written; the files' names, the
+        manifest last."""
+        harvest_file_write(self.job.storage_prefix, STATS_NAME, self.stats.safetensors())
+        manifest = {
+            "job_id": str(self.job.pk),
+            "model": self.job.model,
+            "layers": self.job.layers,
+            "hidden_size": self.hidden_size,
+            "dtype": "bfloat16",
+            "n_prompts": self.job.n_prompts,
+            "prompts_captured": self.prompts_written,
+            "add_special_tokens": self.job.add_special_tokens,
+            "shards": self.shards,
+            "stats": {"name": STATS_NAME, "tensors": list(ActivationStats.TENSORS)},
+        }
+        harvest_file_write(self.job.storage_prefix, MANIFEST_NAME, manifest_bytes(manifest))
+        return [*(shard["name"] for shard in self.shards), STATS_NAME, MANIFEST_NAME]
+
+
+def harvest_too_large(reason: str) -> ApiError:
+    """The 413 for a harvest whose files would pass ACS_HARVEST_MAX_JOB_BYTES."""
+    return ApiError(
+        413,
+        "request_too_large",
+        f"{reason}; send fewer or shorter prompts, or capture fewer layers.",
+    )
 
 
 class ActivationStats:
@@ -464,3 +640,18 @@ def harvest_jobs_recover_stuck(*, now=None) -> int:
         requeue_fields={"prompts_done": 0},
         now=now,
     )
+
+
+def harvest_jobs_expire(*, now=None) -> int:
+    """Delete the files of harvest jobs that ended more than ACS_HARVEST_RETENTION_SECONDS
+    ago and mark them expired (their prompts go too); returns how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
+    ended = HarvestJob.objects.filter(status__in=HARVEST_ENDED_STATUSES, completed_at__lt=cutoff)
+    expired = 0
+    for job in ended.only("pk"):
+        harvest_files_delete(job.storage_prefix)
+        expired += ended.filter(pk=job.pk).update(
+            status=HarvestJobStatus.EXPIRED, files=[], prompts=[]
+        )
+    return expired

@@ -69,6 +69,24 @@ def harvest_file_write(prefix: str, name: str, content: bytes) -> None:
         raise RuntimeError(f"storage saved {path!r} as {saved!r}")
 
 
+def harvest_files_delete(prefix: str) -> None:
+    """Delete every file of a job, and its folder where the storage has folders."""
+    try:
+        _, names = default_storage.listdir(prefix)
+    except FileNotFoundError:
+        return
+    for name in names:
+        default_storage.delete(prefix + name)
+    if default_storage.exists(prefix):
+        default_storage.delete(prefix)
+
+
+def harvest_bytes_estimate(*, prompt_tokens: int, n_layers: int, hidden_size: int) -> int:
+    """The bytes that captures of `prompt_tokens` tokens in all over `n_layers` layers take
+    in a job's shards: bfloat16 activations and int32 token ids (headers aside)."""
+    return prompt_tokens * (n_layers * hidden_size * 2 + 4)
+
+
 def harvest_file_open(prefix: str, name: str):
     return default_storage.open(prefix + name, "rb")
 

@@ -19,7 +19,9 @@ def harvest_job_run(job_id: str) -> None:
 
 @shared_task(ignore_result=True)
 def jobs_sweep() -> None:
-    """Recover jobs whose worker died and delete completion jobs past their retention."""
+    """Recover jobs whose worker died, delete completion jobs past their retention and the
+    files of harvest jobs past theirs."""
     services.completion_jobs_recover_stuck()
     services.harvest_jobs_recover_stuck()
     services.completion_jobs_expire()
+    services.harvest_jobs_expire()

@@ -2,6 +2,7 @@
 and the signed harvest downloads. Thin: authenticate, read and validate the body, call one
 service, answer in the contract's shape."""
 
+from django.conf import settings
 from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -11,16 +12,18 @@ from api.auth import authenticate
 from api.completions import CompletionResult
 from api.db import run_db
 from api.errors import ApiError, error_response
+from api.metering import budget_refusal
 from api.schemas import parse_body
 from api.selectors import model_get
+from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
 from api.views import _json, allow, read_json_body, request_id, result_response
 
 from . import selectors, services
-from .models import CompletionJob, HarvestJob
+from .models import CompletionJob, HarvestJob, HarvestJobStatus
 from .schemas import HarvestRequest, quartile_layers
 from .signing import DownloadRefused, download_check
-from .storage import MANIFEST_NAME, harvest_file_open
+from .storage import MANIFEST_NAME, harvest_bytes_estimate, harvest_file_open
 
 # How long a client polling a completion job's result is asked to wait.
 RESULT_POLL_SECONDS = 2
@@ -169,6 +172,30 @@ def _harvest_layers(requested, model) -> list[int]:
     return list(requested)
 
 
+async def _harvest_size_check(harvest: HarvestRequest, model, layers: list[int]) -> None:
+    """413 request_too_large when the job's files would pass ACS_HARVEST_MAX_JOB_BYTES (the
+    worker enforces it again on the tokens it captures)."""
+    counts = await count_prompt_tokens(
+        model, harvest.prompts, add_special_tokens=harvest.add_special_tokens
+    )
+    size = harvest_bytes_estimate(
+        prompt_tokens=sum(counts), n_layers=len(layers), hidden_size=model.hidden_size
+    )
+    limit = settings.ACS_HARVEST_MAX_JOB_BYTES
+    if size > limit:
+        raise services.harvest_too_large(
+            f"Capturing {len(layers)} layers over the {sum(counts)} tokens of these prompts "
+            f"would write about {size} bytes; one harvest job may write at most {limit}"
+        )
+
+
+def _expiry_message() -> str:
+    return (
+        f"This job's files were deleted {selectors.harvest_retention_days()} days after it "
+        "ended; submit the prompts again to harvest them anew."
+    )
+
+
 def harvest_job_body(request, job: HarvestJob) -> dict:
     body = {
         "job_id": str(job.pk),
@@ -182,6 +209,8 @@ def harvest_job_body(request, job: HarvestJob) -> dict:
         "completed_at": _timestamp(job.completed_at),
         "error": job.error,
     }
+    if job.status == HarvestJobStatus.EXPIRED:
+        body["message"] = _expiry_message()
     links = selectors.harvest_download_links(job=job)
     if links is not None:
         body["result"] = {
@@ -210,6 +239,7 @@ async def harvest_jobs(request):
                 should_retry=False,
             )
         layers = _harvest_layers(harvest.layers, model)
+        await _harvest_size_check(harvest, model, layers)
         async with admission_slot(key.pk):
             job = await run_db(
                 services.harvest_job_submit,
@@ -230,9 +260,7 @@ async def harvest_jobs(request):
             rid,
         )
     except BudgetExceeded as exceeded:
-        return error_response(
-            ApiError(429, exceeded.code, exceeded.message, should_retry=False), rid
-        )
+        return error_response(budget_refusal(exceeded), rid)
     except ApiError as error:
         return error_response(error, rid)
     return _json(
@@ -278,6 +306,8 @@ async def harvest_file(request, job_id, name):
     except DownloadRefused as refusal:
         return error_response(ApiError(403, "download_url_invalid", str(refusal)), rid)
     job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
+    if job is not None and job.status == HarvestJobStatus.EXPIRED:
+        return error_response(ApiError(404, "not_found", _expiry_message()), rid)
     if job is None or name not in job.files:
         return error_response(ApiError(404, "not_found", f"No file '{name}' in this job."), rid)
     handle = await run_db(harvest_file_open, job.storage_prefix, name)

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from acs_client.client import AcsClient
+from tests.gateway.conftest import gateway_url  # noqa: F401 (the live /v1 gateway)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

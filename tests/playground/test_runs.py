@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import connection
 
 from accounts.models import ApiKey, AuditLog
-from accounts.services import api_key_authenticate
+from accounts.services import api_key_authenticate, api_key_revoke
 from api.auth import access_generation_bump
 from playground import services, streams, tasks
 from playground.models import Run, RunKind, RunStatus
@@ -296,3 +296,26 @@ def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
     alive.refresh_from_db()
     assert alive.status == RunStatus.RUNNING
     assert tasks.runs_sweep() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_message(
+    approved_user, no_enqueue, gateway_url, settings, redis_client
+):
+    """The worker calls the real gateway, which checks the key on every request (its auth
+    cache is refreshed by the revocation), so no start-time check of its own is needed."""
+    settings.GATEWAY_URL = gateway_url
+    run = services.run_create(user=approved_user, request=REQUEST)
+    key, secret = services.playground_key_get_or_create(user=approved_user)
+    models = httpx.get(f"{gateway_url}/v1/models", headers={"Authorization": f"Bearer {secret}"})
+    assert models.status_code == 200  # the gateway now holds the key in its auth cache
+    api_key_revoke(key=key, acting_user=approved_user)
+
+    run = services.run_execute(run_id=run.id, final_attempt=False)
+
+    assert run.status == RunStatus.FAILED
+    assert run.error_code == "key_revoked"
+    assert run.error_message == "This API key has been revoked; create a new one."
+    assert run.request_id
+    end = list(streams.replay(run.id))[-1]
+    assert end["error"] == {"code": "key_revoked", "message": run.error_message}

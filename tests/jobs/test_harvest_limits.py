@@ -1,0 +1,261 @@
+"""Harvest jobs are paid like /v1 captures (token windows, activation quota, spend cap),
+reserved before each batch and settled after; their files have a size cap per job and a
+retention, after which a beat sweep deletes them."""
+
+import json
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.core.files.storage import default_storage
+from django.utils import timezone
+
+from accounts.models import Period, UsagePeriod, UsageRecord
+from accounts.services import service_spend_cap_set
+from api.errors import ApiError
+from api.jobs import services, tasks
+from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.storage import harvest_file_write
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PROMPTS = ["The quick brown fox.", "Residual streams.", "Paris"]
+LAYERS = [0, 7]
+
+
+def _submit(api_key, prompts=PROMPTS):
+    return services.harvest_job_submit(
+        key=api_key, model="smollm2-135m", prompts=prompts, layers=LAYERS, add_special_tokens=True
+    )
+
+
+def _token_counts(engine_url, prompts=PROMPTS):
+    return [
+        len(httpx.post(f"{engine_url}/tokenize", json={"prompt": prompt}).json()["tokens"])
+        for prompt in prompts
+    ]
+
+
+def _windows(key):
+    """The key's month and day windows and its account's month window."""
+    return [
+        UsagePeriod.objects.get(key=key, period=Period.MONTH),
+        UsagePeriod.objects.get(key=key, period=Period.DAY),
+        UsagePeriod.objects.get(key=None, user=key.user, period=Period.MONTH),
+    ]
+
+
+def _manifest(job):
+    return json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
+
+
+def test_harvest_captures_are_charged_to_the_token_windows_and_activation_quota(
+    api_key, engine_model, engine_url, redis_client, settings
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 2
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.DONE, job.error
+
+    prompt_tokens = sum(_token_counts(engine_url))
+    for window in _windows(api_key):
+        # One generated token per capture, as a /v1 capture with max_tokens 1.
+        assert window.used_tokens == prompt_tokens + len(PROMPTS)
+        assert window.reserved_tokens == 0
+        assert window.activation_requests == len(PROMPTS)
+    records = UsageRecord.objects.filter(key=api_key, endpoint="harvest")
+    assert records.count() == 2  # one per batch
+    assert sum(record.prompt_tokens for record in records) == prompt_tokens
+
+
+def test_a_budget_that_cannot_cover_the_next_batch_fails_the_job_keeping_what_was_written(
+    api_client, api_key, engine_model, engine_url, redis_client, settings
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    counts = _token_counts(engine_url)
+    # Room for the first capture, and for the second's prompt but not its generated token.
+    api_key.monthly_token_budget = counts[0] + 1 + counts[1]
+    api_key.save(update_fields=["monthly_token_budget"])
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "budget_exceeded"
+    assert job.prompts_done == 1
+    key_month = _windows(api_key)[0]
+    assert (key_month.used_tokens, key_month.reserved_tokens) == (counts[0] + 1, 0)
+    manifest = _manifest(job)
+    assert manifest["prompts_captured"] == 1
+    assert [shard["tensors"] for shard in manifest["shards"]] == [["prompt_0", "tokens_0"]]
+    body = api_client.get(f"/v1/harvest/{job.pk}").json()
+    assert body["status"] == "failed"
+    assert len(body["result"]["shard_urls"]) == 1
+
+
+def test_the_activation_quota_refuses_a_batch_it_cannot_cover_whole(
+    api_key, engine_model, redis_client, settings
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 2
+    api_key.monthly_activation_quota = 3
+    api_key.save(update_fields=["monthly_activation_quota"])
+    job = _submit(api_key, prompts=[*PROMPTS, "One more."])
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "activation_quota_exceeded"
+    assert job.prompts_done == 2
+    assert _windows(api_key)[0].activation_requests == 2
+
+
+def test_a_failed_batch_is_not_charged_and_gives_its_activation_requests_back(
+    api_key, engine_model, engine_url, redis_client, settings, monkeypatch
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    job = _submit(api_key)
+    real_capture = services.capture_batch
+
+    async def second_batch_fails(*args, **kwargs):
+        if kwargs["first_index"] == 1:
+            raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+        return await real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(services, "capture_batch", second_batch_fails)
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "capture_incomplete"
+    first = _token_counts(engine_url)[0]
+    for window in _windows(api_key):
+        assert (window.used_tokens, window.reserved_tokens) == (first + 1, 0)
+        assert window.activation_requests == 1
+
+
+def test_a_paused_service_refuses_harvest_submits_and_fails_a_pending_job_with_spend_cap(
+    api_client, api_key, engine_model, redis_client, staff_user, monkeypatch
+):
+    job = _submit(api_key)
+    service_spend_cap_set(paused=True, acting_user=staff_user, reason="over budget")
+
+    response = api_client.post(
+        "/v1/harvest",
+        data=json.dumps({"model": "smollm2-135m", "prompts": ["Hello."]}),
+        content_type="application/json",
+    )
+    assert response.status_code == 429
+    assert response.json()["error"]["code"] == "spend_cap"
+    assert response["Retry-After"] == "3600"
+
+    captured = []
+
+    async def capture(*args, **kwargs):
+        captured.append(kwargs["first_index"])
+        return []
+
+    monkeypatch.setattr(services, "capture_batch", capture)
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "spend_cap"
+    assert captured == []
+    assert HarvestJob.objects.count() == 1
+
+
+def test_a_harvest_over_the_size_cap_is_413_at_submit(
+    api_client, engine_model, engine_url, settings
+):
+    tokens = _token_counts(engine_url, ["Hello there."])[0]
+    settings.ACS_HARVEST_MAX_JOB_BYTES = tokens * 30 * 576 * 2 - 1
+    response = api_client.post(
+        "/v1/harvest",
+        data=json.dumps({"model": "smollm2-135m", "prompts": ["Hello there."], "layers": "all"}),
+        content_type="application/json",
+    )
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large"
+    assert str(settings.ACS_HARVEST_MAX_JOB_BYTES) in error["message"]
+    assert not HarvestJob.objects.exists()
+
+
+def test_the_worker_stops_a_job_before_its_files_pass_the_size_cap(
+    api_key, engine_model, engine_url, redis_client, settings
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    first = _token_counts(engine_url)[0]
+    # Room for the first shard only (its header aside, which the estimate leaves out).
+    settings.ACS_HARVEST_MAX_JOB_BYTES = first * (len(LAYERS) * 576 * 2 + 4) + 1024
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.FAILED
+    assert job.error["code"] == "request_too_large"
+    assert job.prompts_done == 1
+    written = sum(
+        default_storage.size(job.storage_prefix + name)
+        for name in job.files
+        if name.startswith("shard_")
+    )
+    assert 0 < written <= settings.ACS_HARVEST_MAX_JOB_BYTES
+    assert _windows(api_key)[0].activation_requests == 1
+
+
+def _ended_job(api_key, *, ended_ago):
+    job = _submit(api_key)
+    for name in ("shard_00000.safetensors", "stats.safetensors", "manifest.json"):
+        harvest_file_write(job.storage_prefix, name, b"{}")
+    HarvestJob.objects.filter(pk=job.pk).update(
+        status=HarvestJobStatus.DONE,
+        completed_at=timezone.now() - ended_ago,
+        files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"],
+    )
+    return job
+
+
+def test_the_beat_sweep_deletes_the_files_of_jobs_past_their_retention(
+    api_client, api_key, settings
+):
+    retention = timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
+    assert retention == timedelta(days=7)
+    old = _ended_job(api_key, ended_ago=retention + timedelta(minutes=1))
+    recent = _ended_job(api_key, ended_ago=retention - timedelta(minutes=1))
+    old_links = api_client.get(f"/v1/harvest/{old.pk}").json()["result"]
+
+    tasks.jobs_sweep()
+
+    assert not default_storage.exists(old.storage_prefix + "manifest.json")
+    assert default_storage.exists(recent.storage_prefix + "manifest.json")
+    body = api_client.get(f"/v1/harvest/{old.pk}").json()
+    assert body["status"] == "expired"
+    assert "deleted 7 days after it ended" in body["message"]
+    assert "result" not in body
+    download = api_client.get(old_links["manifest_url"])
+    assert download.status_code == 404
+    assert "deleted" in download.json()["error"]["message"]
+    assert api_client.get(f"/v1/harvest/{recent.pk}").json()["status"] == "done"
+
+
+def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
+    api_key, engine_model, redis_client, monkeypatch
+):
+    def harvest_jobs_counted():
+        return _windows(api_key)[0].harvest_jobs
+
+    cancelled = _submit(api_key)
+    failing = _submit(api_key)
+    assert harvest_jobs_counted() == 2
+
+    services.harvest_job_cancel(job=cancelled)
+    assert harvest_jobs_counted() == 1
+
+    async def upstream_lost(*args, **kwargs):
+        raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+
+    monkeypatch.setattr(services, "capture_batch", upstream_lost)
+    services.harvest_job_execute(job_id=failing.pk)
+    assert HarvestJob.objects.get(pk=failing.pk).status == HarvestJobStatus.FAILED
+    assert harvest_jobs_counted() == 0
