@@ -205,3 +205,9 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+
+# --- Reliability (issue #12: the fault suite in tests/faults) ---
+# A persistent connection that PostgreSQL ended (a restart, a failover, pg_terminate_backend)
+# is checked before its first use in each request, task or gateway worker-thread call and
+# replaced, instead of failing that call with a 500.
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
