@@ -26,7 +26,7 @@ from celery import Celery
 from django.conf import settings
 from django.db import connections
 
-from accounts.models import Period, UsagePeriod, User
+from accounts.models import BudgetLease, Period, UsagePeriod, User
 from accounts.services import api_key_create
 from api.models import LanguageModel
 from tests.conftest import make_user
@@ -328,6 +328,13 @@ def models(system, transactional_db):
         ),
     )
     yield
+    # The gateway gives budget leases back LEASE_IDLE_S after a key's last request: let it,
+    # before the test database is flushed under it.
+    wait_for(
+        lambda: not BudgetLease.objects.filter(returned_at=None).exists(),
+        timeout=30,
+        what="the gateway to give its budget leases back",
+    )
     connections.close_all()
 
 
