@@ -234,3 +234,9 @@ ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60)
 ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 * 3600)
 # The most bytes one harvest job may write (checked at submission, enforced per batch).
 ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3)
+
+# --- Reliability (issue #12: the fault suite in tests/faults) ---
+# A persistent connection that PostgreSQL ended (a restart, a failover, pg_terminate_backend)
+# is checked before its first use in each request, task or gateway worker-thread call and
+# replaced, instead of failing that call with a 500.
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

@@ -13,6 +13,7 @@ itself.
 
 import hashlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -93,11 +94,15 @@ def key_recheck(key_id: int, *, scope: str = Scope.COMPLETIONS) -> ApiKey:
 
 
 def access_generation_bump() -> None:
-    """Make every process re-read keys from the database on their next request."""
+    """Make every process re-read keys from the database on their next request.
+
+    The generation is a new random value, not a counter: a Redis restarted empty would count
+    again from nothing, back through values that cached entries were read under, and so make
+    stale entries (a revoked key) look current."""
     try:
         client = redis.Redis.from_url(settings.REDIS_URL)
         try:
-            client.incr(GENERATION_KEY)
+            client.set(GENERATION_KEY, secrets.token_hex(8))
         finally:
             client.close()
     except redis.RedisError:

@@ -8,6 +8,7 @@ import weakref
 import httpx
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 _redis_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = (
     weakref.WeakKeyDictionary()
@@ -26,7 +27,13 @@ def redis_client() -> aioredis.Redis:
     loop = asyncio.get_running_loop()
     client = _redis_by_loop.get(loop)
     if client is None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=512)
+        # A command on a pooled connection that Redis closed (a restart, a failover) is sent
+        # once more on a new connection, instead of failing the request that drew it from the
+        # pool. A command Redis ran just before the drop may so run twice: the admission and
+        # breaker scripts add members named by a per-request token, so that changes nothing.
+        client = aioredis.Redis.from_url(
+            settings.REDIS_URL, max_connections=512, retry_on_error=[RedisConnectionError]
+        )
         _redis_by_loop[loop] = client
     return client
 

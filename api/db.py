@@ -14,7 +14,7 @@ import weakref
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connections
-from psycopg import AsyncClientCursor
+from psycopg import AsyncClientCursor, OperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from accounts.services import COMMIT, WindowsMissing, run_steps, statements_joined
@@ -60,18 +60,38 @@ def on_postgresql() -> bool:
     return connections["default"].vendor == "postgresql"
 
 
+class _ConnectionLost(Exception):
+    """The database ended the pooled connection mid-transaction; `retryable` when the
+    transaction had sent no COMMIT, so nothing of it was written."""
+
+    def __init__(self, *, retryable: bool):
+        super().__init__("the database connection was lost")
+        self.retryable = retryable
+
+
 async def run_steps_async(make_steps):
     """`accounts.services.run_steps` for async callers: the step generator `make_steps()`
     runs in one transaction and its result is returned (its exceptions are raised); 503
-    db_pool_exhausted when no pooled connection frees up in time."""
+    db_pool_exhausted when no pooled connection frees up in time, or when the database
+    ended the connection while the transaction was committing (it may have been written)."""
     if not on_server_loop.get() or not on_postgresql():
         return await run_db(run_steps, make_steps)
     pool = await _pool()
+    # The database may have ended every connection of the pool at once (a restart, a
+    # failover, an administrator): each broken one is discarded, so the last try gets a
+    # new connection.
+    tries = POOL_MAX_SIZE + 1
     while True:
         try:
             return await _run_on(pool, make_steps())
         except WindowsMissing as missing:
             await run_db(missing.create)
+        except _ConnectionLost as error:
+            tries -= 1
+            if not tries or not error.retryable:
+                raise ApiError(
+                    503, "db_pool_exhausted", "The database connection was lost; retry."
+                ) from None
         except PoolTimeout:
             raise ApiError(
                 503,
@@ -92,6 +112,7 @@ async def _run_on(pool: AsyncConnectionPool, steps):
                     batch = steps.send(rows)
                 except StopIteration as done:
                     if not committed:
+                        committed = True
                         await cursor.execute("COMMIT")
                     return done.value
                 if not began:
@@ -99,6 +120,15 @@ async def _run_on(pool: AsyncConnectionPool, steps):
                 committed = batch[-1] is COMMIT
                 await cursor.execute(*statements_joined(batch))
                 rows = await _rows_of_last_result(cursor)
+        except OperationalError as error:
+            # A broken connection is closed (the pool then discards it). Whether a COMMIT it
+            # was sending took effect is unknown, so only a transaction that sent none may
+            # be run again.
+            if conn.closed:
+                raise _ConnectionLost(retryable=not committed) from error
+            if began:
+                await conn.rollback()
+            raise
         except Exception:
             if began and not conn.closed:
                 await conn.rollback()

@@ -1,0 +1,137 @@
+"""Every PostgreSQL connection of the system is killed (pg_terminate_backend) while clients
+keep sending completions."""
+
+import threading
+import time
+import uuid
+from collections import Counter
+
+import httpx
+
+from accounts.models import UsageRecord
+
+from .conftest import STUB_MODEL, make_account, wait_for
+
+CLIENTS = 6
+RECOVERY_BOUND_S = 10.0
+
+
+class Load:
+    """CLIENTS threads sending completions, each request with its own X-Request-Id, until
+    stopped; the clients take turns over `accounts`."""
+
+    def __init__(self, base_url: str, accounts: list):
+        self.base_url, self.accounts = base_url, accounts
+        self.replies: list[tuple[float, object, str, int, dict]] = []
+        self.stopping = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._client, args=(accounts[i % len(accounts)],))
+            for i in range(CLIENTS)
+        ]
+
+    def _client(self, account) -> None:
+        body = {"model": STUB_MODEL, "prompt": "the capital of france is", "max_tokens": 3}
+        with httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {account.secret}"},
+            timeout=60,
+        ) as http:
+            while not self.stopping.is_set():
+                request_id = uuid.uuid4().hex
+                response = http.post(
+                    "/v1/completions", json=body, headers={"X-Request-Id": request_id}
+                )
+                self.replies.append(
+                    (time.monotonic(), account, request_id, response.status_code, response.json())
+                )
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def served_after(self, moment: float) -> int:
+        return sum(1 for at, _, _, status, _ in self.replies if at > moment and status == 200)
+
+
+def _check_metered_once(account, replies) -> tuple[int, int, int]:
+    """Every answer to `account` is metered exactly once: one usage record per request id,
+    with the tokens of the body the client got, and the windows' `used` is the tokens of
+    its 200s. Returns (tokens metered, tokens produced, records)."""
+    replies = [reply for reply in replies if reply[1] is account]
+    served = {rid: body["usage"] for _, _, rid, status, body in replies if status == 200}
+    sent = {rid for _, _, rid, _, _ in replies}
+    wait_for(
+        lambda: UsageRecord.objects.filter(key=account.key).count() >= len(sent),
+        timeout=30,
+        what="every usage record",
+    )
+    records = list(UsageRecord.objects.filter(key=account.key))
+    by_request = Counter(record.request_id for record in records)
+    assert set(by_request) == sent
+    assert max(by_request.values()) == 1
+    for record in records:
+        usage = served.get(record.request_id)
+        if usage is None:
+            assert record.prompt_tokens + record.completion_tokens == 0
+        else:
+            assert record.status_code == 200
+            assert (record.prompt_tokens, record.completion_tokens) == (
+                usage["prompt_tokens"],
+                usage["completion_tokens"],
+            )
+    produced = sum(usage["total_tokens"] for usage in served.values())
+    wait_for(lambda: account.reserved_tokens() == 0, timeout=30, what="every hold released")
+    metered = account.used_tokens()
+    assert metered == produced
+    return metered, produced, len(records)
+
+
+def test_killed_db_connections_answer_503_or_retry_and_lose_no_usage(system, account, fault_table):
+    # One key far from its limits (held out of budget leases, usage written in batches) and
+    # one whose every request is reserved in a transaction of its own.
+    exact = make_account(exact_budgets=True)
+    load = Load(system.web_url, [account, exact])
+    load.start()
+    try:
+        wait_for(lambda: len(load.replies) >= 20, timeout=60, what="the load to warm up")
+        killed = system.terminate_db_backends()
+        killed_at = time.monotonic()
+        wait_for(
+            lambda: load.served_after(killed_at) >= 1, timeout=60, what="requests served again"
+        )
+        recovered_at = min(
+            at for at, _, _, status, _ in load.replies if at > killed_at and status == 200
+        )
+        wait_for(
+            lambda: load.served_after(recovered_at) >= 20,
+            timeout=60,
+            what="more requests served after the recovery",
+        )
+    finally:
+        load.stop()
+
+    outcomes = Counter(
+        (status, body.get("error", {}).get("code", "")) for _, _, _, status, body in load.replies
+    )
+    assert set(outcomes) <= {(200, ""), (503, "db_pool_exhausted")}, outcomes
+    assert killed >= 1
+    assert recovered_at - killed_at <= RECOVERY_BOUND_S
+    metered, produced, records = (
+        sum(values)
+        for values in zip(
+            *(_check_metered_once(a, load.replies) for a in (account, exact)), strict=True
+        )
+    )
+    errors = outcomes.get((503, "db_pool_exhausted"), 0)
+    fault_table.add(
+        fault=f"PostgreSQL: all {killed} connections terminated under load ({CLIENTS} clients)",
+        client_saw=f"{outcomes[(200, '')]}× 200, {errors}× 503 `db_pool_exhausted`",
+        metered=f"{metered} ({records} records, one per request)",
+        produced=f"{produced} in the 200 bodies",
+        recovery=f"{recovered_at - killed_at:.1f} s to the next 200",
+    )

@@ -1,0 +1,119 @@
+"""The engine is SIGKILLed while it streams a completion."""
+
+import json
+import time
+import uuid
+
+import httpx
+
+from accounts.models import UsageRecord
+from api import upstream
+
+from .conftest import ENGINE_MODEL, wait_for
+
+
+def _stream_until_killed(http, body, *, kill_after_tokens: int, kill) -> dict:
+    """Stream `body`, call `kill()` once `kill_after_tokens` tokens arrived; returns what the
+    client saw: tokens (counted from the logprobs of the frames), the error frame, [DONE]."""
+    seen = {"tokens": 0, "error": None, "done": False, "request_id": ""}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        seen["request_id"] = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                seen["done"] = True
+                continue
+            frame = json.loads(data)
+            if "error" in frame:
+                seen["error"] = frame["error"]
+                continue
+            for choice in frame["choices"]:
+                seen["tokens"] += len((choice.get("logprobs") or {}).get("tokens") or [])
+            if seen["tokens"] >= kill_after_tokens and kill is not None:
+                kill()
+                kill = None
+    return seen
+
+
+def test_engine_killed_mid_stream_meters_sent_tokens_and_breaker_recovers(
+    system, engine_ready, account, fault_table
+):
+    http = httpx.Client(
+        base_url=system.web_url,
+        headers={"Authorization": f"Bearer {account.secret}"},
+        timeout=60,
+    )
+    body = {
+        "model": ENGINE_MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "logprobs": 1,
+        "temperature": 0,
+        "stream": True,
+    }
+    killed_at = []
+
+    def kill():
+        system.engine.kill()
+        killed_at.append(time.monotonic())
+
+    seen = _stream_until_killed(http, body, kill_after_tokens=5, kill=kill)
+
+    # The client: a 200 stream that ends with one in-band error frame, no [DONE].
+    assert seen["error"] is not None and seen["error"]["code"] == "vllm_engine_dead", seen
+    assert not seen["done"]
+    assert 5 <= seen["tokens"] < 200
+
+    # Metered: exactly the tokens the client received, once.
+    record = wait_for(
+        lambda: UsageRecord.objects.filter(request_id=seen["request_id"]).first(),
+        timeout=15,
+        what="the stream's usage record",
+    )
+    assert UsageRecord.objects.filter(request_id=seen["request_id"]).count() == 1
+    assert (record.status_code, record.error_code) == (200, "vllm_engine_dead")
+    assert record.completion_tokens == seen["tokens"]
+    metered = wait_for(
+        lambda: account.used_tokens() or None, timeout=15, what="the spend in the windows"
+    )
+    assert metered == record.prompt_tokens + seen["tokens"]
+
+    # While the engine is down the breaker opens: requests fail fast with circuit_open.
+    plain = {"model": ENGINE_MODEL, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    codes = []
+    for _ in range(upstream.FAILURE_THRESHOLD + 2):
+        response = http.post("/v1/completions", json=plain)
+        codes.append(response.json()["error"]["code"])
+    assert "upstream_unreachable" in codes and codes[-1] == "circuit_open", codes
+
+    # The engine comes back: the breaker's probe closes the circuit.
+    system.engine.start()
+    system.engine.wait_ready()
+    back_at = time.monotonic()
+    bound = upstream.OPEN_MS / 1000 + 15
+
+    def served():
+        response = http.post(
+            "/v1/completions", json=plain, headers={"X-Request-Id": uuid.uuid4().hex}
+        )
+        if response.status_code != 200:
+            time.sleep(0.5)
+        return response.status_code == 200
+
+    wait_for(served, timeout=bound, what="the breaker to close")
+    recovered = time.monotonic()
+    fault_table.add(
+        fault="engine SIGKILLed mid-stream",
+        client_saw=f"200 stream, {seen['tokens']} tokens, then an in-band `vllm_engine_dead`"
+        f" frame (no [DONE]); then {codes.count('upstream_unreachable')}×"
+        f" `upstream_unreachable`, then `circuit_open`",
+        metered=f"{record.completion_tokens} completion (+{record.prompt_tokens} prompt)",
+        produced=f"{seen['tokens']} received",
+        recovery=f"{recovered - back_at:.1f} s after the engine was back"
+        f" ({recovered - killed_at[0]:.1f} s after the kill; circuit open"
+        f" {upstream.OPEN_MS / 1000:.0f} s)",
+    )
+    http.close()
