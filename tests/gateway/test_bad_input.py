@@ -120,3 +120,11 @@ def test_harvest_download_urls_ignore_a_forged_host_header(client, stub, api_key
     result = response.json()["result"]
     urls = [result["manifest_url"], result["stats_url"], *result["shard_urls"]]
     assert all(url.startswith("https://acs.example.org/v1/harvest/") for url in urls), urls
+
+
+@pytest.mark.parametrize("path", ["/v1/docs", "/v1/openapi.json"])
+def test_a_forged_host_header_does_not_break_the_api_reference(client, settings, path):
+    settings.SITE_URL = "https://acs.example.org"
+    response = client.get(path, headers={"Host": "attacker.example"})
+    assert response.status_code == 200
+    assert "attacker.example" not in response.text
