@@ -5,6 +5,7 @@ import datetime as dt
 import re
 
 from django import forms
+from django.core.validators import MaxValueValidator
 
 from .usage_selectors import RequestLogFilter, UsageWindow
 
@@ -18,6 +19,8 @@ DEFAULT_RANGE = "30"
 MAX_RANGE_DAYS = 366
 _STATUS = re.compile(r"^(?:[1-5][0-9]{2}|[245]xx)$")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# A window ends at the midnight after its last day, which date.max does not have.
+LAST_DAY = dt.date.max - dt.timedelta(days=1)
 
 
 def _date_field(label):
@@ -25,6 +28,7 @@ def _date_field(label):
         label=label,
         required=False,
         input_formats=["%Y-%m-%d"],
+        validators=[MaxValueValidator(LAST_DAY, message=f"Give a day no later than {LAST_DAY}.")],
         widget=forms.DateInput(attrs={"type": "date"}),
         help_text="YYYY-MM-DD, UTC",
     )

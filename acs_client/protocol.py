@@ -26,7 +26,8 @@ FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE = 16
 
 class Strict(BaseModel):
     # strict: JSON types must match (no "5" for 5, no true for 1); unknown fields are errors.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Python's json reads NaN, Infinity and 1e999 as floats: no sampler or scale takes them.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):

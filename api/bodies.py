@@ -1,10 +1,28 @@
 """Request bodies: the 8 MiB cap (checked before parsing) and JSON decoding, for the Django
-views and the completions ASGI app alike."""
+views and the completions ASGI app alike. Every /v1 body goes through `decode_json`, which
+also refuses what would break later steps: nesting deeper than `MAX_JSON_DEPTH` (the stdlib
+parser recurses once per level and raises RecursionError near 1000) and strings holding a
+lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be encoded to UTF-8, so the
+tokenizer, the database and the upstream request would all fail on it)."""
 
 import json
+import re
 
 from .errors import ApiError
 from .schemas import MAX_BODY_BYTES
+
+# No valid body of the API nests deeper than 5 levels (a steering vector's codec object).
+MAX_JSON_DEPTH = 64
+
+# A JSON string, so that brackets inside strings are not counted as nesting.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# Every byte except brackets is deleted, and `}` / `{` become `]` / `[`.
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+# Where a lone surrogate can come from: a \uD800–\uDFFF escape, or its UTF-8 bytes (which
+# json.loads decodes with "surrogatepass"). Valid escaped pairs match too; `_lone_surrogate_at`
+# then tells them apart.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def too_large() -> ApiError:
@@ -20,10 +38,70 @@ def check_declared_length(content_length: str | None) -> None:
 
 
 def decode_json(raw: bytes):
-    """The decoded body (`raw` may be one byte over the cap: that is the 413); 400 bad_json."""
+    """The decoded body (`raw` may be one byte over the cap: that is the 413); 400 bad_json,
+    or 400 invalid_request for nesting too deep or a lone surrogate (naming its field)."""
     if len(raw) > MAX_BODY_BYTES:
         raise too_large()
+    if _nested_deeper_than(raw, MAX_JSON_DEPTH):
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"The body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.",
+        )
     try:
-        return json.loads(raw)
+        payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, "bad_json", f"The body is not valid JSON: {error}.") from None
+    if _MAYBE_SURROGATE.search(raw):
+        field = _lone_surrogate_at(payload, ())
+        if field is not None:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (such as "
+                "\\ud800), which is not valid Unicode text.",
+            )
+    return payload
+
+
+def _nested_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the brackets of `raw` (outside strings) nest more than `limit` deep, found
+    without parsing and at C speed: each round deletes every innermost `[]` pair, so what
+    survives `limit` rounds nests deeper. Unclosed brackets count as open until the end."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(_BRACKETS, _NOT_BRACKETS)
+    for _ in range(limit):
+        reduced = brackets.replace(b"[]", b"")
+        if reduced == brackets:
+            break
+        brackets = reduced
+    return b"[]" in brackets or brackets.count(b"[") > limit
+
+
+def _lone_surrogate_at(value, path: tuple) -> str | None:
+    """The dotted path of the first string (or object key) in `value` that cannot be
+    encoded to UTF-8, or None."""
+    if isinstance(value, str):
+        return None if _encodable(value) else ".".join(map(str, path)) or "body"
+    if isinstance(value, list):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return None
+    for name, item in items:
+        if isinstance(name, str) and not _encodable(name):
+            return ".".join(map(str, (*path, name.encode("utf-8", "backslashreplace").decode())))
+        found = _lone_surrogate_at(item, (*path, name))
+        if found is not None:
+            return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

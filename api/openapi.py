@@ -7,13 +7,14 @@ from acs_client.protocol import (
     MAX_N,
     MAX_STEERING_VECTORS,
     MAX_STOP_STRINGS,
+    NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
 )
 
 from .errors import DEFAULT_RETRY_AFTER, NOT_RETRYABLE
+from .jobs.schemas import HarvestRequest
 from .schemas import (
     MAX_BODY_BYTES,
-    NON_STREAMING_MAX_TOKENS,
     CompletionRequest,
 )
 
@@ -40,6 +41,7 @@ ERROR_CODES = [
     (403, "download_url_invalid", "The signed download link is invalid or has expired."),
     (404, "not_found", "No such endpoint, job or file."),
     (409, "harvest_not_cancellable", "The harvest job has already ended."),
+    (409, "idempotency_key_reused", "This Idempotency-Key names a job with another body."),
     (405, "method_not_allowed", "Use the method the Allow header names."),
     (413, "request_too_large", "The body exceeds 8 MiB."),
     (429, "budget_exceeded", "A token budget is spent; no Retry-After."),
@@ -47,6 +49,8 @@ ERROR_CODES = [
     (429, "spend_cap", "The service is paused; Retry-After: 3600."),
     (429, "queue_full", "16 running and 64 waiting requests for this key."),
     (429, "rate_limited", "600 request starts in the last minute for this key."),
+    (429, "harvest_quota_exceeded", "The monthly harvest-job quota is spent."),
+    (429, "harvest_jobs_limit", "The key runs its maximum of harvest jobs; Retry-After: 30."),
     (500, "internal_error", "Report the request id."),
     (502, "upstream_unreachable", "The upstream could not be reached."),
     (502, "vllm_engine_dead", "The upstream closed the connection mid-response."),
@@ -104,6 +108,7 @@ def openapi_document() -> dict:
         ref_template="#/components/schemas/{model}"
     )
     definitions = request_schema.pop("$defs", {})
+    harvest_schema = HarvestRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     completion_errors = _error_responses(400, 401, 403, 413, 429, 500, 502, 503, 504)
     return {
         "openapi": "3.1.0",
@@ -124,21 +129,19 @@ def openapi_document() -> dict:
         "servers": [{"url": "/"}],
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"CompletionRequest": request_schema, "Error": _ERROR, **definitions},
+            "schemas": {
+                "CompletionRequest": request_schema,
+                "HarvestRequest": harvest_schema,
+                "Error": _ERROR,
+                **definitions,
+            },
         },
         "security": [{"bearer": []}],
         "paths": {
             "/v1/completions": {
                 "post": {
                     "summary": "Create a completion (stream: true for server-sent events)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/CompletionRequest"}
-                            }
-                        },
-                    },
+                    "requestBody": _completion_body(),
                     "responses": {
                         "200": {
                             "description": "The completion, or a text/event-stream of chunks "
@@ -201,6 +204,110 @@ def openapi_document() -> dict:
                     | _auth_errors(),
                 }
             },
+            "/v1/completion-jobs": {
+                "post": {
+                    "summary": "Submit a completion body as a job (runs after you disconnect)",
+                    "description": (
+                        "The same Idempotency-Key and body returns the existing job (200); the "
+                        "same key with another body is 409 idempotency_key_reused. stream is "
+                        "not allowed."
+                    ),
+                    "parameters": [_IDEMPOTENCY_KEY],
+                    "requestBody": _completion_body(),
+                    "responses": {
+                        "202": {"description": "The new job: {id, object, status: queued, ...}"},
+                        "200": {"description": "The job this Idempotency-Key already names"},
+                    }
+                    | _error_responses(400, 401, 403, 409, 413, 429),
+                }
+            },
+            "/v1/completion-jobs/{job_id}": {
+                "get": {
+                    "summary": "A completion job's status (queued, running, succeeded, failed)",
+                    "parameters": [_JOB_ID],
+                    "responses": {"200": {"description": "{id, object, status, error, ...}"}}
+                    | _auth_errors()
+                    | _error_responses(404),
+                }
+            },
+            "/v1/completion-jobs/{job_id}/result": {
+                "get": {
+                    "summary": "202 with Retry-After until the job ends, then its stored body",
+                    "parameters": [_JOB_ID],
+                    "responses": {
+                        "200": {"description": "The stored completion body"},
+                        "202": {"description": "The job's status; poll after Retry-After"},
+                    }
+                    | _auth_errors()
+                    | _error_responses(404),
+                }
+            },
+            "/v1/harvest": {
+                "post": {
+                    "summary": "Capture the residual stream of many prompts into safetensors",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/HarvestRequest"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "202": {"description": "{job_id, status: pending, model, n_prompts}"}
+                    }
+                    | _error_responses(400, 401, 403, 413, 429, 503),
+                }
+            },
+            "/v1/harvest/{job_id}": {
+                "get": {
+                    "summary": "A harvest job's status and progress; download URLs once done",
+                    "parameters": [_JOB_ID],
+                    "responses": {
+                        "200": {
+                            "description": "{job_id, status: pending|running|done|failed|"
+                            "cancelled, progress, result: {manifest_url, shard_urls, stats_url, "
+                            "urls_expire_at}}"
+                        }
+                    }
+                    | _auth_errors()
+                    | _error_responses(404),
+                },
+                "delete": {
+                    "summary": "Cancel a pending or running harvest job",
+                    "parameters": [_JOB_ID],
+                    "responses": {"200": {"description": "The job, status: cancelled"}}
+                    | _auth_errors()
+                    | _error_responses(404, 409),
+                },
+            },
+            "/v1/harvest/{job_id}/files/{name}": {
+                "get": {
+                    "summary": "One file of a finished harvest, by its signed URL (no API key)",
+                    "security": [],
+                    "parameters": [
+                        _JOB_ID,
+                        {"name": "name", "in": "path", "required": True, "schema": _STRING},
+                        {"name": "token", "in": "query", "required": True, "schema": _STRING},
+                    ],
+                    "responses": {"200": {"description": "The file (safetensors or JSON)"}}
+                    | _error_responses(403, 404),
+                }
+            },
+            "/v1/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "security": [],
+                    "responses": {"200": {"description": "OpenAPI 3.1"}},
+                }
+            },
+            "/v1/docs": {
+                "get": {
+                    "summary": "This document as a web page (also at /docs/)",
+                    "security": [],
+                    "responses": {"200": {"description": "HTML"}},
+                }
+            },
         },
         "x-error-codes": [
             {
@@ -215,4 +322,22 @@ def openapi_document() -> dict:
     }
 
 
-_MODEL_ID = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_STRING = {"type": "string"}
+_MODEL_ID = {"name": "model_id", "in": "path", "required": True, "schema": _STRING}
+_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": _STRING}
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": True,
+    "description": "A unique value per job; resend the same value with the same body.",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+}
+
+
+def _completion_body() -> dict:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}
+        },
+    }

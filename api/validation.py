@@ -8,6 +8,7 @@ from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     MAX_STOP_STRINGS,
+    NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
     STEERING_MAX_VALUES,
 )
@@ -17,7 +18,6 @@ from .models import LanguageModel
 from .schemas import (
     CAPTURE_MAX_VALUES,
     DEFAULT_MAX_TOKENS,
-    NON_STREAMING_MAX_TOKENS,
     CompletionRequest,
     parse_body,
 )

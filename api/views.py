@@ -2,6 +2,7 @@
 
 import functools
 
+from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
@@ -41,6 +42,7 @@ def allow(*methods):
                 return response
             return await view(request, *args, **kwargs)
 
+        wrapper.allowed_methods = methods
         return wrapper
 
     return decorate
@@ -187,8 +189,12 @@ async def openapi(request):
 
 
 def docs(request):
-    """The human API reference (also served at /docs/)."""
+    """The human API reference (also served at /docs/). Its examples name the configured
+    site, not the request's Host header (a forged one must not end up in the page)."""
     document = openapi_document()
-    return render(
-        request, "api/docs.html", {"document": document, "error_codes": document["x-error-codes"]}
-    )
+    context = {
+        "document": document,
+        "error_codes": document["x-error-codes"],
+        "site_url": settings.SITE_URL.rstrip("/"),
+    }
+    return render(request, "api/docs.html", context)

@@ -196,7 +196,13 @@ def _expiry_message() -> str:
     )
 
 
-def harvest_job_body(request, job: HarvestJob) -> dict:
+def _site_url(path: str) -> str:
+    """`path` on the configured site. Never from the request's Host header: a forged Host
+    would otherwise put a stranger's host in front of the signed token."""
+    return settings.SITE_URL.rstrip("/") + path
+
+
+def harvest_job_body(job: HarvestJob) -> dict:
     body = {
         "job_id": str(job.pk),
         "object": "harvest_job",
@@ -214,9 +220,9 @@ def harvest_job_body(request, job: HarvestJob) -> dict:
     links = selectors.harvest_download_links(job=job)
     if links is not None:
         body["result"] = {
-            "manifest_url": request.build_absolute_uri(links["manifest_url"]),
-            "shard_urls": [request.build_absolute_uri(url) for url in links["shard_urls"]],
-            "stats_url": request.build_absolute_uri(links["stats_url"]),
+            "manifest_url": _site_url(links["manifest_url"]),
+            "shard_urls": [_site_url(url) for url in links["shard_urls"]],
+            "stats_url": _site_url(links["stats_url"]),
             "urls_expire_at": _timestamp(links["urls_expire_at"]),
         }
     return body
@@ -294,7 +300,7 @@ async def harvest_job_detail(request, job_id):
         )
     except ApiError as error:
         return error_response(error, rid)
-    return _json(request, harvest_job_body(request, job))
+    return _json(request, harvest_job_body(job))
 
 
 @allow("GET")

@@ -8,6 +8,7 @@ import pytest
 from asgiref.sync import async_to_sync
 
 from accounts.models import UsageRecord
+from api import openapi
 from api.completions import completion_run
 from api.models import LanguageModel
 from api.selectors import registry_clear, upstream_states
@@ -226,3 +227,42 @@ def test_the_openapi_document_lists_every_error_code_the_gateway_knows():
         errors.NOT_RETRYABLE | set(errors.DEFAULT_RETRY_AFTER) | set(upstream._PASSTHROUGH_STATUS)
     )
     assert known - documented == set()
+
+
+def _routed_v1_paths() -> dict[str, tuple]:
+    """OpenAPI path → the methods its view allows (empty: any), for every /v1 endpoint the
+    URL configuration routes, plus the plain ASGI /v1/completions."""
+    import re
+
+    from django.urls import URLResolver, get_resolver
+
+    routed = {"/v1/completions": ("POST",)}
+    for entry in get_resolver().url_patterns:
+        if isinstance(entry, URLResolver) and str(entry.pattern) == "v1/":
+            for route in entry.url_patterns:
+                path = "/v1/" + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", str(route.pattern))
+                routed[path] = getattr(route.callback, "allowed_methods", ())
+    return routed
+
+
+def test_the_openapi_document_describes_every_routed_v1_operation():
+    document = openapi.openapi_document()
+    routed = _routed_v1_paths()
+    assert routed["/v1/harvest/{job_id}"] == ("GET", "DELETE")
+    assert "/v1/completion-jobs/{job_id}/result" in routed
+    for path, methods in routed.items():
+        assert path in document["paths"], f"{path} is routed but not documented"
+        documented = {method.upper() for method in document["paths"][path]}
+        assert set(methods) <= documented, f"{path}: {set(methods) - documented} undocumented"
+    submit = document["paths"]["/v1/completion-jobs"]["post"]
+    assert {"name": "Idempotency-Key", "in": "header", "required": True}.items() <= (
+        submit["parameters"][0].items()
+    )
+    assert "HarvestRequest" in document["components"]["schemas"]
+
+
+def test_the_docs_page_lists_every_documented_operation(gateway_url, model):
+    page = httpx.get(f"{gateway_url}/docs/").text
+    for path, operations in openapi.openapi_document()["paths"].items():
+        for method in operations:
+            assert f"{method.upper()} {path}" in page

@@ -94,6 +94,24 @@ def test_bad_log_filters_are_named(user_client, record):
     assert "This page link is damaged" in bad_cursor.content.decode()
 
 
+@pytest.mark.parametrize(
+    "dates",
+    [
+        {"from": "9999-12-31", "to": "9999-12-31"},
+        {"from": "9999-12-31"},
+        {"to": "9999-12-31"},
+    ],
+)
+def test_a_date_filter_on_the_last_representable_day_is_a_field_error(user_client, record, dates):
+    record(utc(2025, 3, 1))
+
+    response = user_client.get("/usage/requests/", dates)
+
+    assert response.status_code == 200
+    assert "Give a day no later than 9999-12-30." in response.content.decode()
+    assert _ids(response) == []
+
+
 def test_htmx_log_returns_only_the_log_partial(user_client, record):
     row = record(utc(2025, 3, 1))
 

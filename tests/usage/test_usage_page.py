@@ -175,6 +175,18 @@ def test_invalid_custom_range_is_named_next_to_its_field(user_client):
     assert "spans at most 366 days" in too_long.content.decode()
 
 
+def test_the_last_representable_day_is_a_field_error_not_a_500(user_client):
+    last = {"range": "custom", "from": "9999-12-31", "to": "9999-12-31"}
+
+    page = user_client.get("/usage/", last)
+    export = user_client.get("/usage/export.csv", last)
+
+    assert page.status_code == 200
+    assert "Give a day no later than 9999-12-30." in page.content.decode()
+    assert "summary" not in page.context
+    assert export.status_code == 400
+
+
 def test_another_users_key_is_not_a_valid_filter(user_client, other_user, january):
     others_key, _ = api_key_create(user=other_user, name="theirs", acting_user=None)
 

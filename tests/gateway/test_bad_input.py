@@ -1,0 +1,130 @@
+"""Hostile input that used to crash the gateway with a 500: every case must get the
+contract's 4xx naming the problem (issue #12, item 6)."""
+
+import json
+
+import pytest
+
+from api.bodies import MAX_JSON_DEPTH
+from api.jobs.models import HarvestJob, HarvestJobStatus
+
+from .test_errors import BASE, assert_error
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Far past the ~1000 levels where Python's json parser raises RecursionError.
+TOO_DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+BODY_ENDPOINTS = [
+    ("/v1/completions", {}),
+    ("/v1/completion-jobs", {"Idempotency-Key": "deep-1"}),
+    ("/v1/harvest", {}),
+]
+
+
+@pytest.mark.parametrize(("path", "headers"), BODY_ENDPOINTS)
+def test_deeply_nested_json_is_400_naming_the_depth(client, stub, path, headers):
+    response = client.post(path, content=TOO_DEEP, headers=headers)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert f"{MAX_JSON_DEPTH} levels" in error["message"]
+
+
+@pytest.mark.parametrize(("path", "headers"), BODY_ENDPOINTS)
+def test_unclosed_brackets_are_refused_before_parsing(client, stub, path, headers):
+    response = client.post(path, content=b"[" * 50_000, headers=headers)
+    assert_error(response, 400, "invalid_request", should_retry=False)
+
+
+def test_nesting_at_the_limit_still_parses(client, stub):
+    # 64 levels: the body object, then 63 lists; brackets inside strings do not count.
+    prompt = "[" * 63 + "hello" + "]" * 63
+    body = json.dumps({**BASE, "prompt": prompt, "stop": ["{" * 200]})
+    assert client.post("/v1/completions", content=body).status_code == 200
+    deeper = b'{"prompt": ' + b"[" * 64 + b"]" * 64 + b"}"
+    response = client.post("/v1/completions", content=deeper)
+    assert f"{MAX_JSON_DEPTH} levels" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("raw_body", "field"),
+    [
+        (b'{"model": "stub-model", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        (b'{"model": "stub-model", "prompt": ["ok", "a\\udfff"], "max_tokens": 2}', "prompt.1"),
+        (b'{"model": "stub-model", "prompt": "hi", "stop": ["\\ud83d"]}', "stop.0"),
+        (b'{"model": "\\udc00", "prompt": "hello"}', "model"),
+        # The raw UTF-8 bytes of a surrogate, which json.loads decodes too.
+        (b'{"model": "stub-model", "prompt": "\xed\xa0\x80", "max_tokens": 2}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_400_naming_the_field(client, stub, raw_body, field):
+    response = client.post("/v1/completions", content=raw_body)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert f"'{field}'" in error["message"] and "surrogate" in error["message"]
+    assert stub.requests == []
+
+
+def test_a_surrogate_pair_is_an_ordinary_character(client, stub):
+    raw = b'{"model": "stub-model", "prompt": "hello \\ud83d\\ude00", "max_tokens": 2}'
+    assert client.post("/v1/completions", content=raw).status_code == 200
+
+
+def test_a_lone_surrogate_in_a_job_or_harvest_body_is_400(client, stub):
+    job = client.post(
+        "/v1/completion-jobs",
+        content=b'{"model": "stub-model", "prompt": "\\ud800", "max_tokens": 2}',
+        headers={"Idempotency-Key": "surrogate-1"},
+    )
+    assert "'prompt'" in assert_error(job, 400, "invalid_request", should_retry=False)["message"]
+    harvest = client.post("/v1/harvest", content=b'{"model": "stub-model", "prompts": ["\\udbff"]}')
+    error = assert_error(harvest, 400, "invalid_request", should_retry=False)
+    assert "'prompts.0'" in error["message"]
+
+
+@pytest.mark.parametrize("value", [b"Infinity", b"-Infinity", b"NaN", b"1e999"])
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p"])
+def test_non_finite_sampler_values_are_400_naming_the_field(client, stub, field, value):
+    raw = b'{"model": "stub-model", "prompt": "hello", "max_tokens": 2, "%s": %s}' % (
+        field.encode(),
+        value,
+    )
+    response = client.post("/v1/completions", content=raw)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert f"'{field}'" in error["message"]
+    assert stub.requests == []
+
+
+def test_a_non_finite_steering_scale_is_400(client, stub):
+    from .test_errors import steering
+
+    body = json.dumps({**BASE, "apply_steering_vectors": steering()})
+    raw = body.replace('"layer_indices"', '"scale": Infinity, "layer_indices"').encode()
+    response = client.post("/v1/completions", content=raw)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert "apply_steering_vectors.0.scale" in error["message"]
+
+
+def test_harvest_download_urls_ignore_a_forged_host_header(client, stub, api_key, settings):
+    settings.SITE_URL = "https://acs.example.org"
+    job = HarvestJob.objects.create(
+        user=api_key.user,
+        key=api_key,
+        model="stub-model",
+        prompts=["hello"],
+        layers=[1],
+        n_prompts=1,
+        prompts_done=1,
+        status=HarvestJobStatus.DONE,
+        files=["manifest.json", "shard_00000.safetensors", "stats.safetensors"],
+    )
+    response = client.get(f"/v1/harvest/{job.pk}", headers={"Host": "attacker.example"})
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    urls = [result["manifest_url"], result["stats_url"], *result["shard_urls"]]
+    assert all(url.startswith("https://acs.example.org/v1/harvest/") for url in urls), urls
+
+
+@pytest.mark.parametrize("path", ["/v1/docs", "/v1/openapi.json"])
+def test_a_forged_host_header_does_not_break_the_api_reference(client, settings, path):
+    settings.SITE_URL = "https://acs.example.org"
+    response = client.get(path, headers={"Host": "attacker.example"})
+    assert response.status_code == 200
+    assert "attacker.example" not in response.text
