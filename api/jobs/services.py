@@ -341,8 +341,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     its stats and a manifest) for download: a paused service fails a harvest rather than
     holding its job slot for the hour the pause lasts at least. A retryable upstream error
     (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
-    attempts (it starts again from its first prompt); any other error fails it with a
-    message."""
+    attempts (it starts again from its first prompt, and a batch an earlier attempt paid for
+    is not charged again); any other error fails it with a message."""
     now = now or timezone.now()
     job = _claim(
         HarvestJob,
@@ -462,6 +462,13 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
     API's code when they cannot cover it), then settled to the upstream's usage, with a usage
     record; a batch that fails is settled to nothing and its activation requests given back."""
     started = time.perf_counter()
+    request_id = f"harvest-{job.pk.hex[:12]}-{first_index}"
+    if _batch_paid(job, key=key, request_id=request_id):
+        # An earlier attempt paid for this batch before its worker died: the new attempt
+        # captures it again for its files, at no second charge.
+        return async_to_sync(capture_batch)(
+            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+        )
     try:
         hold = budget_reserve(
             key=key,
@@ -483,7 +490,7 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         created_at=timezone.now(),
         key_id=key.pk,
         user_id=key.user_id,
-        request_id=f"harvest-{job.pk.hex[:12]}-{first_index}",
+        request_id=request_id,
         endpoint="harvest",
         status_code=200,
         latency_ms=(time.perf_counter() - started) * 1000,
@@ -496,6 +503,14 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         lambda: _batch_settle_steps(hold, held=len(token_lists), captures=captures, record=record)
     )
     return captures
+
+
+def _batch_paid(job: HarvestJob, *, key, request_id: str) -> bool:
+    """Whether the batch of `request_id` was paid for (it has a usage record): the usage
+    record and the settlement of a batch are written in one transaction."""
+    return UsageRecord.objects.filter(
+        key_id=key.pk, created_at__gte=job.created_at, request_id=request_id
+    ).exists()
 
 
 def _batch_settle_steps(

@@ -259,3 +259,42 @@ def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
     services.harvest_job_execute(job_id=failing.pk)
     assert HarvestJob.objects.get(pk=failing.pk).status == HarvestJobStatus.FAILED
     assert harvest_jobs_counted() == 0
+
+
+class WorkerKilled(BaseException):
+    """Stands for SIGKILL: nothing in the worker catches it."""
+
+
+def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
+    api_key, engine_model, engine_url, redis_client, settings, monkeypatch
+):
+    from accounts.services import budget_release_stale
+
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    real_capture_batch = services.capture_batch
+    calls = []
+
+    async def capture_then_die_on_the_second_batch(*args, **kwargs):
+        calls.append(kwargs["first_index"])
+        if len(calls) == 2:
+            raise WorkerKilled
+        return await real_capture_batch(*args, **kwargs)
+
+    monkeypatch.setattr(services, "capture_batch", capture_then_die_on_the_second_batch)
+    job = _submit(api_key)
+    with pytest.raises(WorkerKilled):
+        services.harvest_job_execute(job_id=job.pk)
+    budget_release_stale(older_than=timedelta(0))
+    later = timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS + 1)
+    assert services.harvest_jobs_recover_stuck(now=later) == 1
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.DONE, job.error
+
+    assert calls == [0, 1, 0, 1, 2]  # the second attempt captured every prompt again
+    prompt_tokens = sum(_token_counts(engine_url))
+    for window in _windows(api_key):
+        assert window.used_tokens == prompt_tokens + len(PROMPTS)
+        assert window.reserved_tokens == 0
+    records = UsageRecord.objects.filter(key=api_key, endpoint="harvest")
+    assert records.count() == len(PROMPTS)  # one per batch
