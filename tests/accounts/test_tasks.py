@@ -33,7 +33,7 @@ def test_stale_age_of_the_sweep_is_a_setting(api_key, settings):
     settings.ACS_STALE_RESERVATION_SECONDS = 60
     old = budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
     BudgetReservation.objects.filter(pk=old.pk).update(
-        created_at=timezone.now() - dt.timedelta(minutes=2)
+        alive_at=timezone.now() - dt.timedelta(minutes=2)
     )
     assert release_stale_budget_reservations.delay().get() == 1
     old.refresh_from_db()
