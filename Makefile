@@ -28,6 +28,9 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 services:
 	scripts/ensure-redis
 
+# The settings default to production (DEBUG off, which needs real secrets): `make run` is the
+# local development server.
+run: export DEBUG ?= 1
 run: $(VENV)/.installed $(ENGINE_VENV)/.installed services
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput -v 0
