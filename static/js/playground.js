@@ -7,26 +7,24 @@
   window.playgroundTimings = window.playgroundTimings || {};
 
   function renderFigures(root) {
-    var pending = Array.prototype.filter.call(root.querySelectorAll("[data-plot]"), function (div) {
-      return !div.dataset.rendered && document.getElementById(div.dataset.plot);
+    if (!window.Plotly) return;
+    root.querySelectorAll("[data-plot]").forEach(function (div) {
+      if (div.dataset.rendered) return;
+      var data = document.getElementById(div.dataset.plot);
+      if (!data) return;
+      div.dataset.rendered = "1";
+      var figure = JSON.parse(data.textContent);
+      window.Plotly.newPlot(div, figure.data, figure.layout, { responsive: true, displaylogo: false });
+      if (div.dataset.plot === "tokens") {
+        div.on("plotly_click", function (event) {
+          var position = event.points[0].customdata[1];
+          var select = div.closest(".run-panel").querySelector("[data-topk-position]");
+          if (position < 0 || !select) return;
+          select.value = String(position);
+          select.dispatchEvent(new Event("change", { bubbles: true }));
+        });
+      }
     });
-    if (!pending.length) return;
-    pending.forEach(function (div) { div.dataset.rendered = "1"; });
-    window.withPlotly(function (Plotly) { pending.forEach(function (div) { plot(Plotly, div); }); });
-  }
-
-  function plot(Plotly, div) {
-    var figure = JSON.parse(document.getElementById(div.dataset.plot).textContent);
-    Plotly.newPlot(div, figure.data, figure.layout, { responsive: true, displaylogo: false });
-    if (div.dataset.plot === "tokens") {
-      div.on("plotly_click", function (event) {
-        var position = event.points[0].customdata[1];
-        var select = div.closest(".run-panel").querySelector("[data-topk-position]");
-        if (position < 0 || !select) return;
-        select.value = String(position);
-        select.dispatchEvent(new Event("change", { bubbles: true }));
-      });
-    }
   }
 
   function reloadPanel(panel) {

@@ -2,15 +2,12 @@
 // data-figure attribute names, on page load and again after every htmx swap.
 (function () {
   function draw() {
-    var charts = Array.prototype.filter.call(document.querySelectorAll("[data-figure]"), function (chart) {
-      return document.getElementById(chart.dataset.figure);
-    });
-    if (!charts.length) return;
-    window.withPlotly(function (Plotly) {
-      charts.forEach(function (chart) {
-        var figure = JSON.parse(document.getElementById(chart.dataset.figure).textContent);
-        Plotly.react(chart, figure.data, figure.layout, { responsive: true, displaylogo: false });
-      });
+    if (!window.Plotly) return;
+    document.querySelectorAll("[data-figure]").forEach(function (chart) {
+      var source = document.getElementById(chart.dataset.figure);
+      if (!source) return;
+      var figure = JSON.parse(source.textContent);
+      Plotly.react(chart, figure.data, figure.layout, { responsive: true, displaylogo: false });
     });
   }
   document.addEventListener("DOMContentLoaded", draw);
