@@ -30,6 +30,9 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 services:
 	scripts/ensure-redis
 
+# The settings default to production (DEBUG off, which needs real secrets): `make run` is the
+# local development server.
+run: export DEBUG ?= 1
 run: $(VENV)/.installed $(ENGINE_VENV)/.installed services
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput -v 0
@@ -69,3 +72,4 @@ bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_gateway REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/gateway.py
 	REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/usage.py
 	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_playground REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/playground.py
+	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_pages REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/pages.py

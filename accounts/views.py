@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
 from . import selectors, services
@@ -111,7 +112,10 @@ def _render_keys(request, *, create_form=None, overrides=None):
         "account_budget": request.user.monthly_token_budget,
     }
     template = "accounts/keys.html#key_list" if request.htmx else "accounts/keys.html"
-    return render(request, template, context)
+    response = render(request, template, context)
+    # The page may show a new key's secret: no browser or proxy cache may keep a copy.
+    add_never_cache_headers(response)
+    return response
 
 
 def _keys_done(request):

@@ -1,13 +1,19 @@
-"""The one settings module. Every value comes from the environment with a default that runs
-locally; `.env.example` lists them all."""
+"""The one settings module. Every value comes from the environment; `.env.example` lists them
+all. Defaults run locally only with DEBUG on: with DEBUG off (the default) the process refuses
+to start while a secret is unset or still a published development value, and the security
+settings default to HTTPS-only."""
 
 import os
 from pathlib import Path
 
 import dj_database_url
-import plotly
+from cryptography.fernet import Fernet
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def env(name, default=""):
@@ -15,24 +21,102 @@ def env(name, default=""):
 
 
 def env_bool(name, default=False):
-    return env(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+    """An empty or unset variable is the default; anything but the words above is refused, so
+    a typo such as DEBUG=flase cannot silently read as false."""
+    value = env(name).strip().lower()
+    if not value:
+        return default
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise ImproperlyConfigured(
+        f"{name}={env(name)!r} is not a boolean: use one of {', '.join(TRUE_WORDS + FALSE_WORDS)}"
+    )
 
 
 def env_int(name, default):
-    return int(env(name, str(default)))
+    value = env(name).strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={env(name)!r} is not an integer") from None
 
 
-SECRET_KEY = env("SECRET_KEY", "dev-only-secret-key-change-me-in-production-0123456789")
-# Keyed hash for API keys: a leaked SECRET_KEY must not let anyone check guessed API keys.
-API_KEY_HMAC_SECRET = env("API_KEY_HMAC_SECRET", "dev-only-api-key-hmac-secret-change-me")
-# Fernet key (urlsafe base64 of 32 bytes) encrypting playground key secrets at rest.
-PLAYGROUND_KEY_ENCRYPTION_KEY = env(
-    "PLAYGROUND_KEY_ENCRYPTION_KEY", "ZGV2LW9ubHktcGxheWdyb3VuZC1rZXktMzJieXRlcyE="
-)
-DEBUG = env_bool("DEBUG", True)
-ALLOWED_HOSTS = env("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
-CSRF_TRUSTED_ORIGINS = [o for o in env("CSRF_TRUSTED_ORIGINS").split(",") if o]
+def env_list(name, default=""):
+    """A comma-separated list; blanks around and between items are dropped."""
+    return [item.strip() for item in env(name, default).split(",") if item.strip()]
+
+
+DEBUG = env_bool("DEBUG", False)
+
+# Development secrets, published in `.env.example`: accepted only with DEBUG on.
+DEVELOPMENT_SECRETS = {
+    "SECRET_KEY": "dev-only-secret-key-change-me-in-production-0123456789",
+    # Keyed hash for API keys: a leaked SECRET_KEY must not let anyone check guessed API keys.
+    "API_KEY_HMAC_SECRET": "dev-only-api-key-hmac-secret-change-me",
+    # Fernet key (urlsafe base64 of 32 bytes) encrypting playground key secrets at rest.
+    "PLAYGROUND_KEY_ENCRYPTION_KEY": "ZGV2LW9ubHktcGxheWdyb3VuZC1rZXktMzJieXRlcyE=",
+}
+
+
+def env_secrets():
+    """The secrets from the environment, development values filled in only with DEBUG on.
+    Without DEBUG, refuses to start (naming every variable at fault) while one is unset, is a
+    published development value, or is the same as another."""
+    values = {name: env(name).strip() for name in DEVELOPMENT_SECRETS}
+    if DEBUG:
+        values = {name: value or DEVELOPMENT_SECRETS[name] for name, value in values.items()}
+    else:
+        faults = [
+            f"{name} is unset" if not value else f"{name} is the published development value"
+            for name, value in values.items()
+            if not value or value == DEVELOPMENT_SECRETS[name]
+        ]
+        if len(set(values.values())) < len(values) and not faults:
+            faults.append(f"{', '.join(values)} must all be different")
+        if faults:
+            raise ImproperlyConfigured(
+                f"DEBUG is off and {'; '.join(faults)}: generate each secret "
+                "(see the production section of .env.example)."
+            )
+    try:
+        Fernet(values["PLAYGROUND_KEY_ENCRYPTION_KEY"].encode())
+    except ValueError:
+        raise ImproperlyConfigured(
+            "PLAYGROUND_KEY_ENCRYPTION_KEY is not a Fernet key (urlsafe base64 of 32 bytes)"
+        ) from None
+    return values
+
+
+_secrets = env_secrets()
+SECRET_KEY = _secrets["SECRET_KEY"]
+API_KEY_HMAC_SECRET = _secrets["API_KEY_HMAC_SECRET"]
+PLAYGROUND_KEY_ENCRYPTION_KEY = _secrets["PLAYGROUND_KEY_ENCRYPTION_KEY"]
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver" if DEBUG else "")
+if not ALLOWED_HOSTS:
+    raise ImproperlyConfigured("DEBUG is off and ALLOWED_HOSTS is unset: list the site's hosts")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 SITE_URL = env("SITE_URL", "http://127.0.0.1:8000")
+
+# HTTPS. Without DEBUG the site is HTTPS-only unless a variable says otherwise; behind a proxy
+# that terminates TLS, SECURE_PROXY_SSL_HEADER names the header it sets ("HEADER,value").
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600)
+# Both reach beyond this site (every subdomain; browsers' built-in lists): opt in explicitly.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_PROXY_SSL_HEADER = tuple(env_list("SECURE_PROXY_SSL_HEADER")) or None
+if SECURE_PROXY_SSL_HEADER is not None and len(SECURE_PROXY_SSL_HEADER) != 2:
+    raise ImproperlyConfigured(
+        f"SECURE_PROXY_SSL_HEADER={env('SECURE_PROXY_SSL_HEADER')!r} is not "
+        '"HEADER,value" (e.g. "HTTP_X_FORWARDED_PROTO,https")'
+    )
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -50,6 +134,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "acs_portal.staticfiles.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -105,16 +190,26 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "/static/"
-STATIC_ROOT = BASE_DIR / "staticfiles"
-# plotly.js is served from the installed plotly package, so its version always matches the
-# Python side that builds the figures.
-STATICFILES_DIRS = [
-    BASE_DIR / "static",
-    ("plotly", Path(plotly.__file__).parent / "package_data"),
-]
+STATIC_ROOT = Path(env("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+STATICFILES_DIRS = [BASE_DIR / "static"]
+# WhiteNoise serves static files from the web process (acs_portal/staticfiles.py). With DEBUG
+# it serves static/ as it is, changes included. Otherwise `manage.py collectstatic` must run
+# first: it writes every file under a content-hashed name, with gzip and brotli copies, which
+# are served with a ten-year `immutable` cache lifetime.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+WHITENOISE_USE_FINDERS = WHITENOISE_AUTOREFRESH = DEBUG
+# Pages link hashed names only ({% static %}); compressing the originals too would double
+# collectstatic's work.
+WHITENOISE_KEEP_ONLY_HASHED_FILES = True
 MEDIA_ROOT = Path(env("MEDIA_ROOT", str(BASE_DIR / "media")))
 MEDIA_URL = "/media/"
-SERVE_STATIC = env_bool("SERVE_STATIC", True)
 
 REDIS_URL = env("REDIS_URL", "redis://127.0.0.1:6379/0")
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", REDIS_URL)
@@ -125,9 +220,14 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BEAT_SCHEDULE = {}
 
-# Console e-mail by default; EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend and
-# the EMAIL_* variables send real mail.
-EMAIL_BACKEND_PATH = env("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+# With DEBUG, e-mail is printed by the process that sends it; otherwise it goes out by SMTP
+# with the EMAIL_* variables.
+EMAIL_BACKEND_PATH = env(
+    "EMAIL_BACKEND",
+    "django.core.mail.backends.console.EmailBackend"
+    if DEBUG
+    else "django.core.mail.backends.smtp.EmailBackend",
+)
 MAILERS = {"default": {"BACKEND": EMAIL_BACKEND_PATH}}
 if EMAIL_BACKEND_PATH.endswith("smtp.EmailBackend"):
     MAILERS["default"]["OPTIONS"] = {

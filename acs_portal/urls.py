@@ -1,6 +1,4 @@
-from django.conf import settings
 from django.contrib import admin
-from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.urls import include, path, re_path
 
 from api.views import docs as api_docs_view
@@ -17,9 +15,3 @@ urlpatterns = [
     path("docs/", api_docs_view, name="api_docs"),
     path("", include("accounts.urls")),
 ]
-
-if settings.SERVE_STATIC:
-    # uvicorn serves no files itself; a production deployment puts a web server in front.
-    urlpatterns += [
-        re_path(r"^static/(?P<path>.*)$", staticfiles_serve, {"insecure": True}),
-    ]

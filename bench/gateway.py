@@ -29,7 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
-from tests.servers import free_port, stop, wait_ready  # noqa: E402 (needs ROOT on the path)
+from tests.servers import (  # noqa: E402 (needs ROOT on the path)
+    free_port,
+    loopback_production_env,
+    stop,
+    wait_ready,
+)
 
 CLIENTS = 64
 SEQUENTIAL = int(os.environ.get("BENCH_SEQUENTIAL", 400))
@@ -192,8 +197,10 @@ def main():
             wait_ready(f"{stub_urls[serves_tokenizer]}/health", processes[-1], "a stub upstream")
         if os.environ.get("DATABASE_URL", "").startswith("postgres"):
             subprocess.run([str(ROOT / "scripts" / "ensure-test-db")], check=True)
+        # The production settings, here and in the gateway: they share the API-key secret.
+        os.environ.update(loopback_production_env())
         secrets = setup_rows(stub_urls)
-        env = {**os.environ, "DEBUG": "0", "LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "LOG_LEVEL": "WARNING"}
         processes.append(
             subprocess.Popen(
                 [

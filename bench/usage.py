@@ -22,7 +22,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/acs_bench_usage")
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/13")
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
-os.environ.setdefault("DEBUG", "0")
+
+from tests.servers import loopback_production_env  # noqa: E402 (needs ROOT on the path)
+
+for name, value in loopback_production_env().items():
+    os.environ.setdefault(name, value)
 
 TARGET_MS = 300
 
@@ -68,6 +72,8 @@ def main() -> int:
     from accounts.usage_selectors import RequestLogFilter, request_log_page
 
     call_command("migrate", verbosity=0)
+    # Pages link the hashed static names of the manifest (production settings).
+    call_command("collectstatic", "--noinput", verbosity=0)
     if args.reseed:
         with connection.cursor() as cursor:
             cursor.execute(f"TRUNCATE {UsageRecord._meta.db_table}, {UsageDaily._meta.db_table}")

@@ -2,7 +2,9 @@
 a subprocess, and waiting until a server is ready. Plain Python (stdlib + httpx), so the
 engine suite (in .venv-engine) and the web suites (in .venv) share it."""
 
+import base64
 import os
+import secrets
 import socket
 import subprocess
 import time
@@ -16,6 +18,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
 # The first start on a new machine dequantises the model (about 30 s on a quiet machine).
 STARTUP_TIMEOUT_S = 240
+
+
+def generated_secrets() -> dict[str, str]:
+    """Fresh values of the secrets that the settings require without DEBUG."""
+    return {
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "API_KEY_HMAC_SECRET": secrets.token_urlsafe(50),
+        "PLAYGROUND_KEY_ENCRYPTION_KEY": base64.urlsafe_b64encode(os.urandom(32)).decode(),
+    }
+
+
+def loopback_production_env() -> dict[str, str]:
+    """The production settings (DEBUG off, fresh secrets) for servers on loopback: plain HTTP,
+    as no TLS proxy is in front, and e-mail printed instead of sent."""
+    return {
+        "DEBUG": "0",
+        **generated_secrets(),
+        "ALLOWED_HOSTS": "127.0.0.1,localhost,testserver",
+        "SECURE_SSL_REDIRECT": "0",
+        "SESSION_COOKIE_SECURE": "0",
+        "CSRF_COOKIE_SECURE": "0",
+        "SECURE_HSTS_SECONDS": "0",
+        "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
+    }
 
 
 def free_port() -> int:

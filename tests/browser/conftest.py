@@ -12,6 +12,7 @@ import pytest
 import redis as redis_lib
 from django.conf import settings
 from django.db import connections
+from django.test.utils import override_settings
 from playwright.sync_api import sync_playwright
 
 from accounts.models import User
@@ -37,8 +38,14 @@ def _database_url() -> str:
 @pytest.fixture(scope="session")
 def system(django_db_setup, django_db_blocker, tmp_path_factory):
     """The running system, with an approved user and the model registry pointing at the
-    engine. Yields the `System`."""
+    engine. Yields the `System`; meanwhile this process uses the servers' secrets."""
     running = System(tmp_path_factory.mktemp("system"))
+    secrets = {name: running.production_env[name] for name in settings.DEVELOPMENT_SECRETS}
+    with override_settings(**secrets):
+        yield from _system(running, django_db_blocker)
+
+
+def _system(running, django_db_blocker):
     with django_db_blocker.unblock():
         LanguageModel.objects.update_or_create(
             name="smollm2-135m",

@@ -1,13 +1,14 @@
 """The whole system for browser tests and the playground benchmark: the real embedded engine,
 uvicorn serving acs_portal.asgi (portal, playground and the /v1 gateway) and a Celery worker,
-each on a free loopback port, all stopped by `System.stop`."""
+each on a free loopback port, all stopped by `System.stop`. They run with the production
+settings (DEBUG off, collected static files) over plain HTTP on loopback."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.servers import engine_command, free_port, stop, wait_ready
+from tests.servers import engine_command, free_port, loopback_production_env, stop, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WEB_BIN = REPO_ROOT / ".venv" / "bin"
@@ -31,6 +32,8 @@ class System:
         self.engine_url = f"http://127.0.0.1:{self.engine_port}"
         self.web_url = f"http://127.0.0.1:{self.web_port}"
         self.log_dir = log_dir
+        # Whoever writes rows the servers read (API keys, playground keys) needs these secrets.
+        self.production_env = loopback_production_env()
         self.processes: list[subprocess.Popen] = []
 
     def _spawn(self, name: str, command: list[str], env: dict) -> subprocess.Popen:
@@ -54,7 +57,15 @@ class System:
             "ACS_TOKENIZER_CACHE_DIR": str(self.log_dir / "tokenizers"),
             "CELERY_TASK_ALWAYS_EAGER": "0",
             "PYTHONUNBUFFERED": "1",
+            **self.production_env,
+            "STATIC_ROOT": str(self.log_dir / "static"),
         }
+        subprocess.run(
+            [str(WEB_BIN / "python"), "manage.py", "collectstatic", "--noinput", "-v", "0"],
+            cwd=REPO_ROOT,
+            env=env,
+            check=True,
+        )
         engine = self._spawn(
             "engine",
             [*engine_command(self.engine_port), "--log-level", "warning"],

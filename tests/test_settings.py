@@ -1,0 +1,184 @@
+"""The settings fail closed: without DEBUG they refuse to start on a missing or published
+secret, read every security setting from the environment, and refuse malformed values; the
+documented production environment passes `check --deploy`."""
+
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from .servers import REPO_ROOT, generated_secrets
+
+SETTINGS_FILE = REPO_ROOT / "acs_portal" / "settings.py"
+# Every variable these tests vary, cleared first so the test's own environment decides.
+VARIABLES = [
+    "DEBUG",
+    *settings.DEVELOPMENT_SECRETS,
+    "ALLOWED_HOSTS",
+    "CSRF_TRUSTED_ORIGINS",
+    "SECURE_SSL_REDIRECT",
+    "SESSION_COOKIE_SECURE",
+    "CSRF_COOKIE_SECURE",
+    "SECURE_HSTS_SECONDS",
+    "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+    "SECURE_HSTS_PRELOAD",
+    "SECURE_PROXY_SSL_HEADER",
+    "EMAIL_BACKEND",
+]
+
+
+def load_settings(monkeypatch, **env) -> dict:
+    """Run the settings module afresh under exactly `env` (for the variables above)."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(SETTINGS_FILE))
+
+
+def production(**overrides) -> dict:
+    return {"DEBUG": "0", "ALLOWED_HOSTS": "acs.example.org", **generated_secrets(), **overrides}
+
+
+def documented_production_env() -> dict:
+    """The `#prod NAME=value` lines of .env.example, each `<generate>` a fresh secret."""
+    fresh = generated_secrets()
+    env = {}
+    for line in (REPO_ROOT / ".env.example").read_text().splitlines():
+        if line.startswith("#prod "):
+            name, value = line.removeprefix("#prod ").split("=", 1)
+            env[name] = fresh[name] if value == "<generate>" else value
+    return env
+
+
+def test_debug_is_off_unless_set(monkeypatch):
+    env = production()
+    del env["DEBUG"]
+    assert load_settings(monkeypatch, **env)["DEBUG"] is False
+
+
+@pytest.mark.parametrize("name", list(settings.DEVELOPMENT_SECRETS))
+def test_without_debug_a_missing_secret_refuses_to_start(monkeypatch, name):
+    env = production()
+    del env[name]
+    with pytest.raises(ImproperlyConfigured, match=f"{name} is unset"):
+        load_settings(monkeypatch, **env)
+
+
+@pytest.mark.parametrize("name", list(settings.DEVELOPMENT_SECRETS))
+def test_without_debug_a_published_development_secret_refuses_to_start(monkeypatch, name):
+    env = production(**{name: settings.DEVELOPMENT_SECRETS[name]})
+    with pytest.raises(ImproperlyConfigured, match=f"{name} is the published development value"):
+        load_settings(monkeypatch, **env)
+
+
+def test_without_debug_the_secrets_must_differ(monkeypatch):
+    env = production()
+    env["API_KEY_HMAC_SECRET"] = env["SECRET_KEY"]
+    with pytest.raises(ImproperlyConfigured, match="must all be different"):
+        load_settings(monkeypatch, **env)
+
+
+def test_without_debug_allowed_hosts_must_be_set(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="ALLOWED_HOSTS is unset"):
+        load_settings(monkeypatch, **production(ALLOWED_HOSTS=" , "))
+
+
+def test_a_playground_key_that_is_not_a_fernet_key_is_refused(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="PLAYGROUND_KEY_ENCRYPTION_KEY is not a Fernet"):
+        load_settings(monkeypatch, **production(PLAYGROUND_KEY_ENCRYPTION_KEY="short"))
+
+
+def test_with_debug_the_development_secrets_fill_in(monkeypatch):
+    loaded = load_settings(monkeypatch, DEBUG="1")
+    assert loaded["SECRET_KEY"] == settings.DEVELOPMENT_SECRETS["SECRET_KEY"]
+    assert loaded["SECURE_SSL_REDIRECT"] is False
+    assert "127.0.0.1" in loaded["ALLOWED_HOSTS"]
+
+
+@pytest.mark.parametrize("value", ["flase", "2", "enabled"])
+def test_a_malformed_boolean_is_refused_naming_variable_and_value(monkeypatch, value):
+    with pytest.raises(ImproperlyConfigured, match=f"SESSION_COOKIE_SECURE='{value}' is not a"):
+        load_settings(monkeypatch, **production(SESSION_COOKIE_SECURE=value))
+
+
+def test_a_malformed_debug_is_refused_rather_than_read_as_off(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="DEBUG='ture' is not a boolean"):
+        load_settings(monkeypatch, **production(DEBUG="ture"))
+
+
+def test_a_malformed_integer_is_refused_naming_variable_and_value(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="SECURE_HSTS_SECONDS='1y' is not an integer"):
+        load_settings(monkeypatch, **production(SECURE_HSTS_SECONDS="1y"))
+
+
+def test_a_proxy_ssl_header_without_a_value_is_refused(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="SECURE_PROXY_SSL_HEADER="):
+        load_settings(monkeypatch, **production(SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO"))
+
+
+def test_without_debug_the_site_defaults_to_https_only(monkeypatch):
+    loaded = load_settings(monkeypatch, **production())
+    assert loaded["SECURE_SSL_REDIRECT"] is True
+    assert loaded["SESSION_COOKIE_SECURE"] is True
+    assert loaded["CSRF_COOKIE_SECURE"] is True
+    assert loaded["SECURE_HSTS_SECONDS"] == 365 * 24 * 3600
+    assert loaded["MAILERS"]["default"]["BACKEND"] == "django.core.mail.backends.smtp.EmailBackend"
+
+
+def test_every_security_setting_comes_from_the_environment(monkeypatch):
+    loaded = load_settings(
+        monkeypatch,
+        **production(
+            ALLOWED_HOSTS="acs.example.org, www.acs.example.org",
+            CSRF_TRUSTED_ORIGINS="https://acs.example.org",
+            SECURE_SSL_REDIRECT="off",
+            SESSION_COOKIE_SECURE="No",
+            CSRF_COOKIE_SECURE="false",
+            SECURE_HSTS_SECONDS="600",
+            SECURE_HSTS_INCLUDE_SUBDOMAINS="yes",
+            SECURE_HSTS_PRELOAD="TRUE",
+            SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO,https",
+        ),
+    )
+    assert loaded["ALLOWED_HOSTS"] == ["acs.example.org", "www.acs.example.org"]
+    assert loaded["CSRF_TRUSTED_ORIGINS"] == ["https://acs.example.org"]
+    assert loaded["SECURE_SSL_REDIRECT"] is False
+    assert loaded["SESSION_COOKIE_SECURE"] is False
+    assert loaded["CSRF_COOKIE_SECURE"] is False
+    assert loaded["SECURE_HSTS_SECONDS"] == 600
+    assert loaded["SECURE_HSTS_INCLUDE_SUBDOMAINS"] is True
+    assert loaded["SECURE_HSTS_PRELOAD"] is True
+    assert loaded["SECURE_PROXY_SSL_HEADER"] == ("HTTP_X_FORWARDED_PROTO", "https")
+
+
+def manage(*args, env):
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_check_deploy_is_clean_under_the_documented_production_environment():
+    base = {name: value for name, value in os.environ.items() if name not in VARIABLES}
+    result = manage(
+        "check", "--deploy", "--fail-level", "WARNING", env={**base, **documented_production_env()}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_manage_py_without_debug_and_secrets_refuses_to_start_naming_them():
+    base = {name: value for name, value in os.environ.items() if name not in VARIABLES}
+    result = manage("check", env={**base, "ALLOWED_HOSTS": "acs.example.org"})
+    assert result.returncode != 0
+    assert "SECRET_KEY is unset" in result.stderr
+    assert "API_KEY_HMAC_SECRET is unset" in result.stderr
