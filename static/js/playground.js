@@ -6,25 +6,33 @@
   // Timings of the latest run, read by the latency benchmark and the browser tests.
   window.playgroundTimings = window.playgroundTimings || {};
 
+  var PLOT_CONFIG = { responsive: true, displaylogo: false };
+
+  // The one way a figure is drawn, on first load and after any htmx swap. It runs only
+  // once htmx has settled the new content: while settling, htmx resets the attributes of
+  // elements whose id matches an element they replace, which would strip the classes
+  // plotly.js scopes its CSS to (the mode bar and titles then lose their layout).
+  function drawFigure(div) {
+    if (div.dataset.rendered) return;
+    var data = document.getElementById(div.dataset.plot);
+    if (!data) return;
+    div.dataset.rendered = "1";
+    var figure = JSON.parse(data.textContent);
+    window.Plotly.newPlot(div, figure.data, figure.layout, PLOT_CONFIG);
+    if (div.dataset.plot === "tokens") {
+      div.on("plotly_click", function (event) {
+        var position = event.points[0].customdata[1];
+        var select = div.closest(".run-panel").querySelector("[data-topk-position]");
+        if (position < 0 || !select) return;
+        select.value = String(position);
+        select.dispatchEvent(new Event("change", { bubbles: true }));
+      });
+    }
+  }
+
   function renderFigures(root) {
     if (!window.Plotly) return;
-    root.querySelectorAll("[data-plot]").forEach(function (div) {
-      if (div.dataset.rendered) return;
-      var data = document.getElementById(div.dataset.plot);
-      if (!data) return;
-      div.dataset.rendered = "1";
-      var figure = JSON.parse(data.textContent);
-      window.Plotly.newPlot(div, figure.data, figure.layout, { responsive: true, displaylogo: false });
-      if (div.dataset.plot === "tokens") {
-        div.on("plotly_click", function (event) {
-          var position = event.points[0].customdata[1];
-          var select = div.closest(".run-panel").querySelector("[data-topk-position]");
-          if (position < 0 || !select) return;
-          select.value = String(position);
-          select.dispatchEvent(new Event("change", { bubbles: true }));
-        });
-      }
-    });
+    root.querySelectorAll("[data-plot]").forEach(drawFigure);
   }
 
   function reloadPanel(panel) {
@@ -106,7 +114,14 @@
         window.playgroundTimings[panel.dataset.runId] || {});
       if (timing.submitted === undefined) timing.submitted = window.playgroundTimings.lastSubmit;
     }
-    start(event.detail.elt.parentNode || document);
+    (event.detail.elt.parentNode || document)
+      .querySelectorAll(".run-panel[data-events-url]")
+      .forEach(followRun);
+  });
+
+  // Figures are drawn after settling (see drawFigure).
+  document.addEventListener("htmx:afterSettle", function () {
+    renderFigures(document);
   });
 
   if (document.readyState === "loading") {
