@@ -355,6 +355,7 @@ class SteeringForm(forms.Form):
             return data
         if len(scales) > MAX_SWEEP_SCALES:
             self.add_error("scales", f"At most {MAX_SWEEP_SCALES} scales.")
+        data["entered_scales"] = scales
         if data.get("scale_unit") == "typical":
             if not vector.layer_typical_norm or not vector.norm:
                 self.add_error(

@@ -443,13 +443,22 @@ def steering_runs_create(
     scales: list[float],
     kind: str,
     target_token: str = "",
+    entered_scales: list[float] | None = None,
+    scale_unit: str = "absolute",
 ) -> uuid.UUID:
     """Queue a baseline (scale 0) and one steered run per scale, all with the same request
-    and seed, adding `vector` at `layers`. Returns the group id of the comparison."""
+    and seed, adding `vector` at `layers`. Returns the group id of the comparison.
+
+    `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
+    "typical": multiples of the layer's typical norm), kept to show them as entered. A sweep
+    with a `target_token` also scores prompt + target (see `with_target_scored`)."""
     group = uuid.uuid4()
+    entered = entered_scales if entered_scales is not None else scales
     with transaction.atomic():
-        for scale in [0.0, *scales]:
+        for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
             request = dict(base_request)
+            if kind == RunKind.SWEEP and target_token:
+                request = with_target_scored(request, target_token)
             request["apply_steering_vectors"] = [
                 {
                     "activations": encode_vector(
@@ -469,6 +478,19 @@ def steering_runs_create(
                 scale=scale,
                 vector=vector,
                 request=request,
-                meta={"target_token": target_token, "layers": layers},
+                meta={
+                    "target_token": target_token,
+                    "layers": layers,
+                    "scale_unit": scale_unit,
+                    "scale_entered": scale_entered,
+                },
             )
     return group
+
+
+def with_target_scored(request: dict, target: str) -> dict:
+    """The request with a second prompt, prompt + `target`, and `prompt_logprobs: 0`: the
+    second choice's last prompt logprobs are the target's own, from the full distribution,
+    however unlikely the target is (a top-k list would often leave it out)."""
+    prompt = request["prompt"]
+    return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}
