@@ -8,15 +8,15 @@
 
   var PLOT_CONFIG = { responsive: true, displaylogo: false };
 
-  // The one way a figure is drawn, on first load and after any htmx swap. It runs only
-  // once htmx has settled the new content: while settling, htmx resets the attributes of
-  // elements whose id matches an element they replace, which would strip the classes
-  // plotly.js scopes its CSS to (the mode bar and titles then lose their layout).
+  // The one way a figure is drawn, on first load and after any htmx swap (after settling).
+  // An element swapped in over one with the same id carries the old element's class and
+  // style until htmx settles it, then gets its own back: that strips the js-plotly-plot
+  // class plotly.js scopes its CSS to (mode bar, titles) from a figure drawn in between.
+  // So "drawn" is that class itself: a figure that lost it is drawn again.
   function drawFigure(div) {
-    if (div.dataset.rendered) return;
+    if (div.classList.contains("js-plotly-plot")) return;
     var data = document.getElementById(div.dataset.plot);
     if (!data) return;
-    div.dataset.rendered = "1";
     var figure = JSON.parse(data.textContent);
     window.Plotly.newPlot(div, figure.data, figure.layout, PLOT_CONFIG);
     if (div.dataset.plot === "tokens") {
