@@ -14,6 +14,8 @@ from .test_playground import RUN_PANEL, submit_completion
 
 pytestmark = pytest.mark.django_db
 
+CUT_EVENT_STREAM = ("net::ERR_ABORTED", "net::ERR_INCOMPLETE_CHUNKED_ENCODING")
+
 
 @pytest.fixture
 def watched(page):
@@ -22,7 +24,11 @@ def watched(page):
     problems = []
     page.on(
         "console",
-        lambda message: message.type == "error" and problems.append(f"console: {message.text}"),
+        lambda message: (
+            message.type == "error"
+            and not _closed_event_stream_message(message)
+            and problems.append(f"console: {message.text} {message.location}")
+        ),
     )
     page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
     page.on(
@@ -45,9 +51,13 @@ def watched(page):
 def _closed_event_stream(request) -> bool:
     """A run's event stream, cut when the page closes it once the run has ended (or swaps
     out its panel): how it ends is the event stream's business, not the figures'."""
-    return request.url.endswith("/events/") and request.failure in (
-        "net::ERR_ABORTED",
-        "net::ERR_INCOMPLETE_CHUNKED_ENCODING",
+    return request.url.endswith("/events/") and request.failure in CUT_EVENT_STREAM
+
+
+def _closed_event_stream_message(message) -> bool:
+    """The console's line about such a cut event stream."""
+    return message.location.get("url", "").endswith("/events/") and any(
+        failure in message.text for failure in CUT_EVENT_STREAM
     )
 
 
