@@ -13,14 +13,20 @@ import plotly.graph_objects as go
 from acs_client.codec import decode
 
 STRIP_WIDTH = 12
-PROBABILITY_COLOURS = [[0.0, "#d7301f"], [0.5, "#fdd49e"], [1.0, "#1a9850"]]
+# Light colours, so the dark token text on every cell stays readable.
+PROBABILITY_COLOURS = [[0.0, "#f4a582"], [0.5, "#fee08b"], [1.0, "#a6d96a"]]
+CELL_TEXT = {"size": 12, "color": "#111111"}
+
+
+def visible_token(token: str) -> str:
+    """A token with its whitespace made visible (plain text, not yet escaped)."""
+    return token.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·") or "∅"
 
 
 def _label(token: str) -> str:
     """A token as safe plotly text: HTML escaped, whitespace made visible. Quotes stay: plotly
     shows `&quot;` literally (it decodes only a few named entities), and text needs none."""
-    visible = token.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·")
-    return html.escape(visible or "∅", quote=False)
+    return html.escape(visible_token(token), quote=False)
 
 
 def _layout(figure: go.Figure, title: str, height: int = 320) -> go.Figure:
@@ -180,7 +186,11 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
     for source in ("prompt", "completion"):
         part = [p for p in positions if p["source"] == source]
         for start in range(0, len(part), STRIP_WIDTH):
-            rows.append((f"{source} {start // STRIP_WIDTH + 1}", part[start : start + STRIP_WIDTH]))
+            cells = part[start : start + STRIP_WIDTH]
+            first, last = cells[0]["position"], cells[-1]["position"]
+            rows.append(
+                (f"{source} #{first}–{last}" if last > first else f"{source} #{first}", cells)
+            )
     z, text, custom, names = [], [], [], []
     for name, cells in rows:
         padding = STRIP_WIDTH - len(cells)
@@ -194,6 +204,7 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
             text=text,
             customdata=custom,
             texttemplate="%{text}",
+            textfont=CELL_TEXT,
             hovertemplate="%{customdata[0]}<extra></extra>",
             colorscale=PROBABILITY_COLOURS,
             zmin=0,
@@ -279,31 +290,77 @@ def activations(request: dict, response: dict) -> tuple[np.ndarray, list[int]]:
     return tensor, layers
 
 
-def activation_norm_heatmap(tensor: np.ndarray, layers: list[int]) -> go.Figure:
-    """‖residual‖ by layer × position."""
+def position_labels(request: dict, response: dict, count: int) -> list[str]:
+    """Labels of `count` captured positions as plain text: "index token" where the run
+    returned the token (prompt logprobs or echo), the index alone otherwise."""
+    positions = token_positions(request, response) if response.get("choices") else []
+    return [
+        f"{index} {visible_token(positions[index]['token'])}"
+        if index < len(positions)
+        else str(index)
+        for index in range(count)
+    ]
+
+
+# How the norm heatmap's colours follow ‖h‖: the first position's norm is often many times
+# the others', which leaves everything else one colour on a linear scale.
+NORM_COLOUR_SCALES = {
+    "linear": "linear",
+    "log": "log₁₀",
+    "clip": "clipped at the 95th percentile",
+}
+
+
+def _position_axis(figure: go.Figure, labels: list[str], axis: str = "x", **extra) -> None:
+    update = figure.update_xaxes if axis == "x" else figure.update_yaxes
+    update(
+        tickmode="array",
+        tickvals=list(range(len(labels))),
+        ticktext=[html.escape(label) for label in labels],
+        title="position",
+        **extra,
+    )
+
+
+def activation_norm_heatmap(
+    tensor: np.ndarray, layers: list[int], labels: list[str], colour: str = "linear"
+) -> go.Figure:
+    """‖residual‖ by layer × position, coloured linearly, by log₁₀ or clipped (see
+    NORM_COLOUR_SCALES); hover always shows the norm itself."""
     norms = np.linalg.norm(tensor, axis=-1)
+    shown = norms
+    zmax = None
+    if colour == "log":
+        shown = np.log10(np.maximum(norms, 1e-6))
+    elif colour == "clip":
+        zmax = float(np.percentile(norms, 95))
     figure = go.Figure(
         go.Heatmap(
-            z=norms.tolist(),
-            y=layers,
+            z=shown.tolist(),
+            customdata=norms.tolist(),
+            y=[str(layer) for layer in layers],
             x=list(range(tensor.shape[1])),
+            zmax=zmax,
             colorscale="Viridis",
-            hovertemplate="layer %{y}, position %{x}: ‖h‖=%{z:.2f}<extra></extra>",
-            colorbar={"title": {"text": "‖h‖"}},
+            hovertemplate="layer %{y}, position %{x}: ‖h‖=%{customdata:.2f}<extra></extra>",
+            colorbar={"title": {"text": "log₁₀ ‖h‖" if colour == "log" else "‖h‖"}},
         )
     )
-    figure.update_xaxes(title="position")
-    figure.update_yaxes(title="layer", type="category" if len(layers) < 2 else "-")
-    return _layout(figure, "Residual-stream norm by layer × position", height=420)
+    _position_axis(figure, labels, tickangle=-45)
+    figure.update_yaxes(title="layer", type="category")
+    title = f"Residual-stream norm by layer × position ({NORM_COLOUR_SCALES[colour]})"
+    return _layout(figure, title, height=460)
 
 
-def activation_norm_by_layer(tensor: np.ndarray, layers: list[int], position: int) -> go.Figure:
+def activation_norm_by_layer(
+    tensor: np.ndarray, layers: list[int], position: int, labels: list[str]
+) -> go.Figure:
     """‖residual‖ at one position for each captured layer."""
     norms = np.linalg.norm(tensor[:, position, :], axis=-1)
     figure = go.Figure(go.Scatter(x=layers, y=norms.tolist(), mode="lines+markers"))
     figure.update_xaxes(title="layer")
     figure.update_yaxes(title="‖h‖")
-    return _layout(figure, f"Norm by layer at position {position}")
+    return _layout(figure, f"Norm by layer at position {html.escape(labels[position])}")
 
 
 def cosine_similarity_matrix(rows: np.ndarray) -> np.ndarray:
@@ -313,7 +370,9 @@ def cosine_similarity_matrix(rows: np.ndarray) -> np.ndarray:
     return unit @ unit.T
 
 
-def activation_cosine_figure(tensor: np.ndarray, layers: list[int], layer: int) -> go.Figure:
+def activation_cosine_figure(
+    tensor: np.ndarray, layers: list[int], layer: int, labels: list[str]
+) -> go.Figure:
     """Cosine similarity between positions at one captured layer."""
     similarity = cosine_similarity_matrix(tensor[layers.index(layer)])
     figure = go.Figure(
@@ -325,9 +384,9 @@ def activation_cosine_figure(tensor: np.ndarray, layers: list[int], layer: int) 
             hovertemplate="positions %{y} · %{x}: %{z:.3f}<extra></extra>",
         )
     )
-    figure.update_yaxes(autorange="reversed", title="position")
-    figure.update_xaxes(title="position")
-    return _layout(figure, f"Cosine similarity between positions, layer {layer}", height=420)
+    _position_axis(figure, labels, "y", autorange="reversed")
+    _position_axis(figure, labels, tickangle=-45)
+    return _layout(figure, f"Cosine similarity between positions, layer {layer}", height=460)
 
 
 def pca_projection(rows: np.ndarray, components: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -344,15 +403,18 @@ def pca_projection(rows: np.ndarray, components: int = 2) -> tuple[np.ndarray, n
     return coordinates, share
 
 
-def activation_pca_figure(tensor: np.ndarray, layers: list[int], layer: int) -> go.Figure:
-    """Positions at one captured layer projected on their first two principal components."""
+def activation_pca_figure(
+    tensor: np.ndarray, layers: list[int], layer: int, labels: list[str]
+) -> go.Figure:
+    """Positions at one captured layer projected on their first two principal components,
+    each marked with its label."""
     coordinates, share = pca_projection(tensor[layers.index(layer)])
     positions = list(range(coordinates.shape[0]))
     figure = go.Figure(
         go.Scatter(
             x=coordinates[:, 0].tolist(),
             y=coordinates[:, 1].tolist(),
-            text=[str(p) for p in positions],
+            text=[html.escape(label) for label in labels],
             mode="markers+text",
             textposition="top center",
             marker={"color": positions, "colorscale": "Viridis", "size": 9},
@@ -401,51 +463,71 @@ def mean_logprob(response: dict) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def target_logprob(response: dict, target: str) -> float | None:
-    """The target token's logprob at the first generated position (None if outside the
-    returned top-k)."""
-    positions = completion_positions(response["choices"][0].get("logprobs"))
+def _scored_target(response: dict, target: str) -> tuple[float | None, str]:
+    """The target's logprob from the scored second prompt (prompt + target, see
+    services.with_target_scored): the sum over the prompt logprobs after the first
+    prompt's own tokens."""
+    choices = response["choices"]
+    prompt_tokens = len(choices[0].get("prompt_logprobs") or [])
+    scored = (choices[1].get("prompt_logprobs") or [])[prompt_tokens:]
+    entries = [min(entry.values(), key=lambda item: item["rank"]) for entry in scored]
+    if not entries or "".join(item["decoded_token"] for item in entries) != target:
+        return None, "the target does not start a new token after the prompt"
+    actual = [max(entry.values(), key=lambda item: item["rank"]) for entry in scored]
+    return sum(item["logprob"] for item in actual), ""
+
+
+def target_logprob(response: dict, target: str) -> tuple[float | None, str]:
+    """The target's logprob at the first generated position and, when there is none, why.
+
+    From the scored prompt + target when the run has one (any target, however unlikely);
+    otherwise only when the target is among the top-k returned there."""
+    choices = response["choices"]
+    if len(choices) > 1 and choices[1].get("prompt_logprobs"):
+        return _scored_target(response, target)
+    positions = completion_positions(choices[0].get("logprobs"))
     if not positions:
-        return None
+        return None, "the run returned no logprobs"
     if positions[0]["token"] == target:
-        return positions[0]["logprob"]
+        return positions[0]["logprob"], ""
     for item in positions[0]["top"]:
         if item["token"] == target:
-            return item["logprob"]
-    return None
+            return item["logprob"], ""
+    return None, f"the target is outside the top-{len(positions[0]['top'])} returned"
 
 
 def sweep_points(runs: list[tuple[float, dict]], target: str) -> list[dict]:
     """From `(scale, response)` pairs (one with scale 0, the baseline): per scale the
-    target token's logprob and the mean logprob shift against the baseline."""
+    target token's logprob (None, with `missing` saying why, when unknown) and the mean
+    logprob shift against the baseline."""
     baseline = next((response for scale, response in runs if scale == 0), None)
     base_mean = mean_logprob(baseline) if baseline else None
     points = []
     for scale, response in sorted(runs, key=lambda pair: pair[0]):
         mean = mean_logprob(response)
         shift = None if mean is None or base_mean is None else mean - base_mean
+        logprob, missing = target_logprob(response, target) if target else (None, "")
         points.append(
-            {
-                "scale": scale,
-                "target_logprob": target_logprob(response, target),
-                "mean_shift": shift,
-            }
+            {"scale": scale, "target_logprob": logprob, "missing": missing, "mean_shift": shift}
         )
     return points
 
 
-def scale_sweep_figure(points: list[dict], target: str) -> go.Figure:
-    """Target-token logprob and mean logprob shift against steering scale."""
+def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> go.Figure:
+    """Target-token logprob and mean logprob shift against the steering scale (in `unit`,
+    as entered). Scales where the target's logprob is unknown are named in a note."""
     scales = [p["scale"] for p in points]
     figure = go.Figure()
-    figure.add_trace(
-        go.Scatter(
-            x=scales,
-            y=[p["target_logprob"] for p in points],
-            mode="lines+markers",
-            name=f"logprob of {_label(target)}",
+    known = [p for p in points if p["target_logprob"] is not None]
+    if known:
+        figure.add_trace(
+            go.Scatter(
+                x=[p["scale"] for p in known],
+                y=[p["target_logprob"] for p in known],
+                mode="lines+markers",
+                name=f"logprob of {_label(target)}",
+            )
         )
-    )
     figure.add_trace(
         go.Scatter(
             x=scales,
@@ -456,9 +538,23 @@ def scale_sweep_figure(points: list[dict], target: str) -> go.Figure:
         )
     )
     figure.update_layout(
-        xaxis={"title": {"text": "scale"}},
+        xaxis={"title": {"text": unit}, "tickformat": "~g"},
         yaxis={"title": {"text": "target logprob"}},
         yaxis2={"title": {"text": "mean shift"}, "overlaying": "y", "side": "right"},
         legend={"orientation": "h", "y": -0.25},
     )
-    return _layout(figure, "Scale sweep", height=380)
+    missing = [p for p in points if p["target_logprob"] is None]
+    note = ""
+    if not target:
+        note = "No target token given: only the mean shift is plotted."
+    elif missing:
+        where = "any scale" if not known else ", ".join(f"{p['scale']:g}" for p in missing)
+        note = f"No logprob of {_label(target)} at {where}: {html.escape(missing[0]['missing'])}."
+    if note:
+        figure.add_annotation(
+            text=note, xref="paper", yref="paper", x=0, y=1.02, showarrow=False,
+            xanchor="left", yanchor="bottom", font={"color": "#b30000"},
+        )  # fmt: skip
+    _layout(figure, "Scale sweep", height=420)
+    # Room for the right-hand axis and for the note above the plot.
+    return figure.update_layout(margin={"r": 60, "t": 70 if note else 40})

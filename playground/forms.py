@@ -426,6 +426,7 @@ class SteeringForm(SubmitOnceForm):
         if any(abs(scale) > MAX_SCALE for scale in scales):
             self.add_error("scales", f"Scales: each within ±{MAX_SCALE:g}.")
             return data
+        data["entered_scales"] = scales
         if data.get("scale_unit") == "typical":
             if not vector.layer_typical_norm or not vector.norm:
                 self.add_error(

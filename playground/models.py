@@ -95,6 +95,23 @@ class Run(models.Model):
         return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
 
     @property
+    def scale_entered(self) -> float | None:
+        """The steering scale as the user entered it: a multiple of the layer's typical
+        norm when `meta["scale_unit"]` is "typical", else the absolute `scale`."""
+        if self.meta.get("scale_unit") == "typical":
+            return self.meta["scale_entered"]
+        return self.scale
+
+    @property
+    def scale_label(self) -> str:
+        """The scale as entered, at the precision it was entered, with its unit."""
+        if self.scale is None:
+            return ""
+        if self.meta.get("scale_unit") == "typical":
+            return f"{self.scale_entered:g} × typical norm"
+        return f"{self.scale:g}"
+
+    @property
     def queue_ms(self):
         if self.started_at is None:
             return None

@@ -506,17 +506,26 @@ def steering_runs_create(
     kind: str,
     target_token: str = "",
     submit_token: uuid.UUID | None = None,
+    entered_scales: list[float] | None = None,
+    scale_unit: str = "absolute",
 ) -> uuid.UUID:
     """Queue a baseline (scale 0) and one steered run per scale, all with the same request
     and seed, adding `vector` at `layers`. Returns the group id of the comparison (that of
-    the first comparison, when `submit_token` was submitted before)."""
+    the first comparison, when `submit_token` was submitted before).
+
+    `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
+    "typical": multiples of the layer's typical norm), kept to show them as entered. A sweep
+    with a `target_token` also scores prompt + target (see `with_target_scored`)."""
+    entered = entered_scales if entered_scales is not None else scales
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
         activations = encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
         with transaction.atomic():
-            for scale in [0.0, *scales]:
+            for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
                 request = dict(base_request)
+                if kind == RunKind.SWEEP and target_token:
+                    request = with_target_scored(request, target_token)
                 request["apply_steering_vectors"] = [
                     {"activations": activations, "layer_indices": layers, "scale": scale}
                 ]
@@ -530,7 +539,12 @@ def steering_runs_create(
                     scale=scale,
                     vector=vector,
                     request=request,
-                    meta={"target_token": target_token, "layers": layers},
+                    meta={
+                        "target_token": target_token,
+                        "layers": layers,
+                        "scale_unit": scale_unit,
+                        "scale_entered": scale_entered,
+                    },
                     submit_token=submit_token if scale == 0.0 else None,
                 )
         return group
@@ -538,3 +552,11 @@ def steering_runs_create(
     return submitted_once(
         user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
     )
+
+
+def with_target_scored(request: dict, target: str) -> dict:
+    """The request with a second prompt, prompt + `target`, and `prompt_logprobs: 0`: the
+    second choice's last prompt logprobs are the target's own, from the full distribution,
+    however unlikely the target is (a top-k list would often leave it out)."""
+    prompt = request["prompt"]
+    return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}

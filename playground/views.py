@@ -185,13 +185,16 @@ def _pretty_request(request: dict) -> str:
     return json.dumps(shown, indent=2, ensure_ascii=False)
 
 
-def _run_context(run: Run) -> dict:
+def _run_context(run: Run, choice: int = 0) -> dict:
+    """The run page; per-choice figures (tokens, top-k, surprisal, distribution) show
+    choice number `choice`."""
     context = {
         "run": run,
         "request_json": _pretty_request(run.request),
         "snippets": selectors.run_code_snippets(run.request, base_url=settings.SITE_URL),
         "figures": [],
         "choices": [],
+        "shown_choice": choice,
     }
     if run.status != RunStatus.SUCCEEDED or not run.response:
         return context
@@ -200,7 +203,7 @@ def _run_context(run: Run) -> dict:
     context["choices"] = response.get("choices") or []
     if not context["choices"]:
         return context
-    positions = figures.token_positions(run.request, response)
+    positions = figures.token_positions(run.request, response, choice)
     if any(p["logprob"] is not None for p in positions):
         context["positions"] = positions
         context["figures"].append(_figure("tokens", figures.token_strip_figure(positions)))
@@ -210,7 +213,7 @@ def _run_context(run: Run) -> dict:
     if any(p["source"] == "prompt" and p["logprob"] is not None for p in positions):
         context["figures"].append(_figure("surprisal", figures.prompt_surprisal_figure(positions)))
     if run.request.get("prompt_logprobs") == -1:
-        prompt_logprobs = context["choices"][0].get("prompt_logprobs") or []
+        prompt_logprobs = context["choices"][choice].get("prompt_logprobs") or []
         context["distribution_positions"] = range(1, len(prompt_logprobs))
         if len(prompt_logprobs) > 1:
             context["figures"].append(
@@ -218,22 +221,36 @@ def _run_context(run: Run) -> dict:
             )
     if (response.get("activations") or {}).get("residual_stream"):
         tensor, layers = figures.activations(run.request, response)
-        context["capture"] = {"layers": layers, "positions": range(tensor.shape[1])}
+        labels = figures.position_labels(run.request, response, tensor.shape[1])
+        context["capture"] = {"layers": layers, "positions": labels}
+        context["norm_colour_scales"] = figures.NORM_COLOUR_SCALES
         last = tensor.shape[1] - 1
         context["figures"] += [
-            _figure("heatmap", figures.activation_norm_heatmap(tensor, layers)),
-            _figure("norm_by_layer", figures.activation_norm_by_layer(tensor, layers, last)),
-            _figure("cosine", figures.activation_cosine_figure(tensor, layers, layers[0])),
-            _figure("pca", figures.activation_pca_figure(tensor, layers, layers[0])),
+            _figure("heatmap", figures.activation_norm_heatmap(tensor, layers, labels)),
+            _figure(
+                "norm_by_layer", figures.activation_norm_by_layer(tensor, layers, last, labels)
+            ),
+            _figure("cosine", figures.activation_cosine_figure(tensor, layers, layers[0], labels)),
+            _figure("pca", figures.activation_pca_figure(tensor, layers, layers[0], labels)),
         ]
     return context
+
+
+def _choice_param(request, run: Run) -> int:
+    """The `choice` asked for (0 when absent), checked against the run's choices."""
+    if "choice" not in request.GET:
+        return 0
+    choices = (
+        len((run.response or {}).get("choices") or []) if run.status == RunStatus.SUCCEEDED else 0
+    )
+    return _int_param(request, "choice", upper=max(choices, 1))
 
 
 @approved_required
 @require_GET
 def run_detail(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    context = _run_context(run)
+    context = _run_context(run, _choice_param(request, run))
     if request.htmx:
         return render(request, "playground/run_detail.html#run_panel", context)
     return render(request, "playground/run_detail.html", context)
@@ -257,23 +274,30 @@ def run_figure(request, run_id, name):
     if run.status != RunStatus.SUCCEEDED:
         raise Http404("The run has no result.")
     response = run.response
+    choice = _choice_param(request, run)
     if name == "topk":
-        positions = figures.token_positions(run.request, response)
+        positions = figures.token_positions(run.request, response, choice)
         position = positions[_int_param(request, "position", upper=len(positions))]
         figure = figures.top_k_figure(position)
     elif name == "distribution":
-        prompt_logprobs = response["choices"][0].get("prompt_logprobs") or []
+        prompt_logprobs = response["choices"][choice].get("prompt_logprobs") or []
         if run.request.get("prompt_logprobs") != -1 or len(prompt_logprobs) < 2:
             raise Http404("This run has no full-vocabulary prompt logprobs.")
         position = _int_param(request, "position", upper=len(prompt_logprobs))
         figure = figures.prompt_distribution_figure(prompt_logprobs, max(position, 1))
-    elif name in ("norm_by_layer", "cosine", "pca"):
+    elif name in ("heatmap", "norm_by_layer", "cosine", "pca"):
         if not (response.get("activations") or {}).get("residual_stream"):
             raise Http404("This run captured no activations.")
         tensor, layers = figures.activations(run.request, response)
-        if name == "norm_by_layer":
+        labels = figures.position_labels(run.request, response, tensor.shape[1])
+        if name == "heatmap":
+            colour = request.GET.get("colour", "linear")
+            if colour not in figures.NORM_COLOUR_SCALES:
+                raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
+            figure = figures.activation_norm_heatmap(tensor, layers, labels, colour=colour)
+        elif name == "norm_by_layer":
             position = _int_param(request, "position", upper=tensor.shape[1])
-            figure = figures.activation_norm_by_layer(tensor, layers, position)
+            figure = figures.activation_norm_by_layer(tensor, layers, position, labels)
         else:
             layer = layers[_int_param(request, "row", upper=len(layers))]
             build = (
@@ -281,7 +305,7 @@ def run_figure(request, run_id, name):
                 if name == "cosine"
                 else figures.activation_pca_figure
             )
-            figure = build(tensor, layers, layer)
+            figure = build(tensor, layers, layer, labels)
     else:
         raise Http404("No such figure.")
     return render(request, "playground/_figure.html", {"figure": _figure(name, figure)})
@@ -442,6 +466,8 @@ def steering_submit(request):
         vector=data["vector"],
         layers=data["layer_list"],
         scales=scales,
+        entered_scales=data["entered_scales"],
+        scale_unit=data["scale_unit"],
         kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
         target_token=data.get("target_token") or "",
         submit_token=data["submit_token"],
@@ -473,12 +499,18 @@ def _group_context(runs: list[Run]) -> dict:
         if run.scale == 0:
             continue
         figure = figures.steering_difference_figure(baseline.response, run.response)
-        figure.update_layout(title={"text": f"Per-token logprob difference, scale {run.scale:g}"})
+        title = f"Per-token logprob difference, scale {run.scale_label}"
+        figure.update_layout(title={"text": title})
         context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
     if len(runs) > 2 and context["finished"]:
         target = runs[0].meta.get("target_token", "")
-        points = figures.sweep_points([(run.scale, run.response) for run in succeeded], target)
-        context["figures"].insert(0, _figure("sweep", figures.scale_sweep_figure(points, target)))
+        points = figures.sweep_points(
+            [(run.scale_entered, run.response) for run in succeeded], target
+        )
+        typical = runs[0].meta.get("scale_unit") == "typical"
+        unit = "scale (× layer's typical norm)" if typical else "scale"
+        figure = figures.scale_sweep_figure(points, target, unit)
+        context["figures"].insert(0, _figure("sweep", figure))
     return context
 
 

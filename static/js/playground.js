@@ -6,25 +6,33 @@
   // Timings of the latest run, read by the latency benchmark and the browser tests.
   window.playgroundTimings = window.playgroundTimings || {};
 
+  var PLOT_CONFIG = { responsive: true, displaylogo: false };
+
+  // The one way a figure is drawn, on first load and after any htmx swap (after settling).
+  // An element swapped in over one with the same id carries the old element's class and
+  // style until htmx settles it, then gets its own back: that strips the js-plotly-plot
+  // class plotly.js scopes its CSS to (mode bar, titles) from a figure drawn in between.
+  // So "drawn" is that class itself: a figure that lost it is drawn again.
+  function drawFigure(div) {
+    if (div.classList.contains("js-plotly-plot")) return;
+    var data = document.getElementById(div.dataset.plot);
+    if (!data) return;
+    var figure = JSON.parse(data.textContent);
+    window.Plotly.newPlot(div, figure.data, figure.layout, PLOT_CONFIG);
+    if (div.dataset.plot === "tokens") {
+      div.on("plotly_click", function (event) {
+        var position = event.points[0].customdata[1];
+        var select = div.closest(".run-panel").querySelector("[data-topk-position]");
+        if (position < 0 || !select) return;
+        select.value = String(position);
+        select.dispatchEvent(new Event("change", { bubbles: true }));
+      });
+    }
+  }
+
   function renderFigures(root) {
     if (!window.Plotly) return;
-    root.querySelectorAll("[data-plot]").forEach(function (div) {
-      if (div.dataset.rendered) return;
-      var data = document.getElementById(div.dataset.plot);
-      if (!data) return;
-      div.dataset.rendered = "1";
-      var figure = JSON.parse(data.textContent);
-      window.Plotly.newPlot(div, figure.data, figure.layout, { responsive: true, displaylogo: false });
-      if (div.dataset.plot === "tokens") {
-        div.on("plotly_click", function (event) {
-          var position = event.points[0].customdata[1];
-          var select = div.closest(".run-panel").querySelector("[data-topk-position]");
-          if (position < 0 || !select) return;
-          select.value = String(position);
-          select.dispatchEvent(new Event("change", { bubbles: true }));
-        });
-      }
-    });
+    root.querySelectorAll("[data-plot]").forEach(drawFigure);
   }
 
   function reloadPanel(panel) {
@@ -126,7 +134,14 @@
         window.playgroundTimings[panel.dataset.runId] || {});
       if (timing.submitted === undefined) timing.submitted = window.playgroundTimings.lastSubmit;
     }
-    start(event.detail.elt.parentNode || document);
+    (event.detail.elt.parentNode || document)
+      .querySelectorAll(".run-panel[data-events-url]")
+      .forEach(followRun);
+  });
+
+  // Figures are drawn after settling (see drawFigure).
+  document.addEventListener("htmx:afterSettle", function () {
+    renderFigures(document);
   });
 
   if (document.readyState === "loading") {

@@ -116,6 +116,9 @@ def test_prompt_distribution_plots_probability_by_rank():
     assert line.y[0] >= line.y[-1]
 
 
+LABELS = ["0", "1", "2", "3", "4 <b>"]
+
+
 @pytest.fixture
 def captured():
     return figures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
@@ -123,9 +126,9 @@ def captured():
 
 def test_activation_norm_heatmap_is_layers_by_positions(captured):
     tensor, layers = captured
-    heatmap = figures.activation_norm_heatmap(tensor, layers).data[0]
+    heatmap = figures.activation_norm_heatmap(tensor, layers, LABELS).data[0]
     assert np.array(heatmap.z).shape == (3, 5)
-    assert list(heatmap.y) == [0, 4, 8]
+    assert list(heatmap.y) == ["0", "4", "8"]
     assert heatmap.z[1][2] == pytest.approx(float(np.linalg.norm(tensor[1, 2])), rel=1e-5)
 
 
@@ -137,14 +140,14 @@ def test_all_layer_capture_numbers_rows_from_zero():
 
 def test_norm_by_layer_follows_one_position(captured):
     tensor, layers = captured
-    line = figures.activation_norm_by_layer(tensor, layers, 3).data[0]
+    line = figures.activation_norm_by_layer(tensor, layers, 3, LABELS).data[0]
     assert list(line.x) == [0, 4, 8]
     assert line.y[2] == pytest.approx(float(np.linalg.norm(tensor[2, 3])), rel=1e-5)
 
 
 def test_cosine_similarity_has_unit_diagonal_and_is_symmetric(captured):
     tensor, layers = captured
-    z = np.array(figures.activation_cosine_figure(tensor, layers, 4).data[0].z)
+    z = np.array(figures.activation_cosine_figure(tensor, layers, 4, LABELS).data[0].z)
     assert np.allclose(np.diag(z), 1, atol=1e-5)
     assert np.allclose(z, z.T, atol=1e-6)
 
@@ -161,8 +164,8 @@ def test_pca_recovers_a_planar_point_cloud():
 
 def test_pca_figure_places_every_position(captured):
     tensor, layers = captured
-    scatter = figures.activation_pca_figure(tensor, layers, 8).data[0]
-    assert len(scatter.x) == 5 and list(scatter.text) == ["0", "1", "2", "3", "4"]
+    scatter = figures.activation_pca_figure(tensor, layers, 8, LABELS).data[0]
+    assert len(scatter.x) == 5 and list(scatter.text) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
 
 
 def test_steering_difference_is_steered_minus_baseline_per_position():
@@ -181,6 +184,113 @@ def test_sweep_points_report_target_logprob_and_mean_shift():
     assert points[0]["mean_shift"] == 0
     assert points[0]["target_logprob"] == pytest.approx(-0.79675, abs=1e-4)
     assert points[1]["target_logprob"] is None  # not in the steered top-5
+    assert points[1]["missing"] == "the target is outside the top-5 returned"
     figure = figures.scale_sweep_figure(points, "'s")
     assert [trace.name for trace in figure.data] == ["logprob of 's", "mean logprob shift"]
     assert json.loads(figure.to_json())["data"][1]["yaxis"] == "y2"
+    # The scale without it is named, with the reason, instead of a silent gap.
+    note = figure.layout.annotations[0].text
+    assert note == "No logprob of &#x27;s at 4: the target is outside the top-5 returned."
+
+
+def _positions(sources: str) -> list[dict]:
+    return [
+        {"source": "prompt" if source == "p" else "completion", "token": f"t{index}",
+         "logprob": -1.0, "rank": 1, "top": [], "position": index, "probability": 0.37}
+        for index, source in enumerate(sources)
+    ]  # fmt: skip
+
+
+def test_token_strip_rows_are_labelled_by_token_offset():
+    figure = figures.token_strip_figure(_positions("p" * 5 + "c" * 15))
+    assert list(figure.layout.yaxis.ticktext) == [
+        "prompt #0–4",
+        "completion #5–16",
+        "completion #17–19",
+    ]
+
+
+def test_token_strip_text_is_dark_on_light_cells_at_a_readable_size():
+    heatmap = figures.token_strip_figure(_positions("pc")).data[0]
+    assert heatmap.textfont.size >= 12
+
+    def luminance(colour: str) -> float:
+        red, green, blue = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
+        return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+
+    assert luminance(heatmap.textfont.color) < 0.1
+    assert all(luminance(colour) > 0.5 for _, colour in heatmap.colorscale)
+
+
+def test_capture_positions_are_labelled_by_their_tokens():
+    response = recorded("completion_logprobs.json")
+    labels = figures.position_labels(COMPLETION_REQUEST, response, 3)
+    assert labels == ["0 The", "1 ·capital", "2 ·of"]
+    unscored = {**COMPLETION_REQUEST, "prompt_logprobs": None}
+    no_tokens = {"choices": [{**response["choices"][0], "prompt_logprobs": None,
+                              "logprobs": None}]}  # fmt: skip
+    assert figures.position_labels(unscored, no_tokens, 2) == ["0", "1"]
+
+
+def test_capture_axes_show_the_position_tokens(captured):
+    tensor, layers = captured
+    heatmap = figures.activation_norm_heatmap(tensor, layers, LABELS)
+    assert list(heatmap.layout.xaxis.ticktext) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
+    cosine = figures.activation_cosine_figure(tensor, layers, 4, LABELS)
+    assert list(cosine.layout.yaxis.ticktext) == list(cosine.layout.xaxis.ticktext)
+    norm = figures.activation_norm_by_layer(tensor, layers, 4, LABELS)
+    assert norm.layout.title.text == "Norm by layer at position 4 &lt;b&gt;"
+
+
+def test_norm_heatmap_colours_by_log_or_clipped_norm_keeping_the_norm_on_hover():
+    tensor = np.ones((2, 4, 3), dtype=np.float32)
+    tensor[:, 0] *= 1000  # the first position dwarfs the others, as in real models
+    norms = np.linalg.norm(tensor, axis=-1)
+    log = figures.activation_norm_heatmap(tensor, [0, 1], ["a", "b", "c", "d"], colour="log")
+    assert np.allclose(log.data[0].z, np.log10(norms))
+    assert np.allclose(log.data[0].customdata, norms)
+    clipped = figures.activation_norm_heatmap(tensor, [0, 1], list("abcd"), colour="clip")
+    assert clipped.data[0].zmax == pytest.approx(float(np.percentile(norms, 95)))
+    assert "clipped" in clipped.layout.title.text
+    assert figures.activation_norm_heatmap(tensor, [0, 1], list("abcd")).data[0].zmax is None
+
+
+def _scored(prompt_tokens: list[tuple[str, float]], scored_tokens: list[tuple[str, float]]):
+    """A response to a request with prompt_logprobs 0 and prompts [prompt, prompt + target]."""
+
+    def entries(tokens):
+        return [None] + [
+            {str(index): {"logprob": logprob, "rank": 7, "decoded_token": token}}
+            for index, (token, logprob) in enumerate(tokens[1:])
+        ]
+
+    steered = recorded("steer_steered.json")
+    first = {**steered["choices"][0], "prompt_logprobs": entries(prompt_tokens)}
+    second = {**steered["choices"][0], "index": 1, "prompt_logprobs": entries(scored_tokens)}
+    return {**steered, "choices": [first, second]}
+
+
+def test_target_logprob_comes_from_the_scored_prompt_whatever_its_rank():
+    prompt = [("I", 0.0), (" think", -2.0)]
+    response = _scored(prompt, [*prompt, (" happ", -9.0), ("y", -0.5)])
+    assert figures.target_logprob(response, " happy") == (pytest.approx(-9.5), "")
+
+
+def test_target_merged_into_the_prompt_token_is_reported_missing():
+    response = _scored([("I", 0.0), (" think", -2.0)], [("I", 0.0), (" thinking", -3.0)])
+    assert figures.target_logprob(response, "ing") == (
+        None,
+        "the target does not start a new token after the prompt",
+    )
+
+
+def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
+    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
+    points = figures.sweep_points([(0.0, baseline), (-1.5, steered), (3.0, steered)], " zebra")
+    figure = figures.scale_sweep_figure(points, " zebra", "scale (× layer's typical norm)")
+    assert [trace.name for trace in figure.data] == ["mean logprob shift"]
+    assert figure.layout.annotations[0].text == (
+        "No logprob of ·zebra at any scale: the target is outside the top-5 returned."
+    )
+    assert figure.layout.xaxis.title.text == "scale (× layer's typical norm)"
+    assert list(figure.data[0].x) == [-1.5, 0.0, 3.0]

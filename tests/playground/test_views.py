@@ -542,3 +542,96 @@ def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_use
                      kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
     body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'data-plot="sweep"' in body
+
+
+def _two_choices():
+    response = recorded("completion_logprobs.json")
+    second = json.loads(json.dumps(response["choices"][0]))
+    second["index"] = 1
+    second["text"] = "Lyon"
+    second["logprobs"]["tokens"][0] = "·Lyon-marker"
+    response["choices"].append(second)
+    return response
+
+
+def _figure_json(body: str, name: str) -> str:
+    return body.split(f'<script id="{name}" type="application/json">')[1].split("</script>")[0]
+
+
+def test_every_per_choice_figure_follows_the_chosen_choice(user_client, approved_user):
+    request = {"model": "smollm2-135m", "prompt": "The capital of France is", "logprobs": 5,
+               "prompt_logprobs": 3, "max_tokens": 6, "n": 2}  # fmt: skip
+    run = finished_run(approved_user, request=request, response=_two_choices())
+    url = reverse("playground:run_detail", args=[run.id])
+    first = user_client.get(url).content.decode()
+    assert "data-choice-select" in first and "Lyon-marker" not in _figure_json(first, "tokens")
+    chosen = user_client.get(url + "?choice=1", **HTMX).content.decode()
+    assert "Lyon-marker" in _figure_json(chosen, "tokens")
+    assert "Lyon-marker" in chosen.split("data-topk-position")[1].split("</select>")[0]
+    assert '<input type="hidden" name="choice" value="1">' in chosen
+    figure_url = reverse("playground:run_figure", args=[run.id, "topk"])
+    topk = user_client.get(figure_url + "?position=5&choice=1", **HTMX).content.decode()
+    assert "Lyon-marker" in topk
+    for bad in ("2", "x", "-1"):
+        missing = user_client.get(url + f"?choice={bad}")
+        assert missing.status_code == 404
+        assert user_client.get(figure_url + f"?position=5&choice={bad}").status_code == 404
+
+
+def test_norm_heatmap_colour_can_be_log_or_clipped(user_client, approved_user):
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
+                 "output_residual_stream": [0, 4, 8]},
+        response=recorded("capture.json"),
+    )  # fmt: skip
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert 'name="colour"' in body
+    url = reverse("playground:run_figure", args=[run.id, "heatmap"])
+    for colour, shown in (("log", "log₁₀"), ("clip", "clipped at the 95th percentile")):
+        partial = user_client.get(url + f"?colour={colour}", **HTMX).content.decode()
+        title = json.loads(_figure_json(partial, "heatmap"))["layout"]["title"]["text"]
+        assert title == f"Residual-stream norm by layer × position ({shown})"
+    assert user_client.get(url + "?colour=sepia").status_code == 404
+
+
+def test_sweep_keeps_scales_as_entered_and_scores_the_target(
+    user_client, approved_user, no_enqueue
+):
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {
+            "steer-vector": vector.pk,
+            "steer-prompt": "I feel",
+            "steer-scale_unit": "typical",
+            "steer-scales": "-1.5, 0.75",
+            "steer-target_token": " happy",
+            "steer-max_tokens": 4,
+            "steer-temperature": 0,
+            "steer-seed": 11,
+            "steer-logprobs": 2,
+        },
+        **HTMX,
+    )
+    runs = sorted(Run.objects.all(), key=lambda r: r.scale)
+    assert [r.scale for r in runs] == [pytest.approx(-1.5 * 96 / 48), 0.0, pytest.approx(1.5)]
+    assert [r.scale_label for r in runs] == [
+        "-1.5 × typical norm",
+        "0 × typical norm",
+        "0.75 × typical norm",
+    ]
+    assert all(r.request["prompt"] == ["I feel", "I feel happy"] for r in runs)
+    assert all(r.request["prompt_logprobs"] == 0 for r in runs)
+    Run.objects.update(status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json"))
+    body = user_client.get(reverse("playground:group_detail", args=[runs[0].group])).content
+    body = body.decode()
+    assert "Steered, scale -1.5 × typical norm" in body and "scale -3" not in body
+    diff = json.loads(_figure_json(body, "diff-1.5"))["layout"]["title"]["text"]
+    assert diff == "Per-token logprob difference, scale 0.75 × typical norm"
+    sweep = json.loads(_figure_json(body, "sweep"))
+    assert sweep["data"][0]["x"] == [-1.5, 0, 0.75]
+    assert sweep["layout"]["xaxis"]["title"]["text"] == "scale (× layer's typical norm)"
