@@ -190,7 +190,7 @@ def test_sweep_points_report_target_logprob_and_mean_shift():
     assert json.loads(figure.to_json())["data"][1]["yaxis"] == "y2"
     # The scale without it is named, with the reason, instead of a silent gap.
     note = figure.layout.annotations[0].text
-    assert note == "No logprob of &#x27;s at 4: the target is outside the top-5 returned."
+    assert note == "No logprob of 's at 4: the target is outside the top-5 returned."
 
 
 def _positions(sources: str) -> list[dict]:
