@@ -86,6 +86,50 @@ class CompletionFields(Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def check_steering_shape(
+    *, field: str, shape, layer_indices, position_indices, hidden_size: int, sequence_tokens: int
+) -> tuple[int, ...]:
+    """The shape of a steering vector (`field`, e.g. "apply_steering_vectors.0"), checked
+    against its layers, its positions (< `sequence_tokens`: the longest prompt + max_tokens)
+    and the model's hidden size, from the codec object alone. Raises ValueError naming what is
+    wrong. The gateway checks this before any upstream work and the engine again before it
+    decompresses."""
+    positions = position_indices
+    if positions is not None:
+        if not positions:
+            raise ValueError(f"'{field}.position_indices' must list at least one position.")
+        bad = next((p for p in positions if not 0 <= p < sequence_tokens), None)
+        if bad is not None:
+            raise ValueError(
+                f"Position {bad} in '{field}.position_indices' is outside the sequence; "
+                f"positions are 0–{sequence_tokens - 1} (prompt tokens + max_tokens)."
+            )
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"'{field}.position_indices' names a position twice.")
+    shape = tuple(shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            f"'{field}.activations.shape' must be [layers, hidden] or [layers, positions, hidden]."
+        )
+    if len(shape) == 3 and positions is None:
+        raise ValueError(
+            f"'{field}.activations.shape' is [layers, positions, hidden], which needs "
+            "position_indices."
+        )
+    if shape[-1] != hidden_size:
+        raise ValueError(
+            f"'{field}.activations' has hidden size {shape[-1]}; the model's is {hidden_size}."
+        )
+    rows = [len(layer_indices)] + ([len(positions)] if len(shape) == 3 else [])
+    if list(shape) != [*rows, hidden_size]:
+        raise ValueError(
+            f"'{field}.activations.shape' is {list(shape)}, but layer_indices"
+            + (" and position_indices" if len(shape) == 3 else "")
+            + f" make it {[*rows, hidden_size]}."
+        )
+    return shape
+
+
 def error_field(error: dict) -> str:
     """The dotted location of one pydantic validation error (`ValidationError.errors()`
     item), as the caller wrote it: pydantic also names the union branch it tried

@@ -11,6 +11,7 @@ from acs_client.protocol import (
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
     STEERING_MAX_VALUES,
+    check_steering_shape,
 )
 
 from .errors import ApiError
@@ -210,40 +211,17 @@ def _check_steering_vector(index: int, vector, model: LanguageModel, sequence_to
     for name, expected in SUPPORTED_CODEC.items():
         if getattr(tensor, name) != expected:
             raise _invalid(f"'{field}.activations.{name}' must be '{expected}'.")
-    positions = vector.position_indices
-    if positions is not None:
-        if not positions:
-            raise _invalid(f"'{field}.position_indices' must list at least one position.")
-        bad = next((p for p in positions if not 0 <= p < sequence_tokens), None)
-        if bad is not None:
-            raise _invalid(
-                f"Position {bad} in '{field}.position_indices' is outside the sequence; "
-                f"positions are 0–{sequence_tokens - 1} (prompt tokens + max_tokens)."
-            )
-        if len(set(positions)) != len(positions):
-            raise _invalid(f"'{field}.position_indices' names a position twice.")
-    shape = tensor.shape
-    if len(shape) not in (2, 3):
-        raise _invalid(
-            f"'{field}.activations.shape' must be [layers, hidden] or [layers, positions, hidden]."
+    try:
+        shape = check_steering_shape(
+            field=field,
+            shape=tensor.shape,
+            layer_indices=vector.layer_indices,
+            position_indices=vector.position_indices,
+            hidden_size=model.hidden_size,
+            sequence_tokens=sequence_tokens,
         )
-    if len(shape) == 3 and positions is None:
-        raise _invalid(
-            f"'{field}.activations.shape' is [layers, positions, hidden], which needs "
-            "position_indices."
-        )
-    if shape[-1] != model.hidden_size:
-        raise _invalid(
-            f"'{field}.activations' has hidden size {shape[-1]}; the model's is "
-            f"{model.hidden_size}."
-        )
-    rows = [len(vector.layer_indices)] + ([len(positions)] if len(shape) == 3 else [])
-    if shape != [*rows, model.hidden_size]:
-        raise _invalid(
-            f"'{field}.activations.shape' is {shape}, but layer_indices"
-            + (" and position_indices" if len(shape) == 3 else "")
-            + f" make it {[*rows, model.hidden_size]}."
-        )
+    except ValueError as error:
+        raise _invalid(str(error)) from None
     try:
         codec.check_frame_size(codec.b64decode_data(tensor.data), shape)
     except ValueError as error:

@@ -18,6 +18,7 @@ from acs_client.protocol import (
     MAX_STOP_STRINGS,
     OUTPUT_WORK_CAP,
     STEERING_MAX_VALUES,
+    check_steering_shape,
 )
 from engine.loader import MODEL_ID, LoadedModel
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest
@@ -224,7 +225,7 @@ def steering_additions(request: CompletionRequest, loaded: LoadedModel, sequence
     by_layer: dict[int, list[SteeringAddition]] = {}
     values = 0
     for index, spec in enumerate(request.apply_steering_vectors or []):
-        what = f"apply_steering_vectors[{index}]"
+        what = f"apply_steering_vectors.{index}"
         check_layers(spec.layer_indices, loaded.n_layers, what)
         if not math.isfinite(spec.scale):
             raise RequestError(f"{what}: scale must be a finite number")
@@ -253,41 +254,21 @@ def steering_additions(request: CompletionRequest, loaded: LoadedModel, sequence
 def steering_shape(spec, hidden_size: int, sequence_tokens: int, what: str) -> tuple[int, ...]:
     """The steering vector's shape, checked against its layers, positions and the model from
     the codec header alone (its data is not touched)."""
-    positions = spec.position_indices
-    if positions is not None:
-        if not positions:
-            raise RequestError(f"{what}: position_indices must not be empty")
-        bad = next((p for p in positions if not 0 <= p < sequence_tokens), None)
-        if bad is not None:
-            raise RequestError(
-                f"{what}: position {bad} is outside the sequence; positions are "
-                f"0..{sequence_tokens - 1} (prompt tokens + max_tokens)"
-            )
-        if len(set(positions)) != len(positions):
-            raise RequestError(f"{what}: position_indices lists a position more than once")
     try:
-        shape = check_header(spec.activations, max_values=STEERING_MAX_VALUES)
+        header_shape = check_header(spec.activations, max_values=STEERING_MAX_VALUES)
     except ValueError as error:
-        raise RequestError(f"{what}.activations: {error}") from None
-    layers = len(spec.layer_indices)
-    if len(shape) == 2:
-        expected = (layers, hidden_size)
-    elif len(shape) == 3 and positions is not None:
-        expected = (layers, len(positions), hidden_size)
-    elif len(shape) == 3:
-        raise RequestError(f"{what}: a 3-D vector needs position_indices")
-    else:
-        raise RequestError(f"{what}: activations must be 2-D or 3-D, got shape {list(shape)}")
-    if shape[-1] != hidden_size:
-        raise RequestError(
-            f"{what}: hidden size {shape[-1]} does not match the model's {hidden_size}"
+        raise RequestError(f"'{what}.activations': {error}") from None
+    try:
+        return check_steering_shape(
+            field=what,
+            shape=header_shape,
+            layer_indices=spec.layer_indices,
+            position_indices=spec.position_indices,
+            hidden_size=hidden_size,
+            sequence_tokens=sequence_tokens,
         )
-    if shape != expected:
-        raise RequestError(
-            f"{what}: activations shape {list(shape)} does not match layer_indices "
-            f"(expected {list(expected)})"
-        )
-    return shape
+    except ValueError as error:
+        raise RequestError(str(error)) from None
 
 
 def decode_steering_tensor(spec, shape: tuple[int, ...], what: str) -> np.ndarray:

@@ -44,14 +44,14 @@ BAD_REQUESTS = [
     ({"prompt": "word " * 300, "prompt_logprobs": -1}, "full_vocab_prompt_too_long", "256"),
     (steer(activations=codec((1, HIDDEN)), layer_indices=[31]), "invalid_request", "layer 31"),
     (steer(activations=codec((1, 100))), "invalid_request", "hidden size 100"),
-    (steer(activations=codec((2, HIDDEN))), "invalid_request", "does not match layer_indices"),
+    (steer(activations=codec((2, HIDDEN))), "invalid_request", "but layer_indices make it"),
     (steer(activations=codec((1, 2, HIDDEN))), "invalid_request", "needs position_indices"),
     (
         steer(activations=codec((1, 3, HIDDEN)), position_indices=[0, 1]),
         "invalid_request",
-        "does not match layer_indices",
+        "layer_indices and position_indices make it",
     ),
-    (steer(activations=codec((HIDDEN,))), "invalid_request", "2-D or 3-D"),
+    (steer(activations=codec((HIDDEN,))), "invalid_request", "[layers, positions, hidden]"),
     (
         steer(activations={**codec((1, HIDDEN)), "data": "not base64!!"}),
         "invalid_request",
@@ -70,12 +70,12 @@ BAD_REQUESTS = [
     (
         steer(activations=codec((1, 1, HIDDEN)), position_indices=[10**6]),
         "invalid_request",
-        "position 1000000 is outside the sequence",
+        "Position 1000000 in 'apply_steering_vectors.0.position_indices' is outside",
     ),
     (
         steer(activations=codec((1, 2, HIDDEN)), position_indices=[1, 1]),
         "invalid_request",
-        "more than once",
+        "names a position twice",
     ),
     (
         {"prompt": ["a", "b"], "n": 16, "max_tokens": 1001},
@@ -204,7 +204,7 @@ def test_steering_decompression_bomb_is_a_400_without_a_memory_spike(
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "invalid_request"
-    assert "apply_steering_vectors[0]" in response.json()["error"]["message"]
+    assert "apply_steering_vectors.0" in response.json()["error"]["message"]
     assert peak_rss_kb(pid) - peak_before < 64 * 1024, "no allocation of the claimed shape"
 
 
