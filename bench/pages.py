@@ -9,31 +9,9 @@ ports, on the pytest-django test database) and prints its table: per page, the H
 response time, the load event and the bytes transferred.
 """
 
-import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def main() -> int:
-    result = subprocess.run(
-        [
-            str(REPO_ROOT / ".venv" / "bin" / "pytest"),
-            "tests/browser/test_pages.py",
-            "-q",
-            "-s",
-            "-p",
-            "no:cacheprovider",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("pages:")]
-    print("\n".join(lines) or result.stdout[-3000:] + result.stderr[-3000:])
-    return result.returncode
-
+from browser_test import run_browser_test
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_browser_test("tests/browser/test_pages.py", "pages:"))

@@ -8,31 +8,9 @@ It runs tests/browser/test_latency.py (which starts and stops everything on free
 ports, on the pytest-django test database) and prints its measurement line.
 """
 
-import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def main() -> int:
-    result = subprocess.run(
-        [
-            str(REPO_ROOT / ".venv" / "bin" / "pytest"),
-            "tests/browser/test_latency.py",
-            "-q",
-            "-s",
-            "-p",
-            "no:cacheprovider",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("playground:")]
-    print("\n".join(lines) or result.stdout[-3000:] + result.stderr[-3000:])
-    return result.returncode
-
+from browser_test import run_browser_test
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_browser_test("tests/browser/test_latency.py", "playground:"))
