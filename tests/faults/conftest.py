@@ -246,8 +246,10 @@ class System:
             log_dir,
         )
         # Sends tasks to this system's broker (the test process's own Celery app is bound
-        # to the shared test Redis).
-        self.celery = Celery("faults", broker=self.redis.url)
+        # to the shared test Redis). Not the current app: the test thread's shared tasks would
+        # then resolve to this app's copies, and later tests patching them would patch copies
+        # the code under test (in other threads) never calls.
+        self.celery = Celery("faults", broker=self.redis.url, set_as_current=False)
 
     def start(self) -> None:
         self.redis.start()

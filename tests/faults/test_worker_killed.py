@@ -107,7 +107,7 @@ def test_worker_killed_mid_completion_job_reruns_it_and_bills_once(system, accou
     http.close()
 
 
-def test_worker_killed_mid_harvest_reruns_it_and_counts_one_job(
+def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
     system, engine_ready, account, fault_table
 ):
     http = _client(system, account)
@@ -156,12 +156,27 @@ def test_worker_killed_mid_harvest_reruns_it_and_counts_one_job(
     # Counted once against the monthly harvest quota, although it ran twice.
     month = account.windows()["key_" + Period.MONTH]
     assert month.harvest_jobs == 1
+    # Each batch billed once: the batch the dead attempt was capturing had only a hold (the
+    # sweep frees it), and those it had paid for are not charged again by the re-run.
+    budget_release_stale(older_than=timedelta(0))
+    prompt_tokens = sum(
+        len(httpx.post(f"{system.engine_url}/tokenize", json={"prompt": p}).json()["tokens"])
+        for p in prompts
+    )
+    produced = prompt_tokens + len(prompts)  # one generated token per capture
+    records = UsageRecord.objects.filter(key=account.key, endpoint="harvest")
+    assert records.count() == len(prompts)  # one per batch of one prompt
+    assert account.used_tokens() == produced
+    assert account.reserved_tokens() == 0
+    assert account.windows()["key_" + Period.MONTH].activation_requests == len(prompts)
     fault_table.add(
         fault="Celery worker SIGKILLed mid-harvest",
         client_saw=f"job `running` ({done_when_killed}/{len(prompts)} prompts), then"
         f" `done` after attempt {job.attempts}",
-        metered="1 harvest job of the quota (no tokens)",
-        produced=f"{len(prompts)} prompts captured, {len(job.files)} files",
+        metered=f"{account.used_tokens()} tokens ({records.count()} usage records, one per"
+        f" batch), {len(prompts)} activation requests, 1 harvest job of the quota",
+        produced=f"{produced} ({len(prompts)} prompts captured + 1 token each),"
+        f" {len(job.files)} files",
         recovery=f"{recovered_at - killed_at:.1f} s to `done` (lease {JOB_LEASE_S} s,"
         " then the jobs sweep)",
     )
