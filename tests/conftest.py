@@ -16,6 +16,15 @@ from accounts.services import api_key_create
 from .servers import engine_server
 
 PASSWORD = "correct-horse-battery-staple"
+# The embedded engine's model (SmolLM2-135M) as the registry describes it: every test that
+# registers the real engine as an upstream uses these fields.
+ENGINE_MODEL_FIELDS = {
+    "max_model_len": 8192,
+    "n_layers": 30,
+    "hidden_size": 576,
+    "vocab_size": 49152,
+    "supports_activations": True,
+}
 
 
 def make_user(email, *, status=UserStatus.APPROVED, is_staff=False, **fields):

@@ -17,7 +17,7 @@ from playwright.sync_api import sync_playwright
 
 from accounts.models import User
 from api.models import LanguageModel
-from tests.conftest import PASSWORD, make_user
+from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
 
 from .system import System, launch_chromium
 
@@ -52,11 +52,7 @@ def _system(running, django_db_blocker):
             defaults={
                 "upstream_urls": [running.engine_url],
                 "activation_upstream_urls": [],
-                "max_model_len": 8192,
-                "n_layers": 30,
-                "hidden_size": 576,
-                "vocab_size": 49152,
-                "supports_activations": True,
+                **ENGINE_MODEL_FIELDS,
                 "max_logprobs": 100,
                 "status": "live",
                 "is_default": True,

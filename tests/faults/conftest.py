@@ -29,7 +29,7 @@ from django.db import connections
 from accounts.models import BudgetLease, Period, UsagePeriod, User
 from accounts.services import api_key_create
 from api.models import LanguageModel
-from tests.conftest import make_user
+from tests.conftest import ENGINE_MODEL_FIELDS, make_user
 from tests.gateway.stub import StubUpstream
 from tests.servers import REPO_ROOT, engine_command, free_port, wait_ready
 
@@ -286,11 +286,7 @@ def _model_defaults(url: str, **fields) -> dict:
     return {
         "upstream_urls": [url],
         "activation_upstream_urls": [url],
-        "max_model_len": 8192,
-        "n_layers": 30,
-        "hidden_size": 576,
-        "vocab_size": 49152,
-        "supports_activations": True,
+        **ENGINE_MODEL_FIELDS,
         "max_logprobs": 100,
         "status": "live",
         "is_default": False,

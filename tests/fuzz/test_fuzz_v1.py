@@ -31,12 +31,13 @@ from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
 from api.models import LanguageModel
 from api.openapi import ERROR_CODES, openapi_document
 from api.selectors import registry_clear
+from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "smollm2-135m"
-HIDDEN = 576
+HIDDEN = ENGINE_MODEL_FIELDS["hidden_size"]
 # Measured: the engine's RSS was 931 MB after the fuzzing of POST /v1/completions and
 # /v1/harvest (SmolLM2-135M in bfloat16); about twice that catches a leak or an allocation
 # sized by the input.
@@ -263,11 +264,7 @@ def target(gateway_url, engine_url, api_key, api_secret, redis_client):
         name=MODEL,
         upstream_urls=[engine_url],
         activation_upstream_urls=[engine_url],
-        max_model_len=8192,
-        n_layers=30,
-        hidden_size=HIDDEN,
-        vocab_size=49152,
-        supports_activations=True,
+        **ENGINE_MODEL_FIELDS,
         is_default=True,
     )
     registry_clear()

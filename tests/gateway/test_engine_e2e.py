@@ -12,6 +12,7 @@ from acs_client.codec import decode, encode_vector
 from api import tokenizer, upstream
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from tests.conftest import ENGINE_MODEL_FIELDS
 
 from ..bombs import zero_bomb
 from .conftest import SETTLED_HOOKS, wait_settled
@@ -27,11 +28,7 @@ def engine_model(engine_url, transactional_db, redis_client):
     LanguageModel.objects.create(
         name="smollm2-135m",
         upstream_urls=[engine_url],
-        max_model_len=8192,
-        n_layers=30,
-        hidden_size=576,
-        vocab_size=49152,
-        supports_activations=True,
+        **ENGINE_MODEL_FIELDS,
         is_default=True,
     )
     registry_clear()

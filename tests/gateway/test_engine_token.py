@@ -7,6 +7,7 @@ import pytest
 from api import tokenizer, upstream
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.servers import engine_server
 
 from .conftest import SETTLED_HOOKS, wait_settled
@@ -28,11 +29,7 @@ def guarded_model(guarded_engine_url, transactional_db, redis_client):
     LanguageModel.objects.create(
         name="smollm2-135m",
         upstream_urls=[guarded_engine_url],
-        max_model_len=8192,
-        n_layers=30,
-        hidden_size=576,
-        vocab_size=49152,
-        supports_activations=True,
+        **ENGINE_MODEL_FIELDS,
         is_default=True,
     )
     registry_clear()

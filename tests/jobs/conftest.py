@@ -8,6 +8,7 @@ from django.db import connections
 from api.jobs import tasks
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from tests.conftest import ENGINE_MODEL_FIELDS
 
 ENGINE_MODEL = "smollm2-135m"
 
@@ -30,11 +31,7 @@ def engine_model(db, engine_url):
         defaults={
             "upstream_urls": [engine_url],
             "activation_upstream_urls": [engine_url],
-            "max_model_len": 8192,
-            "n_layers": 30,
-            "hidden_size": 576,
-            "vocab_size": 49152,
-            "supports_activations": True,
+            **ENGINE_MODEL_FIELDS,
             "is_default": True,
         },
     )
