@@ -13,7 +13,7 @@ GOAL_MS = 1000
 BOUND_MS = 20_000
 MAX_BYTES = 600_000
 TEN_YEARS = 315360000
-PLOTLY = "/static/vendor/plotly-cartesian-"
+PLOTLY = "/static/vendor/plotly-acs-"
 # The pages that draw no chart (the browser user has no harvest job), so load no plotly.js.
 NOT_DRAWING = ["/login/", "/", "/keys/", "/jobs/", "/docs/"]
 

@@ -9,7 +9,7 @@ from tests.conftest import PASSWORD
 
 from .test_jobs_page import _harvest
 
-PLOTLY = "vendor/plotly-cartesian-"
+PLOTLY = "vendor/plotly-acs-"
 
 
 @pytest.fixture

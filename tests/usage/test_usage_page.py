@@ -238,7 +238,7 @@ def test_page_carries_plotly_figures_of_the_same_numbers(user_client, january):
     assert [trace["name"] for trace in requests["data"]] == ["2xx", "4xx", "5xx"]
     assert requests["data"][2]["y"] == [d["5xx"] for d in days]
     assert tokens["layout"]["barmode"] == "stack"
-    assert "vendor/plotly-cartesian-" in response.content.decode()
+    assert "vendor/plotly-acs-" in response.content.decode()
 
 
 def test_pending_user_is_refused_and_anonymous_is_sent_to_log_in(client, pending_user):
