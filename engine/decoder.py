@@ -142,14 +142,7 @@ class LlamaDecoder:
             cache.keys[index, :, :, start:end] = query_key[:, self.heads :]
             cache.values[index, :, :, start:end] = qkv[:, :, rotated_heads:].transpose(1, 2)
             keys, values = cache.layer(index, end)
-            attention = F.scaled_dot_product_attention(
-                query_key[:, : self.heads],
-                keys,
-                values,
-                attn_mask=attention_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            attention = self._attention(query_key[:, : self.heads], keys, values, attention_mask)
             attention = attention.transpose(1, 2).reshape(rows, tokens, self.hidden_size)
             hidden = hidden + layer.o(attention)
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, -1)
@@ -159,6 +152,22 @@ class LlamaDecoder:
                 hook(hidden)
         cache.length = end
         return self._norm(hidden, self.final_norm)
+
+    def _attention(self, query, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of `query` [rows, heads, tokens, head_dim] over the cached `keys` and
+        `values` [rows, kv_heads, columns, head_dim], computed as transformers computes it (in
+        bfloat16 another order of the same sums rounds differently): one query token under a
+        padding mask attends with each key/value head's query heads as its queries."""
+        rows, heads, tokens, _ = query.shape
+        if tokens == 1 and mask is not None:
+            grouped = query.reshape(rows, self.kv_heads, heads // self.kv_heads, self.head_dim)
+            attention = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=mask, scale=self.scale
+            )
+            return attention.reshape(rows, heads, 1, self.head_dim)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Llama's RMSNorm: normalised in float32, rounded to the compute dtype, then scaled."""
@@ -247,14 +256,15 @@ def _rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return states * cos + rotated * sin
 
 
-def _attention_mask(mask: torch.Tensor, tokens: int) -> torch.Tensor:
+def _attention_mask(mask: torch.Tensor, tokens: int) -> torch.Tensor | None:
     """Boolean [rows, 1, tokens, columns]: a query sees the real columns up to its own. A
     padding query also sees itself, so that no row of the softmax is empty (an empty row is
-    NaN, which would reach the cache through later layers' padding keys)."""
+    NaN, which would reach the cache through later layers' padding keys). None for one query
+    token without padding: it sees every column."""
     columns = mask.shape[1]
     real = mask.bool()[:, None, None, :]
     if tokens == 1:
-        return real
+        return None if bool(real.all()) else real
     query_columns = torch.arange(columns - tokens, columns, device=mask.device)[:, None]
     key_columns = torch.arange(columns, device=mask.device)[None, :]
     return (real & (key_columns <= query_columns)) | (key_columns == query_columns)
