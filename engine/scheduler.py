@@ -18,10 +18,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from acs_client.codec import encode_bfloat16_bits
-from engine.hooks import RowHooks, block_hooks
+from engine.decoder import KVCache
+from engine.hooks import RowHooks, layer_hooks
 from engine.loader import LoadedModel
 from engine.outputs import (
     ChoiceDelta,
@@ -119,7 +119,7 @@ class Scheduler:
         self._waiting_sequences = 0
         self._stopping = False
         self._active: list[Sequence] = []
-        self._cache: DynamicCache | None = None
+        self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None
         self._prefill: Prefill | None = None
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
@@ -243,7 +243,7 @@ class Scheduler:
 
     def _prefill_start(self, groups: list[PromptGroup]) -> "Prefill":
         prompts = [group.request.prepared.prompts[group.prompt_index] for group in groups]
-        input_ids, mask = _padded_prompts(prompts)
+        input_ids, mask = _padded_prompts(prompts, self.device)
         return Prefill(
             groups=groups,
             samples=[[self._new_sequence(group, i) for i in range(group.size)] for group in groups],
@@ -251,7 +251,7 @@ class Scheduler:
             input_ids=input_ids,
             mask=mask,
             position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
-            cache=DynamicCache(config=self.loaded.model.config),
+            cache=KVCache.empty(self.loaded.decoder, len(groups)),
         )
 
     def _prefill_chunk(self, prefill: "Prefill") -> bool:
@@ -281,10 +281,11 @@ class Scheduler:
         """Add the prefilled sequences to the running batch and sample their first tokens."""
         groups, samples, prompts = prefill.groups, prefill.samples, prefill.prompts
         final_hidden = torch.cat(prefill.hidden_chunks, dim=1)
-        logits = self.loaded.model.lm_head(final_hidden[:, -1]).float()
+        logits = self._logits(final_hidden[:, -1])
         logprobs = _reported_logprobs(logits, [group.request for group in groups])
-        sizes = torch.tensor([group.size for group in groups])
-        _repeat_rows(prefill.cache, sizes)
+        sizes = torch.tensor([group.size for group in groups], device=self.device)
+        if bool((sizes > 1).any()):
+            prefill.cache.repeat_rows(sizes)
         new_rows = [sequence for sequences in samples for sequence in sequences]
         self._merge(prefill.cache, prefill.mask.repeat_interleave(sizes, dim=0), new_rows)
         for row, (group, sequences) in enumerate(zip(groups, samples, strict=True)):
@@ -321,7 +322,7 @@ class Scheduler:
         echo_k = params.logprobs if params.echo and params.logprobs is not None else 0
         scores = score_prompt(
             final_hidden,
-            self.loaded.model.lm_head,
+            self.loaded.decoder.lm_head,
             prompt_ids,
             top_k=max(prompt_k, echo_k),
             full_vocab=params.prompt_logprobs == -1,
@@ -337,12 +338,13 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         rows = self._active
-        input_ids = torch.tensor([[sequence.output_ids[-1]] for sequence in rows])
-        position_ids = torch.tensor([[sequence.cached_tokens] for sequence in rows])
-        self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+        device = self.device
+        input_ids = torch.tensor([[sequence.output_ids[-1]] for sequence in rows], device=device)
+        position_ids = torch.tensor([[sequence.cached_tokens] for sequence in rows], device=device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
         hooks = [sequence.hooks([sequence.cached_tokens]) for sequence in rows]
         final_hidden = self._forward(input_ids, self._mask, position_ids, self._cache, hooks)
-        logits = self.loaded.model.lm_head(final_hidden[:, -1]).float()
+        logits = self._logits(final_hidden[:, -1])
         logprobs = _reported_logprobs(logits, [sequence.request for sequence in rows])
         for row, sequence in enumerate(rows):
             sequence.cached_tokens += 1
@@ -352,15 +354,16 @@ class Scheduler:
     def _forward(self, input_ids, mask, position_ids, cache, hooks: list[RowHooks]) -> torch.Tensor:
         """Run the model over left-padded `input_ids` [rows, tokens], appending to `cache`, with
         each row steered and captured as its RowHooks say; the final (normed) hidden states."""
-        with block_hooks(self.loaded.model.model.layers, hooks):
-            output = self.loaded.model.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-            )
-        return output.last_hidden_state
+        return self.loaded.decoder.forward(input_ids, mask, position_ids, cache, layer_hooks(hooks))
+
+    def _logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [rows, vocab] as float32 on the CPU, where sampling runs (each
+        sequence's generator is a CPU generator)."""
+        return self.loaded.decoder.lm_head(final_hidden).float().cpu()
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.decoder.device
 
     def _accept_token(self, sequence: Sequence, logits, logprobs, first: ChoiceDelta | None = None):
         """Sample the sequence's next token, report it, and finish the sequence if it is done.
@@ -415,26 +418,18 @@ class Scheduler:
         """[layers, tokens, hidden] bf16 in request layer order, sent as raw bit patterns."""
         layers = sequence.request.prepared.capture_layers
         stacked = torch.stack([torch.cat(sequence.capture[layer]) for layer in layers])
-        bf16 = stacked.to(torch.bfloat16).contiguous()
+        bf16 = stacked.to(torch.bfloat16).cpu().contiguous()
         return encode_bfloat16_bits(bf16.view(torch.int16).numpy())
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[Sequence]) -> None:
+    def _merge(self, cache: KVCache, mask: torch.Tensor, sequences: list[Sequence]) -> None:
         """Append the new rows' cache and attention mask [rows, length] (0 on their padding) to
         the batch's, left-padding the shorter side."""
-        length = mask.shape[1]
         if self._cache is None:
             self._cache, self._mask = cache, mask
         else:
-            batch_length = self._mask.shape[1]
-            target = max(batch_length, length)
-            for batch_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
-                batch_layer.keys = torch.cat(
-                    [_pad_left(batch_layer.keys, target), _pad_left(new_layer.keys, target)]
-                )
-                batch_layer.values = torch.cat(
-                    [_pad_left(batch_layer.values, target), _pad_left(new_layer.values, target)]
-                )
-            self._mask = torch.cat([_pad_left(self._mask, target), _pad_left(mask, target)])
+            self._cache.append_rows(cache)
+            length = self._cache.length
+            self._mask = torch.cat([_pad_left(self._mask, length), _pad_left(mask, length)])
         self._active.extend(sequences)
 
     def _drop_finished(self) -> None:
@@ -445,14 +440,12 @@ class Scheduler:
         if not keep:
             self._active, self._cache, self._mask = [], None, None
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self._active = [self._active[row] for row in keep]
         self._mask = self._mask[index]
         first_used = int(self._mask.any(dim=0).long().argmax())
         self._mask = self._mask[:, first_used:]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[index, :, first_used:]
-            layer.values = layer.values[index, :, first_used:]
+        self._cache.keep_rows(index, first_used)
 
     def _fail_active(self) -> None:
         failed = {sequence.request for sequence in self._active}
@@ -482,7 +475,7 @@ class Prefill:
     input_ids: torch.Tensor
     mask: torch.Tensor
     position_ids: torch.Tensor
-    cache: DynamicCache
+    cache: KVCache
     hidden_chunks: list[torch.Tensor] = field(default_factory=list)
     done: int = 0
 
@@ -506,16 +499,18 @@ def _padding_acceptable(rows: int, longest: int, real_tokens: int) -> bool:
     return rows * longest <= 1.5 * real_tokens + PADDING_SLACK_TOKENS
 
 
-def _padded_prompts(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_prompts(
+    prompts: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [prompts, longest] left-padded with id 0 (any id would do: the mask hides it),
-    and the attention mask, 0 on padding."""
+    and the attention mask, 0 on padding, both on `device`."""
     length = max(len(prompt_ids) for prompt_ids in prompts)
     input_ids = torch.zeros(len(prompts), length, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for row, prompt_ids in enumerate(prompts):
         input_ids[row, length - len(prompt_ids) :] = torch.tensor(prompt_ids)
         mask[row, length - len(prompt_ids) :] = 1
-    return input_ids, mask
+    return input_ids.to(device), mask.to(device)
 
 
 def _reported_logprobs(
@@ -528,21 +523,9 @@ def _reported_logprobs(
     return list(torch.log_softmax(logits, dim=-1))
 
 
-def _repeat_rows(cache: DynamicCache, counts: torch.Tensor) -> None:
-    """Repeat row i of every layer's keys and values counts[i] times (a prompt's n samples)."""
-    if bool((counts == 1).all()):
-        return
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
-        layer.values = layer.values.repeat_interleave(counts, dim=0)
-
-
-def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad dimension 2 (keys/values) or 1 (masks) on the left up to `length`."""
-    dim = 2 if tensor.ndim == 4 else 1
-    missing = length - tensor.shape[dim]
+def _pad_left(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad an attention mask [rows, columns] on the left up to `length` columns."""
+    missing = length - mask.shape[1]
     if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+        return mask
+    return torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)

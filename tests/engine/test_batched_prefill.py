@@ -52,19 +52,21 @@ def exact():
 def recorded_forwards(loaded):
     """A list that receives the forward passes `loaded` runs within the block, in order."""
     calls: list[Forward] = []
+    decoder = loaded.decoder
+    forward = decoder.forward
 
-    def record(module, args, kwargs, output):
-        cache = kwargs["cache"]
-        tensors = [output.last_hidden_state]
-        tensors += [state for layer in cache.layers for state in (layer.keys, layer.values)]
-        has_nan = any(bool(tensor.isnan().any()) for tensor in tensors)
-        calls.append(Forward(tuple(kwargs["input_ids"].shape), has_nan))
+    def record(input_ids, mask, position_ids, cache, hooks):
+        final_hidden = forward(input_ids, mask, position_ids, cache, hooks)
+        keys, values = (state[:, :, :, : cache.length] for state in (cache.keys, cache.values))
+        has_nan = any(bool(tensor.isnan().any()) for tensor in (final_hidden, keys, values))
+        calls.append(Forward(tuple(input_ids.shape), has_nan))
+        return final_hidden
 
-    handle = loaded.model.model.register_forward_hook(record, with_kwargs=True)
+    decoder.forward = record
     try:
         yield calls
     finally:
-        handle.remove()
+        del decoder.forward
 
 
 def run_together(loaded, bodies: list[dict], max_active: int = 16) -> list[dict]:
