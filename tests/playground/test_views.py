@@ -89,6 +89,31 @@ def test_page_needs_an_approved_login(client, pending_user):
     assert client.get(reverse("playground:page")).status_code == 403
 
 
+def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
+    user_client, approved_user, other_user
+):
+    earlier = finished_run(approved_user)
+    latest = Run.objects.create(
+        user=approved_user, request={"model": "smollm2-135m", "prompt": "Hi", "stream": True},
+        status=RunStatus.RUNNING,
+    )  # fmt: skip
+    Run.objects.create(user=approved_user, kind=RunKind.SWEEP, request={"prompt": "steer"})
+    Run.objects.create(user=other_user, request={"prompt": "theirs"})
+    response = user_client.get(reverse("playground:page"))
+    assert "no-store" in response["Cache-Control"]
+    body = response.content.decode()
+    panel = body[body.index('<div id="run-area">') :]
+    # Still running: the panel follows its event stream; the earlier run is only in History.
+    assert f'data-run-id="{latest.id}"' in panel
+    assert f'data-events-url="/playground/runs/{latest.id}/events/"' in panel
+    assert f'data-run-id="{earlier.id}"' not in body
+
+
+def test_page_without_runs_says_where_the_run_will_appear(user_client):
+    body = user_client.get(reverse("playground:page")).content.decode()
+    assert "The run's status and output appear here." in body and "data-run-id" not in body
+
+
 def test_htmx_submit_creates_the_run_and_returns_its_panel(
     user_client, no_enqueue, django_capture_on_commit_callbacks
 ):
