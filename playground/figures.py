@@ -38,16 +38,17 @@ def _label(token: str) -> str:
 
 
 # An axis of whole numbers (token positions, layers) shows at most this many ticks.
-MAX_INTEGER_TICKS = 15
+MAX_INTEGER_TICKS = 12
 
 
 def _integer_ticks(values: Sequence[int]) -> dict:
-    """Axis settings that put ticks on whole numbers only, every 1, 2, 5, 10, 20, ... so
-    that at most MAX_INTEGER_TICKS show (plotly's own ticks fall on halves for few values)."""
-    span = max(values, default=0) - min(values, default=0) + 1
+    """Axis settings for whole numbers: ticks on whole numbers only, every 1, 2, 5, 10, 20,
+    ... so that at most MAX_INTEGER_TICKS show (plotly's own fall on halves for few values),
+    and a range of just the values (its own padding can show a tick at, say, layer −2)."""
+    low, high = min(values, default=0), max(values, default=0)
     steps = (unit * 10**power for power in itertools.count() for unit in (1, 2, 5))
-    step = next(step for step in steps if span <= step * MAX_INTEGER_TICKS)
-    return {"tickmode": "linear", "tick0": 0, "dtick": step}
+    step = next(step for step in steps if high - low + 1 <= step * MAX_INTEGER_TICKS)
+    return {"tickmode": "linear", "tick0": 0, "dtick": step, "range": [low - 0.5, high + 0.5]}
 
 
 def _layout(figure: go.Figure, title: str, height: int = 320) -> go.Figure:

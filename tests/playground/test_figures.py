@@ -255,8 +255,14 @@ def test_position_labels_keep_quotes_and_escape_markup(captured):
     assert norm.layout.title.text == 'Norm by layer at position 1 ·"'
 
 
-def _whole_number_ticks(axis) -> bool:
-    return axis.tickmode == "linear" and axis.tick0 == 0 and float(axis.dtick).is_integer()
+def _whole_number_ticks(axis, values) -> bool:
+    """Ticks on whole numbers only, and none beyond the values plotted."""
+    return (
+        axis.tickmode == "linear"
+        and axis.tick0 == 0
+        and float(axis.dtick).is_integer()
+        and tuple(axis.range) == (min(values) - 0.5, max(values) + 0.5)
+    )
 
 
 def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
@@ -267,13 +273,14 @@ def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
         figures.steering_difference_figure(baseline, steered),
         figures.activation_norm_by_layer(tensor, layers, 0, LABELS),
     ):
-        assert _whole_number_ticks(figure.layout.xaxis), figure.layout.title.text
+        x = figure.data[0].x
+        assert _whole_number_ticks(figure.layout.xaxis, x), figure.layout.title.text
     assert figures.prompt_surprisal_figure(positions).layout.xaxis.dtick == 1
 
 
 def test_long_position_axes_tick_every_few_whole_numbers():
-    assert [figures._integer_ticks(range(count))["dtick"] for count in (4, 15, 16, 40, 300)] == [
-        1, 1, 2, 5, 20
+    assert [figures._integer_ticks(range(count))["dtick"] for count in (4, 12, 13, 30, 300)] == [
+        1, 1, 2, 5, 50
     ]  # fmt: skip
 
 
