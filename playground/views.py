@@ -500,6 +500,10 @@ def _group_context(runs: list[Run]) -> dict:
     if runs[0].kind == RunKind.CONTRAST:
         context["kind"] = RunKind.CONTRAST
         context["vector"] = next((run.vector for run in runs if run.vector_id), None)
+        # The vector is saved just after the second capture succeeds: keep the panel polling
+        # until it is there (or a capture failed), or it would never say the vector is ready.
+        failed = any(run.status == RunStatus.FAILED for run in runs)
+        context["finished"] = context["finished"] and (context["vector"] is not None or failed)
         return context
     succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
     baseline = next((run for run in succeeded if run.scale == 0), None)

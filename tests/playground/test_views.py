@@ -5,6 +5,7 @@ import ast
 import asyncio
 import io
 import json
+import uuid
 
 import numpy as np
 import pytest
@@ -488,6 +489,25 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
     assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"]
     assert all(r.request["output_residual_stream"] == [12] for r in runs)
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
+
+
+def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_user):
+    group = uuid.uuid4()
+    for role in ("positive", "negative"):
+        finished_run(
+            approved_user, kind=RunKind.CONTRAST, group=group, meta={"role": role},
+            response=recorded("capture.json"),
+        )  # fmt: skip
+    url = reverse("playground:group_detail", args=[group])
+    # Both captures succeeded, but their worker has not saved the vector yet.
+    assert 'data-finished="false"' in user_client.get(url, **HTMX).content.decode()
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32),
+    )  # fmt: skip
+    Run.objects.filter(group=group).update(vector=vector)
+    body = user_client.get(url, **HTMX).content.decode()
+    assert 'data-finished="true"' in body and "vector-ready" in body
 
 
 def test_steering_runs_baseline_and_steered_with_the_same_seed(
