@@ -31,6 +31,12 @@ def playground_at_desktop_size(page):
     page.goto("/playground/")
 
 
+def expect_finished(panel):
+    """Wait for the finished run's panel: reloaded, with its stored output and timings, after
+    its event stream ended (its status changes a moment before)."""
+    expect(panel.get_by_role("button", name="Re-run")).to_be_visible(timeout=60_000)
+
+
 def test_sending_brings_the_run_panel_into_view(page):
     playground_at_desktop_size(page)
     page.fill("#id_prompt", "Hello")
@@ -118,14 +124,14 @@ def test_reloading_mid_run_shows_the_run_streaming_to_its_end(page):
     html = reloaded.text()
     assert f'data-run-id="{run_id}"' in html and "data-events-url" in html
     expect(panel).to_have_attribute("data-run-id", run_id)
-    expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=60_000)
+    expect_finished(panel)
     final = panel.locator("[data-choice-output='0']").text_content()
     assert final.startswith(partial) and len(final) > len(partial)
 
 
 def test_back_from_the_run_page_shows_the_last_run(page):
     panel = submit_completion(page, prompt="Hello", max_tokens=2, stream=False)
-    expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=60_000)
+    expect_finished(panel)
     run_id = panel.get_attribute("data-run-id")
     text = panel.locator("[data-choice-output='0']").text_content()
     panel.get_by_role("link", name="permalink").click()
@@ -139,8 +145,7 @@ def test_back_from_the_run_page_shows_the_last_run(page):
 
 def test_streamed_run_shows_the_upstream_server_timing(page):
     panel = submit_completion(page, prompt="Hello", max_tokens=3, stream=True)
-    # The finished run's panel, reloaded with its stored timings once the stream ended.
-    expect(panel.get_by_role("button", name="Re-run")).to_be_visible(timeout=60_000)
+    expect_finished(panel)
     upstream = panel.locator("table.timings th", has_text="Upstream").locator(
         "xpath=following-sibling::td[1]"
     )

@@ -16,7 +16,7 @@ from tests.conftest import PASSWORD, make_user
 
 from .screenshots import WIDTHS, save_screenshots
 from .test_playground import RUN_PANEL
-from .test_run_panel import upload_vector
+from .test_run_panel import expect_finished, upload_vector
 
 pytestmark = pytest.mark.django_db
 
@@ -70,7 +70,7 @@ def test_run_page_with_a_capture(user_page):
     page.locator("#id_capture").select_option("all")
     page.click("#completion-form button[type=submit]")
     panel = page.locator(RUN_PANEL)
-    expect(panel.get_by_role("button", name="Re-run")).to_be_visible(timeout=60_000)
+    expect_finished(panel)
     page.goto(f"/playground/runs/{panel.get_attribute('data-run-id')}/")
     for name in ("tokens", "topk", "surprisal", "heatmap", "norm_by_layer", "cosine", "pca"):
         expect(page.locator(f"#plot-{name} .main-svg").first).to_be_visible()
