@@ -1,11 +1,14 @@
 """Plotly figure builders: pure functions of a run's request and response (no database).
 
-Every token string shown in a figure goes through `_label`, because plotly renders a subset
-of HTML tags inside text: model output must always appear as text.
+Every token string shown in a figure goes through `_label` (or `_text` when its whitespace is
+already made visible), because plotly renders a subset of HTML tags inside text: model output
+must always appear as text.
 """
 
 import html
+import itertools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -23,10 +26,29 @@ def visible_token(token: str) -> str:
     return token.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·") or "∅"
 
 
+def _text(text: str) -> str:
+    """Plain text as safe plotly text: HTML escaped. Quotes stay: plotly shows `&quot;`
+    literally (it decodes only a few named entities), and text needs none."""
+    return html.escape(text, quote=False)
+
+
 def _label(token: str) -> str:
-    """A token as safe plotly text: HTML escaped, whitespace made visible. Quotes stay: plotly
-    shows `&quot;` literally (it decodes only a few named entities), and text needs none."""
-    return html.escape(visible_token(token), quote=False)
+    """A token as safe plotly text, its whitespace made visible."""
+    return _text(visible_token(token))
+
+
+# An axis of whole numbers (token positions, layers) shows at most this many ticks.
+MAX_INTEGER_TICKS = 12
+
+
+def _integer_ticks(values: Sequence[int]) -> dict:
+    """Axis settings for whole numbers: ticks on whole numbers only, every 1, 2, 5, 10, 20,
+    ... so that at most MAX_INTEGER_TICKS show (plotly's own fall on halves for few values),
+    and a range of just the values (its own padding can show a tick at, say, layer −2)."""
+    low, high = min(values, default=0), max(values, default=0)
+    steps = (unit * 10**power for power in itertools.count() for unit in (1, 2, 5))
+    step = next(step for step in steps if high - low + 1 <= step * MAX_INTEGER_TICKS)
+    return {"tickmode": "linear", "tick0": 0, "dtick": step, "range": [low - 0.5, high + 0.5]}
 
 
 def _layout(figure: go.Figure, title: str, height: int = 320) -> go.Figure:
@@ -251,7 +273,7 @@ def prompt_surprisal_figure(positions: list[dict]) -> go.Figure:
             marker_color="#1f5fbf",
         )
     )
-    figure.update_xaxes(title="prompt position")
+    figure.update_xaxes(title="prompt position", **_integer_ticks([p["position"] for p in scored]))
     figure.update_yaxes(title="surprisal (−logprob, nats)")
     return _layout(figure, "Prompt surprisal")
 
@@ -316,7 +338,7 @@ def _position_axis(figure: go.Figure, labels: list[str], axis: str = "x", **extr
     update(
         tickmode="array",
         tickvals=list(range(len(labels))),
-        ticktext=[html.escape(label) for label in labels],
+        ticktext=[_text(label) for label in labels],
         title="position",
         **extra,
     )
@@ -358,9 +380,9 @@ def activation_norm_by_layer(
     """‖residual‖ at one position for each captured layer."""
     norms = np.linalg.norm(tensor[:, position, :], axis=-1)
     figure = go.Figure(go.Scatter(x=layers, y=norms.tolist(), mode="lines+markers"))
-    figure.update_xaxes(title="layer")
+    figure.update_xaxes(title="layer", **_integer_ticks(layers))
     figure.update_yaxes(title="‖h‖")
-    return _layout(figure, f"Norm by layer at position {html.escape(labels[position])}")
+    return _layout(figure, f"Norm by layer at position {_text(labels[position])}")
 
 
 def cosine_similarity_matrix(rows: np.ndarray) -> np.ndarray:
@@ -414,7 +436,7 @@ def activation_pca_figure(
         go.Scatter(
             x=coordinates[:, 0].tolist(),
             y=coordinates[:, 1].tolist(),
-            text=[html.escape(label) for label in labels],
+            text=[_text(label) for label in labels],
             mode="markers+text",
             textposition="top center",
             marker={"color": positions, "colorscale": "Viridis", "size": 9},
@@ -449,7 +471,7 @@ def steering_difference_figure(baseline: dict, steered: dict) -> go.Figure:
             ],
         )
     )
-    figure.update_xaxes(title="generated position")
+    figure.update_xaxes(title="generated position", **_integer_ticks(range(len(pairs))))
     figure.update_yaxes(title="Δ logprob (steered − baseline)")
     return _layout(figure, "Per-token logprob difference")
 
@@ -549,7 +571,7 @@ def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> 
         note = "No target token given: only the mean shift is plotted."
     elif missing:
         where = "any scale" if not known else ", ".join(f"{p['scale']:g}" for p in missing)
-        note = f"No logprob of {_label(target)} at {where}: {html.escape(missing[0]['missing'])}."
+        note = f"No logprob of {_label(target)} at {where}: {_text(missing[0]['missing'])}."
     if note:
         figure.add_annotation(
             text=note, xref="paper", yref="paper", x=0, y=1.02, showarrow=False,

@@ -28,6 +28,11 @@ def runs_for_user(*, user, limit: int = 50) -> list[Run]:
     return list(Run.objects.filter(user=user).defer("response")[:limit])
 
 
+def latest_run_for_user(*, user, kind: str) -> Run | None:
+    """The user's latest run of `kind`, if any."""
+    return Run.objects.filter(user=user, kind=kind).first()
+
+
 def run_for_user(*, user, run_id) -> Run:
     """The run, or 404 when it does not exist or belongs to someone else."""
     run = Run.objects.filter(pk=run_id, user=user).first()

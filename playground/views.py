@@ -11,6 +11,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 from safetensors.numpy import save as safetensors_save
@@ -75,23 +76,34 @@ PAGE_PARTIALS = {
 }
 
 
+def _latest_run_context(request) -> dict:
+    """The Run panel as the page loads: the user's latest completion run, followed live while
+    it runs, so that a reload or Back keeps showing it."""
+    run = selectors.latest_run_for_user(user=request.user, kind=RunKind.COMPLETION)
+    return _run_context(run) if run else {}
+
+
 @approved_required
 @require_GET
+@never_cache
 def playground_page(request):
+    """The playground. Never cached, so that Back asks again and shows the latest run."""
     context = _page_context(request)
     if request.htmx and request.htmx.target in PAGE_PARTIALS:
         partial = PAGE_PARTIALS[request.htmx.target]
         return render(request, f"playground/page.html#{partial}", context)
-    return render(request, "playground/page.html", context)
+    return render(request, "playground/page.html", {**context, **_latest_run_context(request)})
 
 
 @approved_required
 @require_GET
+@never_cache
 def run_edit(request, run_id):
     """The playground with the form filled from a stored run (edit and re-run)."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     initial = CompletionForm.initial_from_request(run.request)
-    return render(request, "playground/page.html", _page_context(request, initial=initial))
+    context = _page_context(request, initial=initial)
+    return render(request, "playground/page.html", {**context, **_latest_run_context(request)})
 
 
 def _form_error(request, *, form, context_name: str, fragment: str, target: str):
@@ -488,6 +500,10 @@ def _group_context(runs: list[Run]) -> dict:
     if runs[0].kind == RunKind.CONTRAST:
         context["kind"] = RunKind.CONTRAST
         context["vector"] = next((run.vector for run in runs if run.vector_id), None)
+        # The vector is saved just after the second capture succeeds: keep the panel polling
+        # until it is there (or a capture failed), or it would never say the vector is ready.
+        failed = any(run.status == RunStatus.FAILED for run in runs)
+        context["finished"] = context["finished"] and (context["vector"] is not None or failed)
         return context
     succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
     baseline = next((run for run in succeeded if run.scale == 0), None)

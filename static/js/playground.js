@@ -126,6 +126,32 @@
     });
   });
 
+  // A form answered with its errors is swapped in over itself: bring its first error, and
+  // the field it is about, into view (the page would otherwise stay where the button was).
+  document.addEventListener("htmx:afterSettle", function (event) {
+    var target = event.detail.target;
+    var form = target && target.id && document.getElementById(target.id);
+    var error = form && form.querySelector(".errorlist");
+    if (!error) return;
+    (error.closest(".field") || error).scrollIntoView({ block: "center" });
+    var field = form.querySelector("[aria-invalid=true]");
+    if (field) field.focus({ preventScroll: true });
+  });
+
+  // Capture cannot be streamed: choosing it switches streaming off, and says so.
+  document.addEventListener("change", function (event) {
+    var form = event.target.closest("#completion-form");
+    if (!form) return;
+    var note = form.querySelector("[data-stream-off-note]");
+    var stream = form.elements.stream;
+    if (event.target === form.elements.capture && event.target.value && stream.checked) {
+      stream.checked = false;
+      note.hidden = false;
+    } else if (event.target === stream) {
+      note.hidden = true;
+    }
+  });
+
   // afterSwap, not afterSettle: the event stream opens as soon as the panel is in the page.
   document.addEventListener("htmx:afterSwap", function (event) {
     var panel = event.detail.elt.querySelector && event.detail.elt.querySelector(".run-panel");

@@ -12,6 +12,7 @@ from playground.models import Run
 from playground.services import playground_key_secret
 
 from .conftest import BROWSER_USER
+from .test_playground import run_panel_after
 
 pytestmark = pytest.mark.django_db
 
@@ -56,8 +57,7 @@ def client_ttft_ms(base_url: str, secret: str) -> float:
 def playground_sample(page) -> tuple[float, float]:
     """(submit → first token in the browser, the API's TTFT of that run's request as the
     worker, a client of /v1 like any other, saw it)."""
-    page.click("#completion-form button[type=submit]")
-    panel = page.locator("#run-area .run-panel")
+    panel = run_panel_after(page, lambda: page.click("#completion-form button[type=submit]"))
     run_id = panel.get_attribute("data-run-id")
     expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=60_000)
     timing = page.evaluate("id => window.playgroundTimings[id]", run_id)

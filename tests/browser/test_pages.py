@@ -5,6 +5,8 @@ static files hashed, compressed and cached for years; plotly.js only on pages th
 import pytest
 from playwright.sync_api import expect
 
+from .test_playground import run_panel_after
+
 pytestmark = pytest.mark.django_db
 
 GOAL_MS = 1000
@@ -33,8 +35,7 @@ def a_run_page(page) -> str:
     page.goto("/playground/")
     page.fill("#id_prompt", "The capital of France is")
     page.fill("#id_max_tokens", "4")
-    page.click("#completion-form button[type=submit]")
-    panel = page.locator("#run-area .run-panel")
+    panel = run_panel_after(page, lambda: page.click("#completion-form button[type=submit]"))
     expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=120_000)
     return f"/playground/runs/{panel.get_attribute('data-run-id')}/"
 

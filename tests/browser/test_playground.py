@@ -10,6 +10,17 @@ pytestmark = pytest.mark.django_db
 RUN_PANEL = "#run-area .run-panel"
 
 
+def run_panel_after(page, submit):
+    """The Run panel once `submit()`, a click that creates a run, has put the new run in it:
+    the page opens showing the user's latest run, which must not be taken for the new one."""
+    panel = page.locator(RUN_PANEL)
+    shown = panel.evaluate_all("panels => panels.map(panel => panel.dataset.runId)")
+    submit()
+    for run_id in shown:
+        expect(panel).not_to_have_attribute("data-run-id", run_id)
+    return panel
+
+
 def submit_completion(page, *, prompt, **fields):
     page.goto("/playground/")
     page.fill("#id_prompt", prompt)
@@ -21,8 +32,7 @@ def submit_completion(page, *, prompt, **fields):
             locator.select_option(value)
         else:
             locator.fill(str(value))
-    page.click("#completion-form button[type=submit]")
-    return page.locator(RUN_PANEL)
+    return run_panel_after(page, lambda: page.click("#completion-form button[type=submit]"))
 
 
 def test_streamed_tokens_arrive_before_the_run_finishes_and_the_token_view_hovers(page):

@@ -10,6 +10,7 @@ from playwright.sync_api import expect
 from playground.models import Run
 
 from .conftest import BROWSER_USER
+from .test_playground import run_panel_after
 
 pytestmark = pytest.mark.django_db
 
@@ -35,8 +36,7 @@ def test_double_clicking_send_request_creates_one_run(page, console_errors):
     page.goto("/playground/")
     page.fill("#id_prompt", "Hello")
     page.fill("#id_max_tokens", "1")
-    page.dblclick("#completion-form button[type=submit]")
-    panel = page.locator("#run-area .run-panel")
+    panel = run_panel_after(page, lambda: page.dblclick("#completion-form button[type=submit]"))
     expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=90_000)
     page.wait_for_timeout(SECOND_SUBMISSION_GRACE_MS)
     created = user_runs().exclude(id__in=before)

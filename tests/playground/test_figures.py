@@ -242,6 +242,48 @@ def test_capture_axes_show_the_position_tokens(captured):
     assert norm.layout.title.text == "Norm by layer at position 4 &lt;b&gt;"
 
 
+def test_position_labels_keep_quotes_and_escape_markup(captured):
+    tensor, layers = captured
+    labels = ["0 He", '1 ·"', "2 a<b", "3 &", "4 'x'"]
+    shown = ["0 He", '1 ·"', "2 a&lt;b", "3 &amp;", "4 'x'"]
+    heatmap = figures.activation_norm_heatmap(tensor, layers, labels)
+    assert list(heatmap.layout.xaxis.ticktext) == shown
+    cosine = figures.activation_cosine_figure(tensor, layers, 4, labels)
+    assert list(cosine.layout.xaxis.ticktext) == shown
+    assert list(figures.activation_pca_figure(tensor, layers, 4, labels).data[0].text) == shown
+    norm = figures.activation_norm_by_layer(tensor, layers, 1, labels)
+    assert norm.layout.title.text == 'Norm by layer at position 1 ·"'
+
+
+def _whole_number_ticks(axis, values) -> bool:
+    """Ticks on whole numbers only, and none beyond the values plotted."""
+    return (
+        axis.tickmode == "linear"
+        and axis.tick0 == 0
+        and float(axis.dtick).is_integer()
+        and tuple(axis.range) == (min(values) - 0.5, max(values) + 0.5)
+    )
+
+
+def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
+    tensor, layers = captured
+    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
+    for figure in (
+        figures.prompt_surprisal_figure(positions),
+        figures.steering_difference_figure(baseline, steered),
+        figures.activation_norm_by_layer(tensor, layers, 0, LABELS),
+    ):
+        x = figure.data[0].x
+        assert _whole_number_ticks(figure.layout.xaxis, x), figure.layout.title.text
+    assert figures.prompt_surprisal_figure(positions).layout.xaxis.dtick == 1
+
+
+def test_long_position_axes_tick_every_few_whole_numbers():
+    assert [figures._integer_ticks(range(count))["dtick"] for count in (4, 12, 13, 30, 300)] == [
+        1, 1, 2, 5, 50
+    ]  # fmt: skip
+
+
 def test_norm_heatmap_colours_by_log_or_clipped_norm_keeping_the_norm_on_hover():
     tensor = np.ones((2, 4, 3), dtype=np.float32)
     tensor[:, 0] *= 1000  # the first position dwarfs the others, as in real models

@@ -5,6 +5,7 @@ import ast
 import asyncio
 import io
 import json
+import uuid
 
 import numpy as np
 import pytest
@@ -87,6 +88,31 @@ def test_page_needs_an_approved_login(client, pending_user):
     assert client.get(reverse("playground:page")).status_code == 302
     client.force_login(pending_user)
     assert client.get(reverse("playground:page")).status_code == 403
+
+
+def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
+    user_client, approved_user, other_user
+):
+    earlier = finished_run(approved_user)
+    latest = Run.objects.create(
+        user=approved_user, request={"model": "smollm2-135m", "prompt": "Hi", "stream": True},
+        status=RunStatus.RUNNING,
+    )  # fmt: skip
+    Run.objects.create(user=approved_user, kind=RunKind.SWEEP, request={"prompt": "steer"})
+    Run.objects.create(user=other_user, request={"prompt": "theirs"})
+    response = user_client.get(reverse("playground:page"))
+    assert "no-store" in response["Cache-Control"]
+    body = response.content.decode()
+    panel = body[body.index('<div id="run-area">') :]
+    # Still running: the panel follows its event stream; the earlier run is only in History.
+    assert f'data-run-id="{latest.id}"' in panel
+    assert f'data-events-url="/playground/runs/{latest.id}/events/"' in panel
+    assert f'data-run-id="{earlier.id}"' not in body
+
+
+def test_page_without_runs_says_where_the_run_will_appear(user_client):
+    body = user_client.get(reverse("playground:page")).content.decode()
+    assert "The run's status and output appear here." in body and "data-run-id" not in body
 
 
 def test_htmx_submit_creates_the_run_and_returns_its_panel(
@@ -463,6 +489,25 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
     assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"]
     assert all(r.request["output_residual_stream"] == [12] for r in runs)
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
+
+
+def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_user):
+    group = uuid.uuid4()
+    for role in ("positive", "negative"):
+        finished_run(
+            approved_user, kind=RunKind.CONTRAST, group=group, meta={"role": role},
+            response=recorded("capture.json"),
+        )  # fmt: skip
+    url = reverse("playground:group_detail", args=[group])
+    # Both captures succeeded, but their worker has not saved the vector yet.
+    assert 'data-finished="false"' in user_client.get(url, **HTMX).content.decode()
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32),
+    )  # fmt: skip
+    Run.objects.filter(group=group).update(vector=vector)
+    body = user_client.get(url, **HTMX).content.decode()
+    assert 'data-finished="true"' in body and "vector-ready" in body
 
 
 def test_steering_runs_baseline_and_steered_with_the_same_seed(

@@ -1,0 +1,33 @@
+"""Full-page screenshots of pages the browser suite visits, at a desktop and a phone width,
+for a person to look at: written to $ACS_SCREENSHOT_DIR (default `.run/screenshots/`)."""
+
+import os
+from pathlib import Path
+
+from .system import REPO_ROOT
+
+WIDTHS = (1280, 390)
+HEIGHT = 900
+
+
+def screenshot_dir() -> Path:
+    folder = Path(os.environ.get("ACS_SCREENSHOT_DIR") or REPO_ROOT / ".run" / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_screenshots(page, name: str) -> list[Path]:
+    """Write `<name>-1280.png` and `<name>-390.png` of the page as it is now, full page; the
+    page is left at the last width."""
+    paths = []
+    for width in WIDTHS:
+        page.set_viewport_size({"width": width, "height": HEIGHT})
+        # Charts follow the new width: wait until plotly has redrawn every one of them.
+        page.evaluate(
+            """() => window.Plotly && Promise.all([...document.querySelectorAll('.js-plotly-plot')]
+                 .map(plot => window.Plotly.Plots.resize(plot)))"""
+        )
+        path = screenshot_dir() / f"{name}-{width}.png"
+        page.screenshot(path=path, full_page=True)
+        paths.append(path)
+    return paths
