@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.templatetags.static import static
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
@@ -41,6 +42,12 @@ from .models import (
 
 # ---------------------------------------------------------------------------------------
 # Landing page and dashboard
+
+
+def favicon(request):
+    """Browsers ask for /favicon.ico even of pages that link no icon (a JSON download, the
+    admin); send them to the site's icon."""
+    return redirect(static("img/favicon.svg"))
 
 
 def home(request):
