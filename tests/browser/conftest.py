@@ -15,13 +15,16 @@ from django.db import connections
 from django.test.utils import override_settings
 from playwright.sync_api import sync_playwright
 
-from accounts.models import User
+from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
 from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
 
 from .system import System, launch_chromium
 
 BROWSER_USER = "browser@example.org"
+STAFF_USER = "browser-staff@example.org"
+# Pending applicants the staff tests decide, one each (seeded once per session).
+APPLICANTS = ["applicant-approve@example.org", "applicant-reject@example.org"]
 # Playwright's sync API keeps an event loop running in this thread; Django's own database
 # calls here (pytest-django's per-test transaction) are still plain synchronous code.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -60,6 +63,13 @@ def _system(running, django_db_blocker):
         )
         if not User.objects.filter(email=BROWSER_USER).exists():
             make_user(BROWSER_USER)
+            make_user(STAFF_USER, is_staff=True)
+            for email in APPLICANTS:
+                AccessApplication.objects.create(
+                    user=make_user(email, status=UserStatus.PENDING),
+                    planned_use="Steering vectors for honesty.",
+                    accepted_usage_rules=True,
+                )
         database_url = _database_url()
         connections.close_all()
     redis_lib.Redis.from_url(settings.REDIS_URL).flushdb()
@@ -167,16 +177,15 @@ class PageWatch:
         return self.found + unintended
 
 
-@pytest.fixture
-def page(system, browser, expected_http_errors):
-    """A logged-in page of the browser user. The test fails if any page it shows logs a
-    console error, throws, or has a request fail (see `PageWatch`)."""
+def _logged_in_page(browser, system, email: str, expected_http_errors: list[str]):
+    """A page logged in as `email`; the test fails if any page it shows logs a console
+    error, throws, or has a request fail (see `PageWatch`)."""
     context = browser.new_context(base_url=system.web_url)
     context.set_default_timeout(60_000)
     page = context.new_page()
     watch = PageWatch(page, expected_http_errors=expected_http_errors)
     page.goto("/login/")
-    page.fill("input[name=username]", BROWSER_USER)
+    page.fill("input[name=username]", email)
     page.fill("input[name=password]", PASSWORD)
     page.click("main form button[type=submit]")
     page.wait_for_load_state()
@@ -185,3 +194,15 @@ def page(system, browser, expected_http_errors):
     problems = watch.problems()
     context.close()
     assert problems == [], "the pages showed errors"
+
+
+@pytest.fixture
+def page(system, browser, expected_http_errors):
+    """A logged-in page of the browser user (an approved researcher)."""
+    yield from _logged_in_page(browser, system, BROWSER_USER, expected_http_errors)
+
+
+@pytest.fixture
+def staff_page(system, browser, expected_http_errors):
+    """A logged-in page of the staff user."""
+    yield from _logged_in_page(browser, system, STAFF_USER, expected_http_errors)
