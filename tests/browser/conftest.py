@@ -23,6 +23,8 @@ from .system import System, launch_chromium
 
 BROWSER_USER = "browser@example.org"
 STAFF_USER = "browser-staff@example.org"
+# Harvests through the Jobs page, kept apart so the browser user's Jobs page draws no chart.
+HARVEST_USER = "browser-harvest@example.org"
 # Pending applicants the staff tests decide, one each (seeded once per session).
 APPLICANTS = ["applicant-approve@example.org", "applicant-reject@example.org"]
 # Playwright's sync API keeps an event loop running in this thread; Django's own database
@@ -64,6 +66,7 @@ def _system(running, django_db_blocker):
         if not User.objects.filter(email=BROWSER_USER).exists():
             make_user(BROWSER_USER)
             make_user(STAFF_USER, is_staff=True)
+            make_user(HARVEST_USER)
             for email in APPLICANTS:
                 AccessApplication.objects.create(
                     user=make_user(email, status=UserStatus.PENDING),
@@ -200,6 +203,12 @@ def _logged_in_page(browser, system, email: str, expected_http_errors: list[str]
 def page(system, browser, expected_http_errors):
     """A logged-in page of the browser user (an approved researcher)."""
     yield from _logged_in_page(browser, system, BROWSER_USER, expected_http_errors)
+
+
+@pytest.fixture
+def harvest_page(system, browser, expected_http_errors):
+    """A logged-in page of an approved researcher who runs harvests."""
+    yield from _logged_in_page(browser, system, HARVEST_USER, expected_http_errors)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from playwright.sync_api import expect
 
 from api.jobs.models import CompletionJob, HarvestJob
 
-from .conftest import BROWSER_USER
+from .conftest import BROWSER_USER, HARVEST_USER
 
 pytestmark = pytest.mark.django_db
 
@@ -38,7 +38,8 @@ def test_a_completion_job_from_the_form_is_listed_and_succeeds(page):
     expect(row.locator("a", has_text="result.json")).to_be_visible()
 
 
-def test_a_harvest_uploaded_as_jsonl_is_listed_and_done_with_its_files(page):
+def test_a_harvest_uploaded_as_jsonl_is_listed_and_done_with_its_files(harvest_page):
+    page = harvest_page
     page.goto("/jobs/")
     page.set_input_files(
         "#id_harvest-prompts_file",
@@ -61,10 +62,12 @@ def test_a_harvest_uploaded_as_jsonl_is_listed_and_done_with_its_files(page):
     expect(row).to_contain_text("2/2 prompts")
     expect(row.locator("a", has_text="shard 0")).to_be_visible()
     job = HarvestJob.objects.get(pk=row.get_attribute("data-job-id"))
+    assert job.user.email == HARVEST_USER
     assert job.key.is_playground and job.n_prompts == 2
 
 
-def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(page):
+def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(harvest_page):
+    page = harvest_page
     prompts = "\n".join(f"Prompt {i} reads the residual stream of a model." for i in range(160))
     page.goto("/jobs/")
     page.fill("#id_harvest-prompts", prompts)
