@@ -141,6 +141,9 @@ class UserBudgetForm(forms.Form):
 class DecisionForm(forms.Form):
     decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
     note = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
+    # A rejection happens only once confirmed: by the browser's hx-confirm dialog, or else
+    # on the confirmation page the first post leads to.
+    confirmed = forms.BooleanField(required=False, widget=forms.HiddenInput)
 
 
 class UserSearchForm(forms.Form):

@@ -6,6 +6,7 @@ from .forms import LoginForm
 
 urlpatterns = [
     path("", views.home, name="home"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("apply/", views.apply, name="apply"),
     path(
         "login/",

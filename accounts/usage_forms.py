@@ -29,8 +29,10 @@ def _date_field(label):
         required=False,
         input_formats=["%Y-%m-%d"],
         validators=[MaxValueValidator(LAST_DAY, message=f"Give a day no later than {LAST_DAY}.")],
+        # The browser's date picker shows the day in the reader's own format (and sends it as
+        # YYYY-MM-DD), so the help names no format.
         widget=forms.DateInput(attrs={"type": "date"}),
-        help_text="YYYY-MM-DD, UTC",
+        help_text="A whole day in UTC.",
     )
 
 

@@ -10,8 +10,10 @@ from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.templatetags.static import static
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
+from django_htmx.http import reswap, retarget
 
 from . import selectors, services
 from .access import approved_required, forbidden, staff_required
@@ -28,6 +30,7 @@ from .forms import (
     UserBudgetForm,
     UserSearchForm,
 )
+from .htmx import with_messages
 from .models import (
     AccessApplication,
     ApiKey,
@@ -41,6 +44,12 @@ from .models import (
 
 # ---------------------------------------------------------------------------------------
 # Landing page and dashboard
+
+
+def favicon(request):
+    """Browsers ask for /favicon.ico even of pages that link no icon (a JSON download, the
+    admin); send them to the site's icon."""
+    return redirect(static("img/favicon.svg"))
 
 
 def home(request):
@@ -242,19 +251,36 @@ def staff_application_decide(request, application_id):
     form = DecisionForm(request.POST)
     if not form.is_valid():
         return _render_queue(request, errors={application.pk: ["Choose approve or reject."]})
-    decide = (
-        services.application_approve
-        if form.cleaned_data["decision"] == "approve"
-        else services.application_reject
-    )
+    rejecting = form.cleaned_data["decision"] == "reject"
+    if rejecting and not form.cleaned_data["confirmed"]:
+        return _reject_confirmation(request, application, note=form.cleaned_data["note"])
+    decide = services.application_reject if rejecting else services.application_approve
     try:
         decide(application=application, acting_user=request.user, note=form.cleaned_data["note"])
     except ValidationError as error:
         return _render_queue(request, errors={application.pk: error.messages})
+    email = application.user.email
+    if rejecting:
+        messages.success(request, f"Rejected the application of {email}; they are e-mailed.")
+    else:
+        messages.success(
+            request,
+            f"Approved {email}: they are e-mailed, and their first key waits on their API "
+            "keys page.",
+        )
     if request.htmx:
-        return _render_queue(request)
-    messages.success(request, f"Application of {application.user.email} decided.")
+        return with_messages(request, _render_queue(request))
     return redirect("staff_applications")
+
+
+def _reject_confirmation(request, application, *, note: str):
+    """The step that asks before rejecting (the no-JS path: with JS, the Reject button asks
+    with hx-confirm and posts `confirmed`). For htmx, it takes the application's place."""
+    context = {"application": application, "note": note}
+    if request.htmx:
+        response = render(request, "staff/application_reject.html#reject_confirmation", context)
+        return reswap(retarget(response, f"#application-{application.pk}"), "outerHTML")
+    return render(request, "staff/application_reject.html", context)
 
 
 # ---------------------------------------------------------------------------------------

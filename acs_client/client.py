@@ -254,6 +254,16 @@ class AcsClient(_Base):
         client = self._client()
         return CompletionStream(client, client.build_request("POST", "/v1/completions", json=body))
 
+    def submit_completion_job(self, body: dict, *, idempotency_key: str) -> dict:
+        """POST /v1/completion-jobs: the job (`{id, status, ...}`); the same key and body
+        sent again returns the same job."""
+        headers = {"Idempotency-Key": idempotency_key}
+        return self._request("POST", "/v1/completion-jobs", json=body, headers=headers).json()
+
+    def submit_harvest(self, body: dict) -> dict:
+        """POST /v1/harvest: `{job_id, status, model, n_prompts}`."""
+        return self._request("POST", "/v1/harvest", json=body).json()
+
 
 class AsyncCompletionStream:
     """An open streaming response (async). `async for` gives parsed frames."""

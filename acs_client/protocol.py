@@ -22,6 +22,13 @@ STEERING_MAX_VALUES = 16 * 1024 * 1024
 # most this many prompt tokens (× n), and fewer with a residual-stream capture.
 FULL_VOCAB_MAX_PROMPT_TOKENS = 256
 FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE = 16
+# POST /v1/harvest: the most prompts one job takes.
+MAX_HARVEST_PROMPTS = 4096
+
+
+def quartile_layers(n_layers: int) -> list[int]:
+    """The layers a harvest captures by default: a quarter, half and three quarters deep."""
+    return sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4})
 
 
 class Strict(BaseModel):

@@ -261,7 +261,8 @@ def openapi_document() -> dict:
             },
             "/v1/harvest/{job_id}": {
                 "get": {
-                    "summary": "A harvest job's status and progress; download URLs once done",
+                    "summary": "A harvest job's status and progress; download URLs once done "
+                    "(or failed on a limit, or cancelled, after writing some batches)",
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": {
@@ -274,7 +275,8 @@ def openapi_document() -> dict:
                     | _error_responses(404),
                 },
                 "delete": {
-                    "summary": "Cancel a pending or running harvest job",
+                    "summary": "Cancel a pending or running harvest job; the batches it "
+                    "wrote are kept",
                     "parameters": [_JOB_ID],
                     "responses": {"200": {"description": "The job, status: cancelled"}}
                     | _auth_errors()

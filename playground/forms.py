@@ -2,6 +2,7 @@
 them again, and its error code is shown on the run if a request still fails there."""
 
 import io
+import json
 import math
 import uuid
 
@@ -10,10 +11,12 @@ from django import forms
 from django.core.validators import MaxValueValidator
 
 from acs_client.protocol import (
+    MAX_HARVEST_PROMPTS,
     MAX_N,
     MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
+    quartile_layers,
 )
 
 from .models import SteeringVector, VectorMethod
@@ -160,6 +163,10 @@ class CompletionForm(SubmitOnceForm):
             f"−1 (whole vocabulary, ≤ {capabilities.full_vocab_max_prompt_tokens} prompt tokens"
             f" × n) to {limit}."
         )
+        if "capture" in self.fields:  # (the Jobs page's subclass has no capture)
+            self._describe_capture(capabilities)
+
+    def _describe_capture(self, capabilities: ModelCapabilities) -> None:
         if capabilities.n_layers:
             self.fields[
                 "capture_layers"
@@ -449,4 +456,124 @@ class SteeringForm(SubmitOnceForm):
             "temperature": data["temperature"],
             "seed": data["seed"],
             "logprobs": data["logprobs"],
+        }
+
+
+class CompletionJobForm(CompletionForm):
+    """The Jobs page's completion job: the playground's completion fields, without streaming
+    (a job's result is fetched when it is done) and capture."""
+
+    prefix = "completion"
+    stream = None
+    include_usage = None
+    capture = None
+    capture_layers = None
+
+
+# An uploaded prompts file; the API takes at most 8 MiB of request body.
+MAX_PROMPTS_FILE_BYTES = 8 * 1024 * 1024
+
+
+def prompts_from_file(upload) -> list[str]:
+    """The prompts of an uploaded file: one per line of a text file, or one per line of a
+    JSON Lines file (`.jsonl`), each line a JSON string or an object with a "prompt" string.
+    Blank lines are skipped."""
+    if upload.size > MAX_PROMPTS_FILE_BYTES:
+        raise forms.ValidationError("The file is larger than 8 MiB.")
+    try:
+        lines = upload.read().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise forms.ValidationError("The file is not UTF-8 text.") from None
+    if not upload.name.lower().endswith(".jsonl"):
+        return [line for line in lines if line.strip()]
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            raise forms.ValidationError(f"Line {number} is not JSON.") from None
+        if isinstance(value, dict):
+            value = value.get("prompt")
+        if not isinstance(value, str) or not value:
+            raise forms.ValidationError(
+                f'Line {number}: give a JSON string or an object with a "prompt" string.'
+            )
+        prompts.append(value)
+    return prompts
+
+
+class HarvestJobForm(SubmitOnceForm):
+    """A harvest job: prompts pasted (one per line) or uploaded, layers picked from the
+    model's layers (the quartile layers preselected, as the API's default)."""
+
+    prefix = "harvest"
+
+    model = forms.ChoiceField()
+    prompts = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 4}),
+        label="Prompts, one per line",
+    )
+    prompts_file = forms.FileField(
+        required=False,
+        label="Or upload prompts",
+        help_text='A .txt file (one prompt per line) or .jsonl (one JSON string or {"prompt": '
+        f"…}} per line); at most {MAX_HARVEST_PROMPTS:,} prompts.",
+    )
+    layers = forms.TypedMultipleChoiceField(
+        coerce=int, widget=forms.CheckboxSelectMultiple, label="Layers to capture"
+    )
+    add_special_tokens = forms.BooleanField(
+        required=False, initial=True, help_text="Start each prompt with the model's BOS token."
+    )
+
+    def __init__(self, *args, models: list[dict], capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        self.fields["model"].choices = [(m["id"], m["id"]) for m in models] or [
+            (capabilities.id, capabilities.id or "(model list unavailable)")
+        ]
+        self.fields["model"].initial = capabilities.id
+        n_layers = capabilities.n_layers or 0
+        self.fields["layers"].choices = [(layer, str(layer)) for layer in range(n_layers)]
+        self.fields["layers"].initial = quartile_layers(n_layers)
+        reason = capabilities.activations_reason
+        if reason:
+            self.fields["model"].help_text = reason
+
+    def clean(self):
+        data = super().clean()
+        if self.capabilities.activations_reason:
+            self.add_error("model", self.capabilities.activations_reason)
+        pasted = [line for line in (data.get("prompts") or "").splitlines() if line.strip()]
+        upload = data.get("prompts_file")
+        if pasted and upload:
+            self.add_error("prompts", "Paste prompts or upload a file, not both.")
+            return data
+        try:
+            prompts = prompts_from_file(upload) if upload else pasted
+        except forms.ValidationError as error:
+            self.add_error("prompts_file", error)
+            return data
+        if not prompts:
+            self.add_error("prompts", "Give at least one prompt, here or as a file.")
+        elif len(prompts) > MAX_HARVEST_PROMPTS:
+            self.add_error(
+                "prompts_file" if upload else "prompts",
+                f"At most {MAX_HARVEST_PROMPTS:,} prompts per job; you gave {len(prompts):,}.",
+            )
+        data["prompt_list"] = prompts
+        return data
+
+    def to_request(self) -> dict:
+        """The POST /v1/harvest body."""
+        data = self.cleaned_data
+        return {
+            "model": data["model"],
+            "prompts": data["prompt_list"],
+            "layers": data["layers"],
+            "add_special_tokens": data["add_special_tokens"],
         }

@@ -170,3 +170,58 @@ class SteeringVector(models.Model):
 
     def __str__(self):
         return f"{self.name} (layer {self.layer})"
+
+
+class JobKind(models.TextChoices):
+    COMPLETION = "completion", "Completion job"
+    HARVEST = "harvest", "Harvest job"
+
+
+class JobSubmissionStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    SENDING = "sending", "Sending"
+    SUBMITTED = "submitted", "Submitted"
+    REFUSED = "refused", "Refused"
+
+
+class JobSubmission(models.Model):
+    """A completion or harvest job asked for on the Jobs page. A worker sends `request` to
+    /v1 with the user's playground key, exactly as an outside client would (so budgets,
+    limits and revocation apply the same way), and keeps the API's `job_id`, or the error
+    the API refused it with. Status moves queued → sending → submitted | refused."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="job_submissions"
+    )
+    kind = models.CharField(max_length=10, choices=JobKind.choices)
+    request = models.JSONField()
+    status = models.CharField(
+        max_length=10, choices=JobSubmissionStatus.choices, default=JobSubmissionStatus.QUEUED
+    )
+    attempts = models.PositiveSmallIntegerField(default=0)
+    job_id = models.UUIDField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    # The one-time token of the form submission: posted again, it returns this submission.
+    submit_token = models.UUIDField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["user", "-created_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "submit_token"],
+                condition=Q(submit_token__isnull=False),
+                name="one_job_submission_per_form_submission",
+            )
+        ]
+
+    def __str__(self):
+        return f"{self.get_kind_display().lower()} submission {self.id} ({self.status})"
+
+    @property
+    def is_pending(self):
+        return self.status in (JobSubmissionStatus.QUEUED, JobSubmissionStatus.SENDING)

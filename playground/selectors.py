@@ -1,6 +1,7 @@
 """Reads of the playground: a user's runs and vectors (404 for anyone else's), the model list
 from /v1/models, and code that reproduces a run's request."""
 
+import datetime as dt
 import json
 import logging
 import pprint
@@ -9,10 +10,11 @@ import shlex
 import redis
 from django.conf import settings
 from django.http import Http404
+from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
 
-from .models import Run, SteeringVector
+from .models import JobSubmission, JobSubmissionStatus, Run, SteeringVector
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,24 @@ def vector_for_user(*, user, vector_id) -> SteeringVector:
     if vector is None:
         raise Http404("No such vector.")
     return vector
+
+
+# How long the Jobs page keeps showing a submission the API refused.
+REFUSED_SUBMISSION_SHOWN = dt.timedelta(days=1)
+
+
+def job_submissions_shown(*, user, limit: int = 10) -> list[JobSubmission]:
+    """The user's Jobs-page submissions still on their way to /v1, and those the API refused
+    in the last day (with its error), newest first. Submitted ones are listed as jobs."""
+    return list(
+        JobSubmission.objects.filter(user=user)
+        .exclude(status=JobSubmissionStatus.SUBMITTED)
+        .exclude(
+            status=JobSubmissionStatus.REFUSED,
+            created_at__lt=timezone.now() - REFUSED_SUBMISSION_SHOWN,
+        )
+        .defer("request")[:limit]
+    )
 
 
 def models_available(*, user) -> tuple[list[dict], str]:

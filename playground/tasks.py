@@ -15,7 +15,19 @@ def run_execute(self, run_id: str) -> None:
         raise self.retry(countdown=retry.countdown) from None
 
 
+@shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
+def job_submission_send(self, submission_id: str) -> None:
+    """Send one job asked for on the Jobs page to /v1; retried only when the API asks to."""
+    try:
+        services.job_submission_send(
+            submission_id=submission_id, final_attempt=self.request.retries >= self.max_retries
+        )
+    except services.SubmissionRetry as retry:
+        raise self.retry(countdown=retry.countdown) from None
+
+
 @shared_task
 def runs_sweep() -> int:
-    """Fail playground runs stuck in queued or running (see `services.runs_fail_stuck`)."""
-    return services.runs_fail_stuck()
+    """Fail playground runs, and refuse job submissions, stuck in queued or running (see
+    `services.runs_fail_stuck` and `services.job_submissions_fail_stuck`)."""
+    return services.runs_fail_stuck() + services.job_submissions_fail_stuck()

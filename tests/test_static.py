@@ -91,3 +91,9 @@ async def test_static_files_are_served_from_static_dir_in_development():
     response = await AsyncClient().get("/static/css/site.css")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/css")
+
+
+def test_favicon_ico_leads_to_the_site_icon(client):
+    response = client.get("/favicon.ico")
+    assert response.status_code == 302
+    assert response["Location"] == static("img/favicon.svg")

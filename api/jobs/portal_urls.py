@@ -6,6 +6,8 @@ app_name = "jobs_portal"
 
 urlpatterns = [
     path("", portal_views.jobs_page, name="index"),
+    path("completion/", portal_views.completion_job_create, name="completion-create"),
+    path("harvest/", portal_views.harvest_job_create, name="harvest-create"),
     path(
         "completion/<str:job_id>/result.json",
         portal_views.completion_result,

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-MAX_HARVEST_PROMPTS = 4096
+from acs_client.protocol import MAX_HARVEST_PROMPTS
 
 
 class HarvestRequest(BaseModel):
@@ -19,8 +19,3 @@ class HarvestRequest(BaseModel):
     )
     layers: list[int] | Literal["all"] | None = None
     add_special_tokens: bool = True
-
-
-def quartile_layers(n_layers: int) -> list[int]:
-    """The layers a harvest captures by default: a quarter, half and three quarters deep."""
-    return sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4})

@@ -5,7 +5,7 @@ import uuid
 from django.conf import settings
 from django.utils import timezone
 
-from .models import CompletionJob, HarvestJob, HarvestJobStatus
+from .models import HARVEST_ENDED_STATUSES, CompletionJob, HarvestJob
 from .signing import download_expiry, download_path
 from .storage import MANIFEST_NAME, STATS_NAME
 
@@ -58,8 +58,9 @@ def harvest_retention_days() -> str:
 def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:
     """Signed paths to a job's files, all expiring together: `{manifest_url, shard_urls,
     stats_url, urls_expire_at}` (paths; the API makes them absolute), or None while the job
-    has none to offer: it is done, or failed on a limit after writing some batches."""
-    if job.status not in (HarvestJobStatus.DONE, HarvestJobStatus.FAILED) or not job.files:
+    has none to offer. Done jobs have files, and so do jobs that failed on a limit or were
+    cancelled after writing some batches."""
+    if job.status not in HARVEST_ENDED_STATUSES or not job.files:
         return None
     expires_at = download_expiry(now=now or timezone.now())
 

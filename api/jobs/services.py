@@ -291,8 +291,9 @@ def harvest_job_submit(
 
 
 def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
-    """Cancel a pending or running job (a running worker stops before its next batch) and
-    give its harvest-quota slot back, or raise `HarvestNotCancellable`."""
+    """Cancel a pending or running job (a running worker stops before its next batch and
+    keeps the batches it wrote as the job's files) and give its harvest-quota slot back, or
+    raise `HarvestNotCancellable`."""
     now = now or timezone.now()
     cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
         status=HarvestJobStatus.CANCELLED, completed_at=now, lease_expires_at=None
@@ -432,7 +433,7 @@ def _harvest(job: HarvestJob) -> list[str]:
     output = _HarvestOutput(job, hidden_size=language_model.hidden_size)
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
     for start in range(0, job.n_prompts, batch_size):
-        _harvest_heartbeat(job, prompts_done=start)
+        _harvest_continue(job, output, prompts_done=start)
         key = key_recheck(job.key_id)
         token_lists = async_to_sync(tokenize_batch)(
             language_model,
@@ -451,8 +452,21 @@ def _harvest(job: HarvestJob) -> list[str]:
             refused.files = output.finish() if output.shards else []
             raise
         output.add_shard(captures, first_index=start)
-    _harvest_heartbeat(job, prompts_done=job.n_prompts)
+    _harvest_continue(job, output, prompts_done=job.n_prompts)
     return output.finish()
+
+
+def _harvest_continue(job: HarvestJob, output: "_HarvestOutput", *, prompts_done: int) -> None:
+    """`_harvest_heartbeat`; when the job was cancelled meanwhile, first keep the batches it
+    wrote (with their stats and a manifest) as the cancelled job's files."""
+    try:
+        _harvest_heartbeat(job, prompts_done=prompts_done)
+    except _HarvestStopped:
+        if output.shards:
+            HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
+                files=output.finish(), prompts_done=output.prompts_written
+            )
+        raise
 
 
 def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture]:

@@ -7,6 +7,7 @@ from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.services import BudgetExceeded
+from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate
 from api.completions import CompletionResult
@@ -21,7 +22,7 @@ from api.views import _json, allow, read_json_body, request_id, result_response
 
 from . import selectors, services
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
-from .schemas import HarvestRequest, quartile_layers
+from .schemas import HarvestRequest
 from .signing import DownloadRefused, download_check
 from .storage import MANIFEST_NAME, harvest_bytes_estimate, harvest_file_open
 

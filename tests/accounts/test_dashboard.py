@@ -18,7 +18,7 @@ def test_dashboard_shows_budget_panel_per_active_key(approved_client, approved_u
     assert f"acs-{api_key.prefix}" in html
     assert f"acs-{revoked.prefix}" not in html
     assert "Key, today (tokens)" in html
-    assert "Resets (UTC)" in html
+    assert "Resets" in html and " UTC</time>" in html
     assert "% of the limit is used" not in html
 
 

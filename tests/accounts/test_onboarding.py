@@ -28,9 +28,10 @@ def sign_up(client, **changes):
 
 
 def decide(staff_client, application, decision, note=""):
+    """Decide as staff do, a rejection confirmed (see test_staff for the confirmation)."""
     return staff_client.post(
         reverse("staff_application_decide", args=[application.pk]),
-        {"decision": decision, "note": note},
+        {"decision": decision, "note": note, "confirmed": "true"},
     )
 
 

@@ -85,6 +85,60 @@ def test_approve_with_htmx_updates_the_queue_in_place(staff_client, pending_user
     assert html.lstrip().startswith('<div id="application-queue">')
     assert "Approved" in html
     assert reverse("staff_application_decide", args=[application.pk]) not in html
+    # The confirmation goes to the page's message area, out of band.
+    assert '<div id="messages" role="status" hx-swap-oob="true">' in html
+    assert f"Approved {pending_user.email}: they are e-mailed" in html
+
+
+def test_approving_without_htmx_confirms_with_a_message(staff_client, pending_user, commit):
+    application = pending_user.applications.get()
+    with commit():
+        response = staff_client.post(
+            reverse("staff_application_decide", args=[application.pk]),
+            {"decision": "approve", "note": ""},
+            follow=True,
+        )
+    assert f"Approved {pending_user.email}" in response.content.decode()
+
+
+def test_reject_asks_for_confirmation_first_without_js(staff_client, pending_user, commit):
+    application = pending_user.applications.get()
+    url = reverse("staff_application_decide", args=[application.pk])
+    asked = staff_client.post(url, {"decision": "reject", "note": "Too vague."})
+    assert asked.status_code == 200
+    html = asked.content.decode()
+    assert f"Reject the application of {pending_user.email}?" in html
+    assert '<input type="hidden" name="confirmed" value="true">' in html
+    assert ">Too vague.</textarea>" in html
+    pending_user.refresh_from_db()
+    assert pending_user.status == UserStatus.PENDING
+
+    with commit():
+        done = staff_client.post(
+            url, {"decision": "reject", "note": "Too vague.", "confirmed": "true"}, follow=True
+        )
+    assert f"Rejected the application of {pending_user.email}" in done.content.decode()
+    pending_user.refresh_from_db()
+    assert pending_user.status == UserStatus.REJECTED
+
+
+def test_unconfirmed_reject_over_htmx_puts_the_question_in_the_applications_place(
+    staff_client, pending_user
+):
+    application = pending_user.applications.get()
+    response = staff_client.post(
+        reverse("staff_application_decide", args=[application.pk]),
+        {"decision": "reject", "note": ""},
+        **HTMX,
+    )
+    assert response["HX-Retarget"] == f"#application-{application.pk}"
+    assert (
+        response.content.decode()
+        .lstrip()
+        .startswith(f'<article class="card" id="application-{application.pk}">')
+    )
+    pending_user.refresh_from_db()
+    assert pending_user.status == UserStatus.PENDING
 
 
 def test_suspend_and_reactivate(staff_client, staff_user, api_key, api_secret, approved_user):

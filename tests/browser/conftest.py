@@ -15,13 +15,18 @@ from django.db import connections
 from django.test.utils import override_settings
 from playwright.sync_api import sync_playwright
 
-from accounts.models import User
+from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
 from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
 
 from .system import System, launch_chromium
 
 BROWSER_USER = "browser@example.org"
+STAFF_USER = "browser-staff@example.org"
+# Harvests through the Jobs page, kept apart so the browser user's Jobs page draws no chart.
+HARVEST_USER = "browser-harvest@example.org"
+# Pending applicants the staff tests decide, one each (seeded once per session).
+APPLICANTS = ["applicant-approve@example.org", "applicant-reject@example.org"]
 # Playwright's sync API keeps an event loop running in this thread; Django's own database
 # calls here (pytest-django's per-test transaction) are still plain synchronous code.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -60,6 +65,14 @@ def _system(running, django_db_blocker):
         )
         if not User.objects.filter(email=BROWSER_USER).exists():
             make_user(BROWSER_USER)
+            make_user(STAFF_USER, is_staff=True)
+            make_user(HARVEST_USER)
+            for email in APPLICANTS:
+                AccessApplication.objects.create(
+                    user=make_user(email, status=UserStatus.PENDING),
+                    planned_use="Steering vectors for honesty.",
+                    accepted_usage_rules=True,
+                )
         database_url = _database_url()
         connections.close_all()
     redis_lib.Redis.from_url(settings.REDIS_URL).flushdb()
@@ -89,15 +102,117 @@ def browser():
 
 
 @pytest.fixture
-def page(system, browser):
-    """A logged-in page of the browser user."""
+def expected_http_errors() -> list[str]:
+    """Paths (ending a request's URL) whose 4xx answers a test provokes on purpose: the `page`
+    fixture accepts those, and the console's line about them."""
+    return []
+
+
+# Wraps EventSource.close so the test hears which event streams the page's own script ended.
+REPORT_CLOSED_EVENT_STREAMS = """
+  const close = EventSource.prototype.close;
+  EventSource.prototype.close = function () {
+    window.reportClosedEventStream(this.url);
+    return close.call(this);
+  };
+"""
+
+
+class PageWatch:
+    """What a person would see as broken on a page, collected from the moment it is
+    created: console errors, uncaught script errors, failed requests, and answers of 400
+    or more (except 4xx answers of `expected_http_errors` paths, and the console's line
+    about them).
+
+    A request the browser cancels (net::ERR_ABORTED) is a failure too, unless the page
+    cancelled it on purpose: it left for another page while the request was loading, or its
+    script closed the event stream (`EventSource.close()`, once the run's `end` event came).
+    A stream the server cuts short (net::ERR_INCOMPLETE_CHUNKED_ENCODING) always fails."""
+
+    def __init__(self, page, *, expected_http_errors: list[str]):
+        # The test's own list: paths it adds later count too.
+        self.expected_http_errors = expected_http_errors
+        self.found: list[str] = []
+        self.aborted: list = []
+        self.closed_event_streams: set[str] = set()
+        self.navigations = 0
+        self.started_at: dict = {}
+        page.expose_function("reportClosedEventStream", self._closed_event_stream)
+        page.add_init_script(REPORT_CLOSED_EVENT_STREAMS)
+        page.on("console", self._console)
+        page.on("pageerror", lambda error: self.found.append(f"page error: {error}"))
+        page.on("framenavigated", self._navigated)
+        page.on("request", lambda request: self.started_at.__setitem__(request, self.navigations))
+        page.on("requestfailed", self._failed)
+        page.on("response", self._response)
+
+    def _expected(self, url: str) -> bool:
+        return url.split("?", 1)[0].endswith(tuple(self.expected_http_errors))
+
+    def _console(self, message):
+        if message.type == "error" and not self._expected(message.location.get("url", "")):
+            self.found.append(f"console error: {message.text} ({message.location})")
+
+    def _closed_event_stream(self, url: str) -> None:
+        self.closed_event_streams.add(url)
+
+    def _navigated(self, frame):
+        if frame.parent_frame is None:
+            self.navigations += 1
+
+    def _failed(self, request):
+        if request.failure == "net::ERR_ABORTED":
+            self.aborted.append((request, self.navigations))
+        else:
+            self.found.append(f"request failed: {request.url} {request.failure}")
+
+    def _response(self, response):
+        if response.status >= 500 or (response.status >= 400 and not self._expected(response.url)):
+            self.found.append(f"HTTP {response.status}: {response.url}")
+
+    def problems(self) -> list[str]:
+        """Everything found so far, the unintended cancellations included."""
+        unintended = [
+            f"request cancelled: {request.url}"
+            for request, navigations in self.aborted
+            if navigations == self.started_at.get(request, navigations)
+            and request.url not in self.closed_event_streams
+        ]
+        return self.found + unintended
+
+
+def _logged_in_page(browser, system, email: str, expected_http_errors: list[str]):
+    """A page logged in as `email`; the test fails if any page it shows logs a console
+    error, throws, or has a request fail (see `PageWatch`)."""
     context = browser.new_context(base_url=system.web_url)
     context.set_default_timeout(60_000)
     page = context.new_page()
+    watch = PageWatch(page, expected_http_errors=expected_http_errors)
     page.goto("/login/")
-    page.fill("input[name=username]", BROWSER_USER)
+    page.fill("input[name=username]", email)
     page.fill("input[name=password]", PASSWORD)
     page.click("main form button[type=submit]")
     page.wait_for_load_state()
     yield page
+    # What the pages showed until now; closing the context cuts whatever is still loading.
+    problems = watch.problems()
     context.close()
+    assert problems == [], "the pages showed errors"
+
+
+@pytest.fixture
+def page(system, browser, expected_http_errors):
+    """A logged-in page of the browser user (an approved researcher)."""
+    yield from _logged_in_page(browser, system, BROWSER_USER, expected_http_errors)
+
+
+@pytest.fixture
+def harvest_page(system, browser, expected_http_errors):
+    """A logged-in page of an approved researcher who runs harvests."""
+    yield from _logged_in_page(browser, system, HARVEST_USER, expected_http_errors)
+
+
+@pytest.fixture
+def staff_page(system, browser, expected_http_errors):
+    """A logged-in page of the staff user."""
+    yield from _logged_in_page(browser, system, STAFF_USER, expected_http_errors)

@@ -12,7 +12,7 @@ from django.utils import timezone
 from safetensors import deserialize, safe_open
 
 from acs_client.codec import decode
-from api.jobs import services
+from api.jobs import selectors, services
 from api.jobs.models import HarvestJob, HarvestJobStatus
 
 PROMPTS = [
@@ -117,7 +117,7 @@ def test_harvest_stats_are_the_mean_and_std_over_all_positions_but_the_first(
 
 
 @pytest.mark.django_db
-def test_a_cancelled_job_stops_before_its_next_batch(
+def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards(
     engine_model, api_key, settings, monkeypatch, redis_client
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 1
@@ -137,7 +137,30 @@ def test_a_cancelled_job_stops_before_its_next_batch(
     job.refresh_from_db()
     assert batches == [0]
     assert job.status == HarvestJobStatus.CANCELLED
-    assert not default_storage.exists(job.storage_prefix + "manifest.json")
+    assert job.files == ["shard_00000.safetensors", "stats.safetensors", "manifest.json"]
+    assert job.prompts_done == 1
+    manifest = json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
+    assert manifest["prompts_captured"] == 1
+    assert [shard["tensors"] for shard in manifest["shards"]] == [["prompt_0", "tokens_0"]]
+    assert set(_tensors(job.storage_prefix + "shard_00000.safetensors")) == {
+        "prompt_0",
+        "tokens_0",
+    }
+    links = selectors.harvest_download_links(job=job)
+    assert len(links["shard_urls"]) == 1
+
+
+@pytest.mark.django_db
+def test_a_job_cancelled_before_its_first_batch_keeps_no_files(
+    engine_model, api_key, settings, monkeypatch, redis_client
+):
+    job = _submit(api_key)
+    services.harvest_job_cancel(job=job)
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.CANCELLED
+    assert job.files == []
+    assert selectors.harvest_download_links(job=job) is None
 
 
 @pytest.mark.django_db

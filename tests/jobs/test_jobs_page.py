@@ -2,13 +2,20 @@
 links, and the mean-norm chart of a finished harvest."""
 
 import json
+import uuid
 
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
 
 from accounts.models import UserStatus
 from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.storage import harvest_file_write
+from playground.models import JobKind, JobSubmission, JobSubmissionStatus
 from tests.conftest import PASSWORD
+from tests.playground.test_views import MODEL
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
 
 BODY = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1}
 
@@ -82,9 +89,46 @@ def test_cancel_from_the_page(logged_in, api_key):
     job = _harvest(api_key)
     response = logged_in.post(f"/jobs/harvest/{job.pk}/cancel", headers={"HX-Request": "true"})
     assert response.status_code == 200
-    assert "Cancelled" in response.content.decode()
+    html = response.content.decode()
+    assert "Cancelled" in html
+    assert f"Harvest job {str(job.pk)[:8]} cancelled" in html  # the message, out of band
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.CANCELLED
+
+
+@pytest.mark.django_db
+def test_cancel_asks_first_with_js_and_on_its_own_page_without(logged_in, api_key):
+    job = _harvest(api_key)
+    url = f"/jobs/harvest/{job.pk}/cancel"
+    page = logged_in.get("/jobs/").content.decode()
+    assert f'href="{url}" hx-post="{url}"' in page
+    assert f'hx-confirm="Cancel harvest job {str(job.pk)[:8]}?' in page
+
+    confirmation = logged_in.get(url)
+    assert confirmation.status_code == 200
+    assert f'<form method="post" action="{url}">' in confirmation.content.decode()
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.PENDING
+
+    done = logged_in.post(url, follow=True)
+    assert f"Harvest job {str(job.pk)[:8]} cancelled" in done.content.decode()
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.CANCELLED
+
+
+@pytest.mark.django_db
+def test_a_cancelled_job_lists_the_shards_it_wrote(logged_in, api_key):
+    job = _harvest(api_key)
+    services.harvest_job_cancel(job=job)
+    stats = services.ActivationStats(n_layers=2, hidden_size=4)
+    harvest_file_write(job.storage_prefix, "stats.safetensors", stats.safetensors())
+    HarvestJob.objects.filter(pk=job.pk).update(
+        prompts_done=1, files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"]
+    )
+    html = logged_in.get("/jobs/").content.decode()
+    assert "Cancelled" in html
+    assert "manifest.json</a>" in html
+    assert "shard 0</a>" in html
 
 
 @pytest.mark.django_db
@@ -119,3 +163,112 @@ def test_a_finished_harvest_has_download_links_and_a_norm_chart(
     norms = figure["data"][0]["y"]
     assert len(norms) == 2 and all(value > 0 for value in norms)
     assert 'data-figure="harvest-norm-figure"' in html
+
+
+# ---------------------------------------------------------------------------------------
+# Submitting jobs from the page
+
+
+@pytest.fixture
+def model_list(monkeypatch):
+    monkeypatch.setattr("playground.selectors.models_available", lambda *, user: ([MODEL], ""))
+
+
+COMPLETION_POST = {
+    "completion-model": "smollm2-135m",
+    "completion-prompt": "Once upon a time",
+    "completion-max_tokens": "4",
+}
+HARVEST_POST = {"harvest-model": "smollm2-135m", "harvest-layers": ["7", "15"]}
+
+
+@pytest.mark.django_db
+def test_the_page_offers_both_submit_forms(logged_in, model_list):
+    html = logged_in.get("/jobs/").content.decode()
+    assert 'hx-post="/jobs/completion/"' in html and 'action="/jobs/completion/"' in html
+    assert 'hx-post="/jobs/harvest/"' in html and 'enctype="multipart/form-data"' in html
+    assert 'name="harvest-layers" value="29"' in html
+
+
+@pytest.mark.django_db
+def test_a_completion_job_submitted_without_js_is_queued_and_listed(
+    logged_in, approved_user, model_list
+):
+    response = logged_in.post("/jobs/completion/", COMPLETION_POST)
+    assert response.status_code == 302 and response["Location"] == "/jobs/"
+    submission = JobSubmission.objects.get(user=approved_user)
+    assert submission.kind == JobKind.COMPLETION
+    assert submission.request == {
+        "model": "smollm2-135m",
+        "prompt": "Once upon a time",
+        "max_tokens": 4,
+    }
+    page = logged_in.get("/jobs/").content.decode()
+    assert "Completion job" in page and "Queued" in page
+    assert 'hx-trigger="every 2s"' in page  # polled until it is sent
+
+
+@pytest.mark.django_db
+def test_a_harvest_submitted_with_htmx_answers_the_list_and_fresh_forms(
+    logged_in, approved_user, model_list
+):
+    upload = SimpleUploadedFile("prompts.txt", b"first prompt\nsecond prompt\n")
+    response = logged_in.post(
+        "/jobs/harvest/", {**HARVEST_POST, "harvest-prompts_file": upload}, **HTMX
+    )
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert html.lstrip().startswith('<div id="jobs"')
+    assert "Harvest job" in html
+    assert '<section id="job-forms" class="grid" hx-swap-oob="true">' in html
+    submission = JobSubmission.objects.get(user=approved_user)
+    assert submission.request["prompts"] == ["first prompt", "second prompt"]
+    assert submission.request["layers"] == [7, 15]
+
+
+@pytest.mark.django_db
+def test_bad_input_without_js_is_a_400_page_with_the_field_error(
+    logged_in, approved_user, model_list
+):
+    response = logged_in.post("/jobs/harvest/", HARVEST_POST)
+    assert response.status_code == 400
+    assert "Give at least one prompt, here or as a file." in response.content.decode()
+    assert not JobSubmission.objects.filter(user=approved_user).exists()
+
+
+@pytest.mark.django_db
+def test_bad_input_with_htmx_replaces_only_the_forms(logged_in, approved_user, model_list):
+    response = logged_in.post(
+        "/jobs/completion/", {**COMPLETION_POST, "completion-max_tokens": "0"}, **HTMX
+    )
+    assert response.status_code == 200
+    assert response["HX-Retarget"] == "#job-forms"
+    assert response["HX-Reswap"] == "outerHTML"
+    html = response.content.decode()
+    assert html.lstrip().startswith('<section id="job-forms"')
+    assert "Ensure this value is greater than or equal to 1." in html
+    assert not JobSubmission.objects.filter(user=approved_user).exists()
+
+
+@pytest.mark.django_db
+def test_posting_the_same_form_twice_submits_once(logged_in, approved_user, model_list):
+    token = str(uuid.uuid4())
+    for _ in range(2):
+        logged_in.post("/jobs/completion/", {**COMPLETION_POST, "completion-submit_token": token})
+    assert JobSubmission.objects.filter(user=approved_user).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_refused_submission_shows_the_apis_error(logged_in, approved_user, model_list):
+    JobSubmission.objects.create(
+        user=approved_user,
+        kind=JobKind.HARVEST,
+        request={},
+        status=JobSubmissionStatus.REFUSED,
+        error_code="harvest_quota_exceeded",
+        error_message="No harvest jobs left <this month>.",
+    )
+    html = logged_in.get("/jobs/").content.decode()
+    assert "Refused" in html
+    assert "harvest_quota_exceeded: No harvest jobs left &lt;this month&gt;." in html
+    assert "hx-trigger" not in html

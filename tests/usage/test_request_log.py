@@ -39,7 +39,7 @@ def test_log_lists_own_requests_newest_first_with_metadata(user_client, record, 
 
     assert _ids(response) == [new.pk, old.pk]
     rows = table_rows(response.content.decode(), "request-log")
-    assert rows[0][0] == "2025-03-02 09:00:00"
+    assert rows[0][0] == "2025-03-02 09:00:00 UTC"
     assert rows[0][4:6] == ["429", "rate_limited"]
     assert rows[0][11] == "0, 6"
     assert rows[1][6:11] == ["7", "3", "100.0", "12.5", "yes"]

@@ -95,7 +95,14 @@ def test_overview_shows_upstreams_applications_and_spend_cap(
 
     text = response.content.decode()
     assert table_rows(text, "upstreams") == [
-        ["smollm2-135m", "http://127.0.0.1:8001", "completions", "open", "7", "2025-01-01 12:00:00"]
+        [
+            "smollm2-135m",
+            "http://127.0.0.1:8001",
+            "completions",
+            "Open",
+            "7",
+            "2025-01-01 12:00:00 UTC",
+        ]
     ]
     assert '<strong id="pending-applications">1</strong>' in text
     assert 'href="/staff/applications/"' in text
