@@ -127,6 +127,7 @@ class PageWatch:
     A request the browser cancels (net::ERR_ABORTED) is a failure too, unless the page
     cancelled it on purpose: it left for another page while the request was loading, or its
     script closed the event stream (`EventSource.close()`, once the run's `end` event came).
+    The browser's own fetch of the favicon, which it cancels as it pleases, is no page's.
     A stream the server cuts short (net::ERR_INCOMPLETE_CHUNKED_ENCODING) always fails."""
 
     def __init__(self, page, *, expected_http_errors: list[str]):
@@ -177,6 +178,7 @@ class PageWatch:
             for request, navigations in self.aborted
             if navigations == self.started_at.get(request, navigations)
             and request.url not in self.closed_event_streams
+            and "/favicon" not in request.url
         ]
         return self.found + unintended
 
