@@ -1,13 +1,35 @@
 // Draws each chart from the Plotly figure JSON the server put in the <script> element its
-// data-figure attribute names, on page load and again after every htmx swap.
+// data-figure attribute names, on page load and again after every htmx swap. Charts in or
+// near the view are drawn at once; the others when they come near it, since drawing every
+// chart of a page was most of its first load.
 (function () {
+  var NEAR_PX = 300;
+
+  function drawChart(chart) {
+    var source = document.getElementById(chart.dataset.figure);
+    if (!source || !window.Plotly) return;
+    var figure = JSON.parse(source.textContent);
+    Plotly.react(chart, figure.data, figure.layout, { responsive: true, displaylogo: false });
+  }
+
+  var observer = new IntersectionObserver(
+    function (entries) {
+      entries.forEach(function (entry) {
+        if (!entry.isIntersecting) return;
+        observer.unobserve(entry.target);
+        drawChart(entry.target);
+      });
+    },
+    { rootMargin: NEAR_PX + "px" }
+  );
+
   function draw() {
-    if (!window.Plotly) return;
     document.querySelectorAll("[data-figure]").forEach(function (chart) {
-      var source = document.getElementById(chart.dataset.figure);
-      if (!source) return;
-      var figure = JSON.parse(source.textContent);
-      Plotly.react(chart, figure.data, figure.layout, { responsive: true, displaylogo: false });
+      if (chart.getBoundingClientRect().top < window.innerHeight + NEAR_PX) {
+        drawChart(chart);
+      } else {
+        observer.observe(chart);
+      }
     });
   }
   document.addEventListener("DOMContentLoaded", draw);

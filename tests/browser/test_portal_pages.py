@@ -87,3 +87,15 @@ def test_the_audit_table_is_whole_at_desktop_width(staff_page):
     _fits(staff_page, "/staff/audit/")
     box = staff_page.locator(".table-scroll:has(table.audit)")
     assert box.evaluate("box => box.scrollWidth <= box.clientWidth")
+
+
+def test_usage_charts_below_the_view_are_drawn_as_they_come_into_it(page):
+    page.set_viewport_size({"width": 1280, "height": 300})
+    page.goto("/usage/")
+    tokens, requests = (
+        page.locator(f"[data-figure='usage-figure-{name}']") for name in ("tokens", "requests")
+    )
+    expect(tokens.locator(".main-svg").first).to_be_visible()
+    expect(requests.locator(".main-svg")).to_have_count(0)
+    requests.scroll_into_view_if_needed()
+    expect(requests.locator(".main-svg").first).to_be_visible()

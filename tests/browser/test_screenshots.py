@@ -123,5 +123,7 @@ def test_jobs_page_with_a_harvest_and_a_completion_job(user_page, system, api_se
         assert finished(client, f"/v1/completion-jobs/{job.json()['id']}", {"succeeded"})
     page = user_page
     page.goto("/jobs/")
-    expect(page.locator("[data-figure='harvest-norm-figure'] .main-svg").first).to_be_visible()
+    chart = page.locator("[data-figure='harvest-norm-figure']")
+    chart.scroll_into_view_if_needed()  # below the forms: drawn as it comes into view
+    expect(chart.locator(".main-svg").first).to_be_visible()
     assert_written(save_screenshots(page, "jobs"), "jobs")
