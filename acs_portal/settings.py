@@ -127,9 +127,11 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "accounts",
+    "metering",
     "api",
     "api.jobs",
     "playground",
+    "portal",
 ]
 
 MIDDLEWARE = [
@@ -273,9 +275,9 @@ ACS_HARVEST_BATCH_SIZE = env_int("ACS_HARVEST_BATCH_SIZE", 8)
 ACS_HARVEST_URL_MAX_AGE_SECONDS = env_int("ACS_HARVEST_URL_MAX_AGE_SECONDS", 3600)
 CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep", "schedule": 60.0}
 
-# --- accounts (portal, keys, budgets) ---
-CELERY_BEAT_SCHEDULE["accounts.release_stale_budget_reservations"] = {
-    "task": "accounts.tasks.release_stale_budget_reservations",
+# --- metering (budgets, usage) ---
+CELERY_BEAT_SCHEDULE["metering.budget_release_stale"] = {
+    "task": "metering.tasks.budget_release_stale_task",
     "schedule": 300.0,
 }
 

@@ -15,7 +15,8 @@ import contextlib
 import secrets
 import weakref
 
-from . import background
+from metering import background
+
 from .clients import redis_client
 from .errors import ApiError
 

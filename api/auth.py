@@ -23,9 +23,9 @@ from django.db import transaction
 
 from accounts.models import ApiKey, Scope
 from accounts.services import AuthError, api_key_authenticate, api_key_recheck
+from metering.sql import run_db
 
 from .clients import redis_client
-from .db import run_db
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,9 @@ import json
 
 from django.http import JsonResponse
 
+from metering.budgets import BudgetExceeded
+from metering.sql import DatabaseBusy
+
 # Seconds a client should wait before retrying, for codes where a retry can help.
 DEFAULT_RETRY_AFTER = {
     "queue_full": 1,
@@ -100,6 +103,15 @@ class ApiError(Exception):
         if not self.should_retry:
             headers["X-Should-Retry"] = "false"
         return headers
+
+
+def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
+    """The contract's error for a request that metering refuses: 429 with the budget's code
+    (Retry-After for spend_cap, X-Should-Retry: false for spent budgets and quotas), or 503
+    db_pool_exhausted."""
+    if isinstance(error, DatabaseBusy):
+        return ApiError(503, "db_pool_exhausted", str(error))
+    return ApiError(429, error.code, error.message)
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:

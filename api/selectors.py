@@ -6,7 +6,8 @@ import time
 import redis
 from django.conf import settings
 
-from .db import run_db
+from metering.sql import run_db
+
 from .errors import ApiError
 from .models import LanguageModel, ModelStatus
 from .upstream import FAILURE_WINDOW_MS, circuit_keys

@@ -16,8 +16,9 @@ from pathlib import Path
 from django.conf import settings
 from tokenizers import Tokenizer
 
+from metering.sql import run_db
+
 from . import upstream
-from .db import run_db
 from .models import LanguageModel
 
 # Text longer than this is tokenized in a worker thread, off the event loop.

@@ -13,15 +13,15 @@ from accounts.models import (
     UsagePeriod,
 )
 from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
-from accounts.services import (
+from metering.budgets import (
     BudgetExceeded,
     budget_holds_alive_steps,
     budget_release_stale,
     budget_reserve,
     budget_settle,
     harvest_quota_consume,
-    run_steps,
 )
+from metering.sql import run_steps
 
 
 def key_window(key, period):
@@ -214,7 +214,7 @@ def test_concurrent_reservations_never_overspend(api_key):
 
 
 def test_budget_windows_report_used_remaining_and_reset(api_key):
-    from accounts.selectors import budget_windows
+    from metering.selectors import budget_windows
 
     moment = dt.datetime(2026, 5, 20, 12, tzinfo=dt.UTC)
     reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10, now=moment)

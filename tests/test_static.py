@@ -12,14 +12,14 @@ from django.templatetags.static import static
 from django.test import AsyncClient, override_settings
 from plotly.basedatatypes import BaseTraceType
 
-from accounts.usage_views import _usage_figures
+from portal.usage_views import _usage_figures
 
 from .servers import REPO_ROOT
 from .test_settings import load_settings, production
 
 BUNDLE = REPO_ROOT / "static" / "vendor" / "plotly-acs-4.1.1.min.js"
 PACKAGE_BUNDLE = plotly.__file__.replace("__init__.py", "package_data/plotly.min.js")
-FIGURE_MODULES = ["playground/figures.py", "api/jobs/figures.py"]
+FIGURE_MODULES = ["playground/figures.py", "portal/figures.py"]
 TEN_YEARS = 315360000
 
 

@@ -22,22 +22,21 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, BudgetReservation, UsageRecord
 from accounts.periods import month_start
-from accounts.services import (
+from acs_client.codec import bfloat16_bits_to_float32
+from api.auth import key_recheck
+from api.completions import completion_run
+from api.errors import ApiError, metering_refusal
+from api.models import LanguageModel
+from metering.budgets import (
     BudgetExceeded,
     budget_activations_refund_steps,
     budget_reserve,
     budget_settle_steps,
     harvest_quota_consume,
     harvest_quota_refund,
-    run_steps,
-    usage_records_steps,
 )
-from acs_client.codec import bfloat16_bits_to_float32
-from api.auth import key_recheck
-from api.completions import completion_run
-from api.errors import ApiError
-from api.metering import budget_refusal
-from api.models import LanguageModel
+from metering.sql import run_steps
+from metering.usage import usage_records_steps
 
 from . import tasks
 from .capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
@@ -492,7 +491,7 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
             activation=len(token_lists),
         )
     except BudgetExceeded as exceeded:
-        raise _HarvestRefused(budget_refusal(exceeded)) from None
+        raise _HarvestRefused(metering_refusal(exceeded)) from None
     try:
         captures = async_to_sync(capture_batch)(
             model, token_lists=token_lists, layers=job.layers, first_index=first_index

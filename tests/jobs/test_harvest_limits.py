@@ -268,7 +268,7 @@ class WorkerKilled(BaseException):
 def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
     api_key, engine_model, engine_url, redis_client, settings, monkeypatch
 ):
-    from accounts.services import budget_release_stale
+    from metering.budgets import budget_release_stale
 
     settings.ACS_HARVEST_BATCH_SIZE = 1
     real_capture_batch = services.capture_batch

@@ -252,7 +252,7 @@ def test_pending_user_is_refused_and_anonymous_is_sent_to_log_in(client, pending
 def test_project_urls_mount_the_usage_pages_under_usage():
     from django.urls import resolve
 
-    from accounts import usage_views
+    from portal import usage_views
 
     assert resolve("/usage/", urlconf="acs_portal.urls").func is usage_views.usage_page
     assert resolve("/usage/staff/", urlconf="acs_portal.urls").func is usage_views.staff_overview

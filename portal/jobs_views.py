@@ -11,12 +11,12 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from accounts.htmx import with_messages
+from api.jobs import selectors, services
 from playground import selectors as playground_selectors
 from playground import services as playground_services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind
 
-from . import selectors, services
 from .figures import harvest_norm_figure
 
 # How often the page re-reads the jobs while one is queued or running.

@@ -9,10 +9,14 @@ from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from . import usage_selectors
-from .access import approved_required, staff_required
-from .models import ApiKey, ServiceSettings, User
-from .periods import day_start
+from accounts.access import approved_required, staff_required
+from accounts.models import ApiKey, ServiceSettings, User
+from accounts.periods import day_start
+from accounts.selectors import pending_applications_count
+from api import selectors as api_selectors
+from metering import selectors as usage_selectors
+from playground.models import Run
+
 from .usage_forms import RequestLogFilterForm, UsageFilterForm, cursor_encode
 
 _SCRIPT_ESCAPES = {ord(">"): "\\u003E", ord("<"): "\\u003C", ord("&"): "\\u0026"}
@@ -192,8 +196,6 @@ def request_detail(request, record_id: int):
         raise Http404("No such request in your log.")
     # The playground keeps the bodies of its own requests; a request sent from there can be
     # re-run from its run page. Other requests' bodies are never stored.
-    from playground.models import Run
-
     playground_run = (
         Run.objects.filter(user_id=record.user_id, request_id=record.request_id).only("id").first()
     )
@@ -210,8 +212,6 @@ def request_detail(request, record_id: int):
 
 @staff_required
 def staff_overview(request):
-    from api.selectors import upstream_states
-
     now = timezone.now()
     form = UsageFilterForm(request.GET, today=day_start(now))
     context = {"form": form}
@@ -224,10 +224,10 @@ def staff_overview(request):
         return render(request, "usage/staff.html#results", context)
     service = ServiceSettings.objects.filter(pk=1).first()
     context.update(
-        upstreams=upstream_states(),
+        upstreams=api_selectors.upstream_states(),
         latencies=usage_selectors.latency_percentiles(now=now),
         latency_sample=usage_selectors.LATENCY_SAMPLE_PER_MODEL,
-        pending_applications=usage_selectors.pending_applications_count(),
+        pending_applications=pending_applications_count(),
         spend_cap_paused=bool(service and service.spend_cap_paused),
         spend_cap_reason=service.spend_cap_reason if service else "",
     )

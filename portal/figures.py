@@ -4,7 +4,7 @@ import numpy as np
 import plotly.graph_objects as go
 from safetensors.numpy import load
 
-from .storage import STATS_NAME, harvest_file_open
+from api.jobs.storage import STATS_NAME, harvest_file_open
 
 
 def harvest_norm_figure(job) -> dict:
