@@ -20,6 +20,8 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
+from acs_portal.celery import task_send
+
 from .models import (
     AccessApplication,
     ApiKey,
@@ -52,6 +54,9 @@ def audit_log(*, actor, action, target, before=None, after=None, note=""):
 
 # ---------------------------------------------------------------------------------------
 # API keys: format, hashing, authentication
+
+# The task that e-mails an applicant the decision (`tasks.py`), enqueued by name.
+APPLICATION_DECISION_EMAIL_SEND_TASK = "accounts.tasks.application_decision_email_send_task"
 
 KEY_PATTERN = re.compile(r"^acs-([a-z0-9]{8})-([A-Za-z0-9_-]{40,})$")
 _PREFIX_ALPHABET = string.ascii_lowercase + string.digits
@@ -356,12 +361,10 @@ def application_reject(
 
 
 def _decision_email_enqueue(application: AccessApplication) -> None:
-    from .tasks import send_application_decision_email
-
     application_id = application.pk
     # robust: the decision stands even when the broker is down; the failure is logged.
     transaction.on_commit(
-        lambda: send_application_decision_email.delay(application_id), robust=True
+        lambda: task_send(APPLICATION_DECISION_EMAIL_SEND_TASK, application_id), robust=True
     )
 
 

@@ -13,7 +13,7 @@ from .models import AccessApplication
     retry_backoff=30,
     max_retries=5,
 )
-def send_application_decision_email(application_id: int) -> None:
+def application_decision_email_send_task(application_id: int) -> None:
     """E-mail an applicant the decision on their application."""
     application = AccessApplication.objects.select_related("user").filter(pk=application_id)
     application = application.first()

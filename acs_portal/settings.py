@@ -273,7 +273,7 @@ ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY = env_int("ACS_HARVEST_MAX_ACTIVE_JOBS_PER_K
 ACS_HARVEST_BATCH_SIZE = env_int("ACS_HARVEST_BATCH_SIZE", 8)
 # How long signed harvest download URLs stay valid.
 ACS_HARVEST_URL_MAX_AGE_SECONDS = env_int("ACS_HARVEST_URL_MAX_AGE_SECONDS", 3600)
-CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep", "schedule": 60.0}
+CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep_task", "schedule": 60.0}
 
 # --- metering (budgets, usage) ---
 CELERY_BEAT_SCHEDULE["metering.budget_release_stale"] = {
@@ -291,7 +291,7 @@ PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60)
 # A run queued or running longer than this (the API's 14-minute limit, plus margin) is failed.
 PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60)
 CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
-    "task": "playground.tasks.runs_sweep",
+    "task": "playground.tasks.runs_sweep_task",
     "schedule": 60.0,
 }
 

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import httpx
 from django.conf import settings
 
-from .clients import http_client, redis_client, upstream_transport
+from acs_portal.redis import redis_async
+
+from .clients import http_client, upstream_transport
 from .errors import ApiError
 
 FAILURE_THRESHOLD = 5
@@ -174,7 +176,7 @@ async def pick_target(urls: list[str]) -> Target:
     ordered = urls[start:] + urls[:start]
     if _trusted_closed_until.get(ordered[0], 0.0) > time.monotonic():
         return Target(url=ordered[0], probe=False)
-    pick, _ = _scripts(redis_client())
+    pick, _ = _scripts(redis_async())
     keys = [key for url in ordered for key in circuit_keys(url)]
     index, state = await pick(keys=keys, args=[PROBE_MS])
     state = state.decode() if isinstance(state, bytes) else state
@@ -193,7 +195,7 @@ async def pick_target(urls: list[str]) -> Target:
 
 async def record_failure(target: Target) -> None:
     _trusted_closed_until.pop(target.url, None)
-    _, failure = _scripts(redis_client())
+    _, failure = _scripts(redis_async())
     await failure(
         keys=circuit_keys(target.url),
         args=[
@@ -209,7 +211,7 @@ async def record_failure(target: Target) -> None:
 async def record_success(target: Target) -> None:
     """Close the circuit after a successful probe (plain successes cost no Redis call)."""
     if target.probe:
-        await redis_client().delete(*circuit_keys(target.url))
+        await redis_async().delete(*circuit_keys(target.url))
 
 
 # ---------------------------------------------------------------------------------------

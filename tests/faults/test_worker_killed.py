@@ -15,7 +15,7 @@ from metering.budgets import budget_release_stale
 
 from .conftest import ENGINE_MODEL, JOB_LEASE_S, STUB_MODEL, wait_for
 
-JOBS_SWEEP = "api.jobs.tasks.jobs_sweep"
+JOBS_SWEEP = "api.jobs.tasks.jobs_sweep_task"
 
 
 def _client(system, account) -> httpx.Client:
