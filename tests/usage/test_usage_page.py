@@ -226,10 +226,10 @@ def test_page_carries_plotly_figures_of_the_same_numbers(user_client, january):
 
     text = response.content.decode()
     embedded = re.search(
-        r'<script type="application/json" id="usage-figure-tokens">(.*?)</script>', text
+        r'<script id="usage-figure-tokens" type="application/json">(.*?)</script>', text
     )
     tokens = json.loads(embedded.group(1))
-    requests = json.loads(response.context["figures"]["requests"])
+    requests = response.context["figures"]["requests"]
     days = response.context["summary"]["days"]
     prompt, completion = tokens["data"]
     assert prompt["x"] == [d["day"].isoformat() for d in days]
