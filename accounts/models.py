@@ -198,7 +198,7 @@ class ReservationStatus(models.TextChoices):
 
 class BudgetReservation(models.Model):
     """Tokens held for one request between `budget_reserve` and `budget_settle`. Its gateway
-    process refreshes `alive_at` while the request runs (`api.metering`); a reservation not
+    process refreshes `alive_at` while the request runs (`metering.gateway`); a reservation not
     refreshed for long (its holder crashed) is released by a periodic sweep, and a settle
     that comes after all still charges what the request used."""
 

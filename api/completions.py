@@ -138,12 +138,9 @@ class _Request:
 
     async def finish(self, *, status: int, error_code: str = "") -> None:
         """Settle and meter, even if the request task is being cancelled."""
-        try:
-            await asyncio.shield(
-                self.finish_in_background(status=status, error_code=error_code, urgent=True)
-            )
-        except DatabaseBusy as error:
-            raise metering_refusal(error) from None
+        await asyncio.shield(
+            self.finish_in_background(status=status, error_code=error_code, urgent=True)
+        )
 
     async def admit_and_reserve(self, stack: contextlib.AsyncExitStack) -> int:
         """Take an admission slot (held until `stack` closes) and reserve the budget;

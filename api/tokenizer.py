@@ -10,6 +10,8 @@ through its POST /tokenize, a round trip per prompt. Token-id prompts count thei
 
 import asyncio
 import hashlib
+import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from metering.sql import run_db
 
 from . import upstream
 from .models import LanguageModel
+
+logger = logging.getLogger(__name__)
 
 # Text longer than this is tokenized in a worker thread, off the event loop.
 _INLINE_CHARS = 20_000
@@ -113,10 +117,15 @@ def _read_file(path: Path) -> bytes | None:
 
 
 def _write_file(path: Path, content: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_bytes(content)
-    temporary.replace(path)
+    """Cache `content` at `path`, atomically: replicas sharing the cache folder may write the
+    same file at once. A cache that cannot be written is only a slower next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as file:
+            file.write(content)
+        Path(file.name).replace(path)
+    except OSError:
+        logger.warning("could not cache the tokenizer at %s", path, exc_info=True)
 
 
 async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool) -> list[int]:

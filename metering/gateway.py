@@ -7,16 +7,19 @@ actual usage and writes the usage record: batched with the leases on the server 
 one transaction. `keep_alive` tells the sweep of stale holds that a long request still runs.
 """
 
+import asyncio
 import logging
 
+import psycopg
+from django.db import OperationalError
 from django.utils import timezone
 
 from accounts.models import UsageRecord
 
 from . import background, leases
 from .budgets import budget_holds_alive_steps, budget_reserve_steps, budget_settle_steps
-from .sql import run_steps_async
-from .usage import usage_records_steps
+from .sql import DatabaseBusy, run_steps_async
+from .usage import usage_record_written_steps, usage_records_steps
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,9 @@ logger = logging.getLogger(__name__)
 # frees a hold as a dead process's (`settings.ACS_STALE_RESERVATION_SECONDS`, 30 minutes),
 # since a stream has no total time limit.
 HOLD_HEARTBEAT_S = 5 * 60
+# A settlement the database could not take (every connection broken or busy) is tried again
+# after these pauses; together they outlast a database restart or failover of a few seconds.
+SETTLE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
@@ -49,7 +55,9 @@ async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
     )
 
 
-def _settle_and_record_steps(settlement: dict | None, record: UsageRecord):
+def _settle_and_record_steps(settlement: dict | None, record: UsageRecord, *, retry: bool):
+    if retry and (yield from usage_record_written_steps(record=record)):
+        return
     if settlement is not None:
         yield from budget_settle_steps(**settlement)
     yield from usage_records_steps(records=[record])
@@ -68,7 +76,24 @@ def meter(*, hold, record: UsageRecord, urgent: bool):
             "prompt_tokens": record.prompt_tokens,
             "completion_tokens": record.completion_tokens,
         }
-    return background.spawn(run_steps_async(lambda: _settle_and_record_steps(settlement, record)))
+    return background.spawn(_settle_and_record(settlement, record))
+
+
+async def _settle_and_record(settlement: dict | None, record: UsageRecord) -> None:
+    """Settle and write `record` in one transaction, retried while the database is out of
+    reach. A retry first looks for the record: a broken attempt may have committed."""
+    for attempt, pause in enumerate((*SETTLE_RETRY_S, None)):
+        try:
+            await run_steps_async(
+                lambda retry=attempt > 0: _settle_and_record_steps(settlement, record, retry=retry)
+            )
+            return
+        except (DatabaseBusy, OperationalError, psycopg.OperationalError) as error:
+            if pause is None:
+                # The hold stays reserved until the sweep frees it as a dead process's.
+                logger.error("dropped usage %s: %r", record.request_id, error)
+                return
+            await asyncio.sleep(pause)
 
 
 def keep_alive(hold):

@@ -113,6 +113,23 @@ def usage_records_steps(*, records: list[UsageRecord]):
         record.pk = pk
 
 
+def usage_record_written_steps(*, record: UsageRecord):
+    """Steps: whether the unsaved `record` was written already (by an attempt whose COMMIT
+    was sent on a connection that then broke, so its outcome is unknown)."""
+    rows = yield [
+        (
+            f"SELECT 1 FROM {UsageRecord._meta.db_table}"
+            " WHERE key_id = %s AND created_at = %s AND request_id = %s",
+            [
+                record.key_id,
+                connection.ops.adapt_datetimefield_value(record.created_at),
+                record.request_id,
+            ],
+        )
+    ]
+    return bool(rows)
+
+
 def _insert_rows(model, columns: list[str], rows: list[list], suffix: str) -> tuple[str, list]:
     """One INSERT of `rows` into `model`'s table, then `suffix`. On PostgreSQL the rows
     travel as one array per column, unnested: the statement's text and parameter count are

@@ -27,6 +27,13 @@ def latest_run_for_user(*, user, kind: str) -> Run | None:
     return Run.objects.filter(user=user, kind=kind).first()
 
 
+def latest_group_for_user(*, user):
+    """The group of the user's latest comparison, sweep or contrast pair, if any."""
+    return (
+        Run.objects.filter(user=user, group__isnull=False).values_list("group", flat=True).first()
+    )
+
+
 def run_for_user(*, user, run_id) -> Run:
     """The run, or 404 when it does not exist or belongs to someone else."""
     run = Run.objects.filter(pk=run_id, user=user).first()

@@ -76,11 +76,17 @@ PAGE_PARTIALS = {
 }
 
 
-def _latest_run_context(request) -> dict:
-    """The Run panel as the page loads: the user's latest completion run, followed live while
-    it runs, so that a reload or Back keeps showing it."""
+def _latest_runs_context(request) -> dict:
+    """The Run panel and the steering area as the page loads: the user's latest completion
+    run and latest comparison (or sweep or contrast pair), followed live while they run, so
+    that a reload or Back keeps showing them."""
     run = selectors.latest_run_for_user(user=request.user, kind=RunKind.COMPLETION)
-    return _run_context(run) if run else {}
+    context = _run_context(run) if run else {}
+    group = selectors.latest_group_for_user(user=request.user)
+    if group:
+        runs = selectors.group_runs_for_user(user=request.user, group=group)
+        context["comparison"] = _group_context(runs)
+    return context
 
 
 @approved_required
@@ -92,7 +98,7 @@ def playground_page(request):
     if request.htmx and request.htmx.target in PAGE_PARTIALS:
         partial = PAGE_PARTIALS[request.htmx.target]
         return render(request, f"playground/page.html#{partial}", context)
-    return render(request, "playground/page.html", {**context, **_latest_run_context(request)})
+    return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
 
 
 @approved_required
@@ -103,7 +109,7 @@ def run_edit(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     initial = CompletionForm.initial_from_request(run.request)
     context = _page_context(request, initial=initial)
-    return render(request, "playground/page.html", {**context, **_latest_run_context(request)})
+    return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
 
 
 def _form_error(request, *, form, context_name: str, fragment: str, target: str):

@@ -149,6 +149,16 @@ class HarvestJob(models.Model):
         return self.status in HARVEST_ACTIVE_STATUSES
 
     @property
+    def is_stopping(self):
+        """Cancelled while a worker ran it, which has not stopped yet: it may still add the
+        batches it wrote to `files` (or it died, and its lease runs out)."""
+        return (
+            self.status == HarvestJobStatus.CANCELLED
+            and self.lease_expires_at is not None
+            and self.lease_expires_at > timezone.now()
+        )
+
+    @property
     def progress(self):
         """Fraction of prompts captured, 0..1."""
         return self.prompts_done / self.n_prompts if self.n_prompts else 0.0

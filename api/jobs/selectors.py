@@ -45,7 +45,7 @@ def jobs_for_user(*, user, limit=50) -> dict:
     completion_jobs = list(CompletionJob.objects.filter(user=user).defer("request")[:limit])
     harvest_jobs = list(HarvestJob.objects.filter(user=user).defer("prompts")[:limit])
     active = any(not job.is_finished for job in completion_jobs) or any(
-        job.is_active for job in harvest_jobs
+        job.is_active or job.is_stopping for job in harvest_jobs
     )
     return {"completion_jobs": completion_jobs, "harvest_jobs": harvest_jobs, "active": active}
 

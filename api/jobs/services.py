@@ -17,7 +17,7 @@ import numpy as np
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Case, F, When
 from django.utils import timezone
 
 from accounts.models import ApiKey, BudgetReservation, UsageRecord
@@ -298,8 +298,14 @@ def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
     keeps the batches it wrote as the job's files) and give its harvest-quota slot back, or
     raise `HarvestNotCancellable`."""
     now = now or timezone.now()
+    # A running job keeps its worker's lease until the worker stops (`_harvest_continue`):
+    # until then it may still add the batches it wrote (`HarvestJob.is_stopping`).
     cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
-        status=HarvestJobStatus.CANCELLED, completed_at=now, lease_expires_at=None
+        status=HarvestJobStatus.CANCELLED,
+        completed_at=now,
+        lease_expires_at=Case(
+            When(status=HarvestJobStatus.RUNNING, then=F("lease_expires_at")), default=None
+        ),
     )
     job.refresh_from_db()
     if not cancelled:
@@ -465,10 +471,12 @@ def _harvest_continue(job: HarvestJob, output: "_HarvestOutput", *, prompts_done
     try:
         _harvest_heartbeat(job, prompts_done=prompts_done)
     except _HarvestStopped:
+        kept = {}
         if output.shards:
-            HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
-                files=output.finish(), prompts_done=output.prompts_written
-            )
+            kept = {"files": output.finish(), "prompts_done": output.prompts_written}
+        HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
+            lease_expires_at=None, **kept
+        )
         raise
 
 

@@ -63,7 +63,7 @@ def upload_vector(page, name: str) -> None:
     expect(page.locator("#vectors table")).to_contain_text(name)
 
 
-def test_steering_and_sweep_bring_their_runs_into_view(page):
+def test_steering_and_sweep_bring_their_runs_into_view_and_stay_after_reload(page):
     playground_at_desktop_size(page)
     upload_vector(page, "in-view")
     page.goto("/playground/")  # the steering form lists the new vector
@@ -81,6 +81,10 @@ def test_steering_and_sweep_bring_their_runs_into_view(page):
             "data-finished", "true", timeout=60_000
         )
         expect(cards.first.locator(".output")).to_be_in_viewport()
+    # A reload keeps the sweep, drawn.
+    page.reload()
+    expect(page.locator("#steering-area .group-panel .card")).to_have_count(3)
+    expect(page.locator("#steering-area #plot-sweep .main-svg").first).to_be_visible()
 
 
 def test_a_validation_error_stays_in_view(page):

@@ -260,3 +260,31 @@ def test_shutdown_writes_what_is_queued_and_gives_every_lease_back(
     window = key_day_window(api_key)
     assert (window.used_tokens, window.reserved_tokens) == (5, 0)
     assert BudgetLease.objects.get().returned_at is not None
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["lost-before", "lost-after-commit"])
+def test_a_settlement_the_database_dropped_is_retried_and_metered_once(
+    client, stub, api_key, exact_budgets, monkeypatch, committed
+):
+    """The connection breaks while settling a reservation: before the transaction reached
+    the database, or after its COMMIT did (the outcome is unknown to the gateway)."""
+    real, broken = gateway.run_steps_async, []
+    monkeypatch.setattr(gateway, "SETTLE_RETRY_S", (0.05,))
+
+    async def breaking_first_settlement(make_steps):
+        steps = make_steps()
+        if steps.gi_code.co_name == "_settle_and_record_steps" and not broken:
+            broken.append(steps)
+            if committed:
+                await real(lambda: steps)
+            raise sql.DatabaseBusy("The connection was lost.")
+        return await real(lambda: steps)
+
+    monkeypatch.setattr(gateway, "run_steps_async", breaking_first_settlement)
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+    wait_settled()
+    assert broken
+    assert UsageRecord.objects.get().completion_tokens == 4
+    assert BudgetReservation.objects.get().status == "settled"
+    window = key_day_window(api_key)
+    assert (window.requests, window.used_tokens, window.reserved_tokens) == (1, 5, 0)

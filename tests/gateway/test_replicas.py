@@ -136,12 +136,24 @@ def own_replicas(model, redis_client, tmp_path):
 
 
 def wait_leases_returned(timeout: float = 30.0) -> None:
-    """The replicas give a key's lease back 2 s after its last request; wait for that before
-    the test database is emptied under them."""
+    """The replicas give a key's lease back 2 s after its last request; wait for that, and
+    for every replica connection to be idle, before the test database is emptied under them
+    (a write that locks two tables could deadlock with the emptying TRUNCATE)."""
     deadline = time.monotonic() + timeout
-    while BudgetLease.objects.filter(returned_at=None).exists():
-        assert time.monotonic() < deadline, "budget leases still out"
+    while BudgetLease.objects.filter(returned_at=None).exists() or replica_statements_running():
+        assert time.monotonic() < deadline, "budget leases still out, or replicas still writing"
         time.sleep(0.1)
+
+
+def replica_statements_running() -> int:
+    """Connections to the test database, other than this one, inside a statement or
+    transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state <> 'idle'"
+        )
+        return cursor.fetchone()[0]
 
 
 def client_for(replica: Replica, secret: str, connections: int) -> httpx.AsyncClient:
@@ -213,6 +225,11 @@ async def test_budget_is_exact_across_replicas(
         return await sync_to_async(windows_reserved)() == 0
 
     await wait_for(settled, "the replicas to settle their reservations")
+
+    async def recorded():
+        return await UsageRecord.objects.acount() == len(responses)
+
+    await wait_for(recorded, "a usage record of every request, refused ones included")
     account = await UsagePeriod.objects.aget(user=approved_user, key=None, period=Period.MONTH)
     assert account.used_tokens == delivered == budget
     assert await UsageRecord.objects.filter(status_code=200).acount() == 50

@@ -138,6 +138,7 @@ def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards
     assert batches == [0]
     assert job.status == HarvestJobStatus.CANCELLED
     assert job.files == ["shard_00000.safetensors", "stats.safetensors", "manifest.json"]
+    assert job.lease_expires_at is None and not job.is_stopping  # the worker has stopped
     assert job.prompts_done == 1
     manifest = json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
     assert manifest["prompts_captured"] == 1

@@ -3,9 +3,11 @@ links, and the mean-norm chart of a finished harvest."""
 
 import json
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils import timezone
 
 from accounts.models import UserStatus
 from api.jobs import services
@@ -114,6 +116,39 @@ def test_cancel_asks_first_with_js_and_on_its_own_page_without(logged_in, api_ke
     assert f"Harvest job {str(job.pk)[:8]} cancelled" in done.content.decode()
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.CANCELLED
+
+
+@pytest.mark.django_db
+def test_a_running_job_cancelled_from_the_page_is_followed_until_its_worker_stops(
+    logged_in, api_key
+):
+    job = _harvest(api_key)
+    lease = timezone.now() + timedelta(minutes=10)
+    HarvestJob.objects.filter(pk=job.pk).update(
+        status=HarvestJobStatus.RUNNING, lease_expires_at=lease
+    )
+    html = logged_in.post(f"/jobs/harvest/{job.pk}/cancel", headers={"HX-Request": "true"})
+    html = html.content.decode()
+    assert "Cancelled" in html and "Stopping after its current batch" in html
+    assert 'hx-trigger="every 2s"' in html  # the page keeps reading the job
+    # The worker stops and keeps what it wrote: the page stops polling and lists it.
+    stats = services.ActivationStats(n_layers=2, hidden_size=4)
+    harvest_file_write(job.storage_prefix, "stats.safetensors", stats.safetensors())
+    HarvestJob.objects.filter(pk=job.pk).update(
+        lease_expires_at=None,
+        files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"],
+    )
+    html = logged_in.get("/jobs/").content.decode()
+    assert "Stopping" not in html and 'hx-trigger="every' not in html
+    assert "manifest.json</a>" in html
+
+
+@pytest.mark.django_db
+def test_a_pending_job_cancelled_is_not_followed(logged_in, api_key):
+    job = _harvest(api_key)
+    services.harvest_job_cancel(job=job)
+    html = logged_in.get("/jobs/").content.decode()
+    assert "Cancelled" in html and "Stopping" not in html and 'hx-trigger="every' not in html
 
 
 @pytest.mark.django_db

@@ -589,6 +589,36 @@ def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_use
     assert 'data-plot="sweep"' in body
 
 
+def test_page_shows_the_latest_comparison_in_the_steering_area(
+    user_client, approved_user, other_user
+):
+    older = "6f1d7f5e-0000-4000-8000-000000000003"
+    for scale in (0.0, 4.0):
+        finished_run(approved_user, group=older, scale=scale, kind=RunKind.STEERING_STEERED)
+    sweep = "6f1d7f5e-0000-4000-8000-000000000004"
+    for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
+                        (4.0, "steer_steered.json")):  # fmt: skip
+        finished_run(approved_user, group=sweep, scale=scale, response=recorded(name),
+                     kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
+    Run.objects.create(user=approved_user, group=sweep, scale=8.0, kind=RunKind.SWEEP,
+                       status=RunStatus.RUNNING, request={"prompt": "steer"})  # fmt: skip
+    Run.objects.create(user=other_user, group=uuid.uuid4(), scale=0, kind=RunKind.SWEEP,
+                       request={"prompt": "theirs"})  # fmt: skip
+    body = user_client.get(reverse("playground:page")).content.decode()
+    area = body[body.index('<div id="steering-area"') :]
+    area = area[: area.index("</section>")]
+    # Still running: the panel polls for the rest; the older comparison is only in History.
+    assert f'id="group-{sweep}"' in area and 'data-finished="false"' in area
+    assert f'hx-get="/playground/groups/{sweep}/"' in area
+    assert area.count('class="card"') == 4 and older not in area
+
+
+def test_page_without_comparisons_has_an_empty_steering_area(user_client, approved_user):
+    finished_run(approved_user)
+    body = user_client.get(reverse("playground:page")).content.decode()
+    assert '<div id="steering-area" aria-live="polite"></div>' in body
+
+
 def _two_choices():
     response = recorded("completion_logprobs.json")
     second = json.loads(json.dumps(response["choices"][0]))
