@@ -10,24 +10,25 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-_sync_client: redis.Redis | None = None
+_sync_clients: dict[str, redis.Redis] = {}
 _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = (
     weakref.WeakKeyDictionary()
 )
 
 
 def redis_sync() -> redis.Redis:
-    """The process's synchronous client (its connection pool is thread-safe)."""
-    global _sync_client
-    if _sync_client is None:
-        _sync_client = redis.Redis.from_url(settings.REDIS_URL)
-    return _sync_client
+    """The process's synchronous client of `settings.REDIS_URL` (its connection pool is
+    thread-safe; a changed setting, as in tests, gets a client of its own)."""
+    url = settings.REDIS_URL
+    client = _sync_clients.get(url)
+    if client is None:
+        client = _sync_clients[url] = redis.Redis.from_url(url)
+    return client
 
 
 def redis_sync_reset() -> None:
-    """Forget the process's synchronous client: the next `redis_sync()` connects anew."""
-    global _sync_client
-    _sync_client = None
+    """Forget the process's synchronous clients: the next `redis_sync()` connects anew."""
+    _sync_clients.clear()
 
 
 def redis_async() -> aioredis.Redis:
