@@ -213,7 +213,8 @@ class BudgetReservation(models.Model):
     output_tokens = models.BigIntegerField()
     max_tokens_requested = models.IntegerField()
     max_tokens_applied = models.IntegerField()
-    activation = models.BooleanField(default=False)
+    # How many activation requests the hold counted against the monthly quota.
+    activation_requests = models.PositiveIntegerField(default=0)
     status = models.CharField(
         max_length=10, choices=ReservationStatus.choices, default=ReservationStatus.RESERVED
     )

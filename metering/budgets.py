@@ -152,7 +152,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         output_tokens=output_tokens,
         max_tokens_requested=max_tokens,
         max_tokens_applied=applied,
-        activation=bool(activation),
+        activation_requests=int(activation),
     )
     ops = connection.ops
     hold = (
@@ -171,7 +171,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
     insert = (
         f"INSERT INTO {_RESERVATIONS} (key_id, user_id, created_at, alive_at, month_start,"
         " day_start, prompt_tokens, output_tokens, max_tokens_requested,"
-        " max_tokens_applied, activation, status)"
+        " max_tokens_applied, activation_requests, status)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
         [
             key.pk,
@@ -184,7 +184,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
             output_tokens,
             max_tokens,
             applied,
-            bool(activation),
+            int(activation),
             ReservationStatus.RESERVED,
         ],
     )
@@ -216,7 +216,8 @@ def _reservation_status_change(*, reservation_id, source, target, prompt_tokens,
         f"UPDATE {_RESERVATIONS} SET status = %s, settled_prompt_tokens = %s,"
         " settled_completion_tokens = %s, settled_at = %s"
         " WHERE id = %s AND status = %s"
-        " RETURNING key_id, user_id, month_start, day_start, prompt_tokens, output_tokens",
+        " RETURNING key_id, user_id, month_start, day_start, prompt_tokens, output_tokens,"
+        " activation_requests",
         [
             target,
             prompt_tokens,
@@ -256,15 +257,20 @@ def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, rel
         ]
     if not rows:
         return False
-    key_id, user_id, month, day, held_prompt, held_output = rows[0]
+    key_id, user_id, month, day, held_prompt, held_output, activations = rows[0]
     if not still_held:
         held_prompt = held_output = 0
+    # A hold the sweep frees gives its activation requests back (no capture reached its
+    # caller, whose process died: a harvest re-run counts the batch again); a late
+    # settlement of such a hold counts them once more.
+    activations_change = -activations if release else (0 if still_held else activations)
     params = windows.params(key_id=key_id, user_id=user_id, month=month, day=day)
     move = (
         f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
         " reserved_input = reserved_input - %s, reserved_output = reserved_output - %s,"
         " used_tokens = used_tokens + %s, used_input = used_input + %s,"
-        f" used_output = used_output + %s WHERE {windows.where()}",
+        " used_output = used_output + %s, activation_requests = activation_requests + %s"
+        f" WHERE {windows.where()}",
         [
             held_prompt + held_output,
             held_prompt,
@@ -272,6 +278,7 @@ def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, rel
             prompt_tokens + completion_tokens,
             prompt_tokens,
             completion_tokens,
+            activations_change,
             *params,
         ],
     )
