@@ -39,7 +39,7 @@ from accounts.periods import day_start, month_start
 from . import background, windows
 from .budgets import budget_lease_return_steps, budget_lease_spend_steps, budget_lease_steps
 from .sql import on_postgresql, run_steps_async
-from .usage import usage_records_steps
+from .usage import usage_record_written_steps, usage_records_steps
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ class _Leases:
         self.writer: asyncio.Future | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.failed_batches = 0
+        # A batch whose write failed, to be tried again on its own: `(spends, records,
+        # waiters)`. The failed attempt may have committed (the connection broke after its
+        # COMMIT was sent), so the retry first looks for its records.
+        self.unsure: tuple[dict, list, list] | None = None
 
     async def hold(self, *, key, worst_case: int, max_tokens: int) -> LeaseHold | None:
         """Hold `worst_case` tokens out of the key's lease, replacing the lease when it is
@@ -211,7 +215,9 @@ class _Leases:
     async def _write(self) -> None:
         try:
             while True:
-                if self.records:
+                if self.unsure is not None:
+                    await self._write_batch()
+                elif self.records:
                     if FLUSH_DELAY_S > 0 and not self.urgent.is_set():
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.urgent.wait(), FLUSH_DELAY_S)
@@ -233,24 +239,23 @@ class _Leases:
         self._write_soon()
 
     async def _write_batch(self) -> None:
-        spends, records, waiters = self.spends, self.records, self.waiters
-        self.spends, self.records, self.waiters = {}, [], []
+        retry = self.unsure is not None
+        if retry:
+            (spends, records, waiters), self.unsure = self.unsure, None
+        else:
+            spends, records, waiters = self.spends, self.records, self.waiters
+            self.spends, self.records, self.waiters = {}, [], []
         try:
-            await run_steps_async(lambda: _batch_steps(spends, records))
+            await run_steps_async(lambda: _batch_steps(spends, records, retry=retry))
         except Exception as error:
             self.failed_batches += 1
             if self.failed_batches < WRITE_ATTEMPTS:
                 logger.warning(
                     "could not write %d usage records, retrying: %r", len(records), error
                 )
-                for lease, totals in spends.items():
-                    kept = self.spends.setdefault(lease, [0, 0, 0])
-                    for index, value in enumerate(totals):
-                        kept[index] += value
-                # Still queued, so their requests wait for the retry: were they told of the
-                # failure, they would meter again what the retry writes.
-                self.records[:0] = records
-                self.waiters[:0] = waiters
+                # Their requests wait for the retry: were they told of the failure, they
+                # would meter again what the retry writes.
+                self.unsure = (spends, records, waiters)
                 await asyncio.sleep(RETRY_S)
                 return
             self.failed_batches = 0
@@ -263,7 +268,12 @@ class _Leases:
 
     async def _write_one_by_one(self, spends, records) -> None:
         """After WRITE_ATTEMPTS failed batches: write the spends, then each record, on its
-        own, and drop (logging it) whatever still fails, such as a record of a deleted key."""
+        own, and drop (logging it) whatever still fails, such as a record of a deleted key.
+        Unless the last failed attempt did commit: then all of it is written."""
+        with contextlib.suppress(Exception):
+            if await run_steps_async(lambda: usage_record_written_steps(record=records[0])):
+                self._written(spends)
+                return
         for part_spends, part_records in [(spends, []), *(({}, [record]) for record in records)]:
             try:
                 await run_steps_async(lambda s=part_spends, r=part_records: _batch_steps(s, r))
@@ -288,6 +298,7 @@ class _Leases:
             for lease in self.leases
             if lease.in_flight == 0
             and lease not in self.spends
+            and (self.unsure is None or lease not in self.unsure[0])
             and lease.row.key_id not in self.granting
             and (lease.retired or now - lease.last_used >= LEASE_IDLE_S)
         ]
@@ -313,7 +324,9 @@ class _Leases:
             await asyncio.shield(self.writer)
 
 
-def _batch_steps(spends: dict, records: list):
+def _batch_steps(spends: dict, records: list, *, retry: bool = False):
+    if retry and (yield from usage_record_written_steps(record=records[0])):
+        return
     yield from budget_lease_spend_steps(
         spends=[
             {"lease": lease.row, "prompt_tokens": p, "completion_tokens": c, "requests": n}

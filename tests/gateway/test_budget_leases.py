@@ -222,20 +222,32 @@ def test_a_record_that_cannot_be_written_does_not_lose_the_others(
     assert (window.used_tokens, window.reserved_tokens) == (10, 0)
 
 
+def steps_name(make_steps) -> str:
+    """The name of the step generator `make_steps` makes (a driver may call it again)."""
+    steps = make_steps()
+    steps.close()
+    return steps.gi_code.co_name
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["lost-before", "lost-after-commit"])
 def test_a_stream_whose_batch_fails_once_ends_with_done_and_is_metered_once(
-    client, stub, api_key, monkeypatch
+    client, stub, api_key, monkeypatch, committed
 ):
+    """The connection breaks while writing a batch: before the transaction reached the
+    database, or after its COMMIT did (the outcome is unknown to the gateway)."""
     from django.db import OperationalError
 
-    batch_steps, failures = leases._batch_steps, []
+    real, failures = leases.run_steps_async, []
 
-    def failing_once(spends, records):
-        if not failures:
-            failures.append(records)
+    async def breaking_first_batch(make_steps):
+        if steps_name(make_steps) == "_batch_steps" and not failures:
+            failures.append(make_steps)
+            if committed:
+                await real(make_steps)
             raise OperationalError("connection lost")
-        yield from batch_steps(spends, records)
+        return await real(make_steps)
 
-    monkeypatch.setattr(leases, "_batch_steps", failing_once)
+    monkeypatch.setattr(leases, "run_steps_async", breaking_first_batch)
     body = {**BODY, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line]
@@ -272,13 +284,12 @@ def test_a_settlement_the_database_dropped_is_retried_and_metered_once(
     monkeypatch.setattr(gateway, "SETTLE_RETRY_S", (0.05,))
 
     async def breaking_first_settlement(make_steps):
-        steps = make_steps()
-        if steps.gi_code.co_name == "_settle_and_record_steps" and not broken:
-            broken.append(steps)
+        if steps_name(make_steps) == "_settle_and_record_steps" and not broken:
+            broken.append(make_steps)
             if committed:
-                await real(lambda: steps)
+                await real(make_steps)
             raise sql.DatabaseBusy("The connection was lost.")
-        return await real(lambda: steps)
+        return await real(make_steps)
 
     monkeypatch.setattr(gateway, "run_steps_async", breaking_first_settlement)
     assert client.post("/v1/completions", json=BODY).status_code == 200
