@@ -14,19 +14,12 @@ import logging
 import redis
 from django.conf import settings
 
+from acs_portal.redis import redis_sync
+
 from .models import User
 from .services import user_login_lock
 
 log = logging.getLogger(__name__)
-
-_client = None
-
-
-def _redis() -> redis.Redis:
-    global _client
-    if _client is None:
-        _client = redis.Redis.from_url(settings.REDIS_URL)
-    return _client
 
 
 def _key(username: str, ip: str) -> str:
@@ -37,7 +30,7 @@ def _key(username: str, ip: str) -> str:
 def locked_seconds(*, username: str, ip: str) -> int:
     """Seconds left of the pair's lock, 0 when it may try a password."""
     try:
-        pipe = _redis().pipeline(transaction=False)
+        pipe = redis_sync().pipeline(transaction=False)
         pipe.get(_key(username, ip))
         pipe.ttl(_key(username, ip))
         failures, ttl = pipe.execute()
@@ -56,12 +49,12 @@ def login_failed(*, username: str, ip: str) -> int:
     lockout = settings.ACS_LOGIN_LOCKOUT_SECONDS
     try:
         # One round trip: the counter is created with its expiry, so it can never outlive it.
-        pipe = _redis().pipeline(transaction=True)
+        pipe = redis_sync().pipeline(transaction=True)
         pipe.set(key, 0, ex=lockout, nx=True)
         pipe.incr(key)
         failures = pipe.execute()[1]
         if failures == settings.ACS_LOGIN_FAILURE_LIMIT:
-            _redis().expire(key, lockout)
+            redis_sync().expire(key, lockout)
     except redis.RedisError:
         log.warning("login throttle: Redis unreachable, not counting failures", exc_info=True)
         return 0
@@ -77,6 +70,6 @@ def login_failed(*, username: str, ip: str) -> int:
 def login_succeeded(*, username: str, ip: str) -> None:
     """Forget the pair's failures."""
     try:
-        _redis().delete(_key(username, ip))
+        redis_sync().delete(_key(username, ip))
     except redis.RedisError:
         log.warning("login throttle: Redis unreachable, failures not cleared", exc_info=True)

@@ -1,8 +1,8 @@
-"""Accounts, access applications, API keys, budgets and the usage ledger.
+"""Accounts, access applications, API keys, budgets and usage records.
 
 Budgets are in tokens and reset in UTC. "Remaining in this window" is one cheap read of a
 `UsagePeriod` roll-up row (per key and UTC month or day, plus one per user and month), which
-`services.budget_reserve` / `services.budget_settle` update under a row lock.
+`metering.budgets.budget_reserve` / `budget_settle` update under a row lock.
 """
 
 from django.contrib.auth.models import AbstractBaseUser, BaseUserManager, PermissionsMixin
@@ -198,7 +198,7 @@ class ReservationStatus(models.TextChoices):
 
 class BudgetReservation(models.Model):
     """Tokens held for one request between `budget_reserve` and `budget_settle`. Its gateway
-    process refreshes `alive_at` while the request runs (`api.metering`); a reservation not
+    process refreshes `alive_at` while the request runs (`metering.gateway`); a reservation not
     refreshed for long (its holder crashed) is released by a periodic sweep, and a settle
     that comes after all still charges what the request used."""
 
@@ -213,7 +213,8 @@ class BudgetReservation(models.Model):
     output_tokens = models.BigIntegerField()
     max_tokens_requested = models.IntegerField()
     max_tokens_applied = models.IntegerField()
-    activation = models.BooleanField(default=False)
+    # How many activation requests the hold counted against the monthly quota.
+    activation_requests = models.PositiveIntegerField(default=0)
     status = models.CharField(
         max_length=10, choices=ReservationStatus.choices, default=ReservationStatus.RESERVED
     )
@@ -231,7 +232,7 @@ class BudgetReservation(models.Model):
 
 class BudgetLease(models.Model):
     """Tokens one gateway process holds against a key's and account's windows, to serve
-    many requests from memory instead of one reservation each (see `api.ledger`).
+    many requests from memory instead of one reservation each (see `metering.leases`).
 
     `held_tokens` count as reserved in the windows until they are spent (moved to used by a
     flush) or given back; a lease its process stopped refreshing (`alive_at`: the process
@@ -324,7 +325,7 @@ class UsageRecord(models.Model):
 
 class UsageDaily(models.Model):
     """Roll-up of `UsageRecord` per UTC day, key, model, status and error code, so usage pages
-    never scan the raw records. Updated by `services.usage_record_create` with an upsert."""
+    never scan the raw records. Updated by `metering.usage.usage_record_create` with an upsert."""
 
     day = models.DateField()
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")

@@ -18,10 +18,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 portal_application = get_asgi_application()
 
 # These need the apps loaded.
-from api import ledger  # noqa: E402
-from api.background import on_server_loop  # noqa: E402
 from api.completions_app import completions_app  # noqa: E402
-from api.db import pools_close  # noqa: E402
+from metering import leases  # noqa: E402
+from metering.background import on_server_loop  # noqa: E402
+from metering.sql import pools_close  # noqa: E402
 
 
 class GatewayHandler(ASGIHandler):
@@ -50,7 +50,7 @@ async def lifespan(scope, receive, send):
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             on_server_loop.set(True)
-            await ledger.drain()
+            await leases.drain()
             await pools_close()
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -35,14 +35,19 @@ def env_bool(name, default=False):
     )
 
 
-def env_int(name, default):
+def env_int(name, default, *, minimum=None):
+    """An empty or unset variable is the default; anything but a whole number (at least
+    `minimum`, when given) is refused with the variable's name."""
     value = env(name).strip()
     if not value:
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ImproperlyConfigured(f"{name}={env(name)!r} is not an integer") from None
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name}={number} is below its minimum, {minimum}")
+    return number
 
 
 def env_list(name, default=""):
@@ -107,7 +112,7 @@ SITE_URL = env("SITE_URL", "http://127.0.0.1:8000")
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
-SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600, minimum=0)
 # Both reach beyond this site (every subdomain; browsers' built-in lists): opt in explicitly.
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
@@ -127,9 +132,11 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "accounts",
+    "metering",
     "api",
     "api.jobs",
     "playground",
+    "portal",
 ]
 
 MIDDLEWARE = [
@@ -233,7 +240,7 @@ MAILERS = {"default": {"BACKEND": EMAIL_BACKEND_PATH}}
 if EMAIL_BACKEND_PATH.endswith("smtp.EmailBackend"):
     MAILERS["default"]["OPTIONS"] = {
         "host": env("EMAIL_HOST", "localhost"),
-        "port": env_int("EMAIL_PORT", 25),
+        "port": env_int("EMAIL_PORT", 25, minimum=1),
         "username": env("EMAIL_HOST_USER"),
         "password": env("EMAIL_HOST_PASSWORD"),
         "use_tls": env_bool("EMAIL_USE_TLS", False),
@@ -241,11 +248,13 @@ if EMAIL_BACKEND_PATH.endswith("smtp.EmailBackend"):
 DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", "ACS Portal <access@acs.local>")
 
 # Default budgets (tokens) given at approval; staff change them per user or key.
-ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS = env_int("ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS", 5_000_000)
-ACS_DEFAULT_KEY_MONTHLY_TOKENS = env_int("ACS_DEFAULT_KEY_MONTHLY_TOKENS", 2_000_000)
-ACS_DEFAULT_KEY_DAILY_TOKENS = env_int("ACS_DEFAULT_KEY_DAILY_TOKENS", 200_000)
-ACS_DEFAULT_ACTIVATION_QUOTA = env_int("ACS_DEFAULT_ACTIVATION_QUOTA", 10_000)
-ACS_DEFAULT_HARVEST_QUOTA = env_int("ACS_DEFAULT_HARVEST_QUOTA", 50)
+ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS = env_int(
+    "ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS", 5_000_000, minimum=0
+)
+ACS_DEFAULT_KEY_MONTHLY_TOKENS = env_int("ACS_DEFAULT_KEY_MONTHLY_TOKENS", 2_000_000, minimum=0)
+ACS_DEFAULT_KEY_DAILY_TOKENS = env_int("ACS_DEFAULT_KEY_DAILY_TOKENS", 200_000, minimum=0)
+ACS_DEFAULT_ACTIVATION_QUOTA = env_int("ACS_DEFAULT_ACTIVATION_QUOTA", 10_000, minimum=0)
+ACS_DEFAULT_HARVEST_QUOTA = env_int("ACS_DEFAULT_HARVEST_QUOTA", 50, minimum=0)
 
 # The embedded engine, default upstream of the model registry.
 ENGINE_URL = env("ENGINE_URL", "http://127.0.0.1:8001")
@@ -262,34 +271,36 @@ LOGGING = {
 # --- Jobs (api/jobs): completion and harvest jobs -------------------------------------
 # A worker holds a claimed job for this long; past it, the sweep assumes the worker died.
 # Completion jobs: a non-streaming request must finish within 14 minutes.
-ACS_COMPLETION_JOB_LEASE_SECONDS = env_int("ACS_COMPLETION_JOB_LEASE_SECONDS", 16 * 60)
+ACS_COMPLETION_JOB_LEASE_SECONDS = env_int("ACS_COMPLETION_JOB_LEASE_SECONDS", 16 * 60, minimum=1)
 # Harvest workers renew their lease after every batch of prompts.
-ACS_HARVEST_JOB_LEASE_SECONDS = env_int("ACS_HARVEST_JOB_LEASE_SECONDS", 10 * 60)
-ACS_JOB_MAX_ATTEMPTS = env_int("ACS_JOB_MAX_ATTEMPTS", 3)
-ACS_COMPLETION_JOB_RETENTION_SECONDS = env_int("ACS_COMPLETION_JOB_RETENTION_SECONDS", 24 * 3600)
-ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY = env_int("ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY", 2)
-ACS_HARVEST_BATCH_SIZE = env_int("ACS_HARVEST_BATCH_SIZE", 8)
+ACS_HARVEST_JOB_LEASE_SECONDS = env_int("ACS_HARVEST_JOB_LEASE_SECONDS", 10 * 60, minimum=1)
+ACS_JOB_MAX_ATTEMPTS = env_int("ACS_JOB_MAX_ATTEMPTS", 3, minimum=1)
+ACS_COMPLETION_JOB_RETENTION_SECONDS = env_int(
+    "ACS_COMPLETION_JOB_RETENTION_SECONDS", 24 * 3600, minimum=0
+)
+ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY = env_int("ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY", 2, minimum=1)
+ACS_HARVEST_BATCH_SIZE = env_int("ACS_HARVEST_BATCH_SIZE", 8, minimum=1)
 # How long signed harvest download URLs stay valid.
-ACS_HARVEST_URL_MAX_AGE_SECONDS = env_int("ACS_HARVEST_URL_MAX_AGE_SECONDS", 3600)
-CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep", "schedule": 60.0}
+ACS_HARVEST_URL_MAX_AGE_SECONDS = env_int("ACS_HARVEST_URL_MAX_AGE_SECONDS", 3600, minimum=1)
+CELERY_BEAT_SCHEDULE["jobs-sweep"] = {"task": "api.jobs.tasks.jobs_sweep_task", "schedule": 60.0}
 
-# --- accounts (portal, keys, budgets) ---
-CELERY_BEAT_SCHEDULE["accounts.release_stale_budget_reservations"] = {
-    "task": "accounts.tasks.release_stale_budget_reservations",
+# --- metering (budgets, usage) ---
+CELERY_BEAT_SCHEDULE["metering.budget_release_stale"] = {
+    "task": "metering.tasks.budget_release_stale_task",
     "schedule": 300.0,
 }
 
 # --- Playground (issue 5) -----------------------------------------------------------------
 # Retries of a run after a transient API error (unreachable, 429/502/503 with Retry-After).
-PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3)
+PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3, minimum=0)
 # A Retry-After longer than this (seconds; e.g. spend_cap's 3600) fails the run instead.
-PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30)
+PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30, minimum=0)
 # How long the model list from /v1/models is cached for the playground form (seconds).
-PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60)
+PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60, minimum=1)
 # A run queued or running longer than this (the API's 14-minute limit, plus margin) is failed.
-PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60)
+PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60, minimum=1)
 CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
-    "task": "playground.tasks.runs_sweep",
+    "task": "playground.tasks.runs_sweep_task",
     "schedule": 60.0,
 }
 
@@ -302,7 +313,7 @@ ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" /
 # Celery's Django fixup closes the database connection before and after every task; reusing
 # it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
 # playground's path to the first token.
-CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100)
+CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100, minimum=0)
 
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
@@ -311,13 +322,13 @@ GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
 # --- Playground live output (playground/streams.py) ---
 # Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
 # how long one blocking Redis read waits; its socket timeout is longer).
-PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15)
+PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15, minimum=1)
 
 # --- Deployment (docs/deploy.md) ---
 # The beat sweep frees budget holds and leases not marked alive for this long: a live process
 # marks the holds of its running requests and its leases alive every few minutes, so anything
 # older belongs to a process that died.
-ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60)
+ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60, minimum=1)
 
 # --- Engine surface (issue 12.9) ---
 # When set, `python -m engine serve` requires `Authorization: Bearer <this>` and the gateway
@@ -327,14 +338,14 @@ ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
 # --- Login throttling (issue 12.10, accounts/login_throttle.py) ---
 # After this many wrong passwords for one account from one IP address, that pair's sign-ins
 # are refused for ACS_LOGIN_LOCKOUT_SECONDS (other addresses and accounts are unaffected).
-ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5)
-ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60)
+ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
 
 # --- Harvest jobs: retention and size (issue 12.3) ---
 # A harvest job's files are deleted (the job then reads as expired) this long after it ends.
-ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 * 3600)
+ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 * 3600, minimum=0)
 # The most bytes one harvest job may write (checked at submission, enforced per batch).
-ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3)
+ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3, minimum=1)
 
 # --- Reliability (issue #12: the fault suite in tests/faults) ---
 # A persistent connection that PostgreSQL ended (a restart, a failover, pg_terminate_backend)

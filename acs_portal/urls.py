@@ -8,10 +8,11 @@ urlpatterns = [
     path("v1/", include("api.urls")),
     path("v1/", include("api.jobs.urls")),
     re_path(r"^v1/(?P<path>.*)$", api_not_found),
-    path("jobs/", include("api.jobs.portal_urls")),
+    path("jobs/", include("portal.jobs_urls")),
     path("playground/", include("playground.urls")),
-    path("usage/", include("accounts.usage_urls")),
+    path("usage/", include("portal.usage_urls")),
     path("admin/", admin.site.urls),
     path("docs/", api_docs_view, name="api_docs"),
     path("", include("accounts.urls")),
+    path("", include("portal.urls")),
 ]

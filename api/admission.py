@@ -15,8 +15,9 @@ import contextlib
 import secrets
 import weakref
 
-from . import background
-from .clients import redis_client
+from acs_portal.redis import redis_async
+from metering import background
+
 from .errors import ApiError
 
 MAX_RUNNING = 16
@@ -163,7 +164,7 @@ async def _heartbeat(scripts, keys, token) -> None:
 @contextlib.asynccontextmanager
 async def admission_slot(key_id):
     """Hold one running slot of the key for the body of the `async with`."""
-    client = redis_client()
+    client = redis_async()
     scripts = _scripts(client)
     keys = _keys(key_id)
     token = secrets.token_hex(8)
@@ -204,7 +205,7 @@ async def admission_slot(key_id):
 
 async def admission_counts(key_id) -> dict:
     """Running and waiting requests of a key (for tests and the staff overview)."""
-    client = redis_client()
+    client = redis_async()
     keys = _keys(key_id)
     running, waiting = await asyncio.gather(client.zcard(keys[0]), client.zcard(keys[1]))
     return {"running": running, "waiting": waiting}

@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 
 import redis
-from django.conf import settings
 from django.db import transaction
 
 from accounts.models import ApiKey, Scope
 from accounts.services import AuthError, api_key_authenticate, api_key_recheck
+from acs_portal.redis import redis_async, redis_sync
+from metering.sql import run_db
 
-from .clients import redis_client
-from .db import run_db
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
     digest = hashlib.sha256(f"{scope}\n{authorization}".encode()).digest()
     # Read before the database, so a change committed in between leaves the entry stale
     # under an old generation rather than fresh-looking under the new one.
-    generation = await redis_client().get(GENERATION_KEY)
+    generation = await redis_async().get(GENERATION_KEY)
     entry = _cache.get(digest)
     if entry and entry.generation == generation and entry.expires_at > time.monotonic():
         return entry.key
@@ -100,11 +99,7 @@ def access_generation_bump() -> None:
     again from nothing, back through values that cached entries were read under, and so make
     stale entries (a revoked key) look current."""
     try:
-        client = redis.Redis.from_url(settings.REDIS_URL)
-        try:
-            client.set(GENERATION_KEY, secrets.token_hex(8))
-        finally:
-            client.close()
+        redis_sync().set(GENERATION_KEY, secrets.token_hex(8))
     except redis.RedisError:
         # The gateway cannot admit requests without Redis either; cached entries still
         # expire after AUTH_CACHE_SECONDS.

@@ -1,18 +1,12 @@
-"""Connection pools bound to the running event loop: one async Redis client and one httpx
-client per loop (uvicorn has one loop; a Celery worker's async_to_sync makes a new one per call,
-so pools are never shared across loops)."""
+"""Connection pools bound to the running event loop: one httpx client per loop (uvicorn has
+one loop; a Celery worker's async_to_sync makes a new one per call, so pools are never shared
+across loops). Redis clients come from `acs_portal.redis`."""
 
 import asyncio
 import weakref
 
 import httpx
-import redis.asyncio as aioredis
-from django.conf import settings
-from redis.exceptions import ConnectionError as RedisConnectionError
 
-_redis_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = (
-    weakref.WeakKeyDictionary()
-)
 _http_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = (
     weakref.WeakKeyDictionary()
 )
@@ -21,21 +15,6 @@ _transport_by_loop = weakref.WeakKeyDictionary()
 
 # Tests may replace this with an httpx.MockTransport; None = real network.
 http_transport: httpx.AsyncBaseTransport | None = None
-
-
-def redis_client() -> aioredis.Redis:
-    loop = asyncio.get_running_loop()
-    client = _redis_by_loop.get(loop)
-    if client is None:
-        # A command on a pooled connection that Redis closed (a restart, a failover) is sent
-        # once more on a new connection, instead of failing the request that drew it from the
-        # pool. A command Redis ran just before the drop may so run twice: the admission and
-        # breaker scripts add members named by a per-request token, so that changes nothing.
-        client = aioredis.Redis.from_url(
-            settings.REDIS_URL, max_connections=512, retry_on_error=[RedisConnectionError]
-        )
-        _redis_by_loop[loop] = client
-    return client
 
 
 def upstream_transport() -> httpx.AsyncBaseTransport:

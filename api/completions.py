@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from django.utils import timezone
 
 from accounts.models import UsageRecord
+from metering import gateway
+from metering.budgets import BudgetExceeded
+from metering.sql import DatabaseBusy
 
-from . import metering, upstream
+from . import upstream
 from .admission import admission_slot
-from .errors import ApiError, sse_error_frame
-from .metering import meter, reserve
+from .errors import ApiError, metering_refusal, sse_error_frame
 from .validation import ValidCompletion, validate_completion
 
 logger = logging.getLogger(__name__)
@@ -128,7 +130,7 @@ class _Request:
     def finish_in_background(self, *, status: int, error_code: str = "", urgent: bool = False):
         """Start settling and metering, in work that outlives the request's own task;
         returns a future done once they are written."""
-        return meter(
+        return gateway.meter(
             hold=self.reservation,
             record=self.record(status=status, error_code=error_code),
             urgent=urgent,
@@ -146,7 +148,7 @@ class _Request:
         valid = self.valid
         await stack.enter_async_context(admission_slot(self.key.pk))
         hold = asyncio.ensure_future(
-            reserve(
+            gateway.reserve(
                 key=self.key,
                 prompt_tokens=valid.prompt_tokens,
                 max_tokens=valid.max_tokens,
@@ -156,6 +158,8 @@ class _Request:
         )
         try:
             self.reservation = await asyncio.shield(hold)
+        except (BudgetExceeded, DatabaseBusy) as error:
+            raise metering_refusal(error) from None
         except asyncio.CancelledError:
             # The client left while the hold was being made: let it finish and keep it, so
             # that `finish` releases it now rather than the sweep half an hour later.
@@ -166,12 +170,12 @@ class _Request:
         return self.reservation.max_tokens_applied
 
     def keep_reservation_alive(self) -> None:
-        """Mark the hold alive once every `metering.HOLD_HEARTBEAT_S` while the request runs,
+        """Mark the hold alive once every `gateway.HOLD_HEARTBEAT_S` while the request runs,
         so that the sweep of stale holds cannot free it under a long stream."""
         now = time.monotonic()
-        if now - self.reservation_alive_at >= metering.HOLD_HEARTBEAT_S:
+        if now - self.reservation_alive_at >= gateway.HOLD_HEARTBEAT_S:
             self.reservation_alive_at = now
-            metering.keep_alive(self.reservation)
+            gateway.keep_alive(self.reservation)
 
 
 def _usage_tokens(body: dict) -> tuple[int, int] | None:

@@ -16,9 +16,9 @@ import contextlib
 import logging
 
 from accounts.models import Scope
+from metering.background import on_server_loop
 
 from .auth import authenticate_header
-from .background import on_server_loop
 from .bodies import check_declared_length, decode_json
 from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
 from .errors import ApiError

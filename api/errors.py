@@ -1,65 +1,19 @@
 """The API's error envelope: `{"error": {"code", "message", "type"}}` with the contract's
 headers. Raise `ApiError` anywhere in a request; views turn it into `error_response`.
 
-Every code of the contract has a default status-independent retry policy: codes a retry can
-help carry `Retry-After` (the default below unless the raiser gives one), codes resending
-cannot fix carry `X-Should-Retry: false`.
+`ERROR_CODES` is the one table of the contract's codes: each code's HTTP status, its type,
+what it means, and its retry policy (codes a retry can help carry `Retry-After`, the table's
+default unless the raiser gives one; codes resending cannot fix carry
+`X-Should-Retry: false`). The OpenAPI document and the upstream error mapping read it.
 """
 
 import json
+from dataclasses import dataclass
 
 from django.http import JsonResponse
 
-# Seconds a client should wait before retrying, for codes where a retry can help.
-DEFAULT_RETRY_AFTER = {
-    "queue_full": 1,
-    "rate_limited": 1,
-    "spend_cap": 3600,
-    "upstream_unreachable": 5,
-    "vllm_engine_dead": 10,
-    "vllm_oom": 5,
-    "capture_incomplete": 5,
-    "capture_preempted": 5,
-    "wrapper_saturated": 2,
-    "circuit_open": 30,
-    "tokenizer_unavailable": 5,
-    "db_pool_exhausted": 2,
-    "weights_unverified": 30,
-    "kv_cache_unverified": 30,
-    "modal_cold_boot": 30,
-}
-
-# Codes that resending the same request cannot fix.
-NOT_RETRYABLE = {
-    "invalid_request",
-    "bad_json",
-    "model_not_found",
-    "context_length_exceeded",
-    "full_vocab_prompt_too_long",
-    "activation_prompt_too_long",
-    "position_steering_unavailable",
-    "chat_completions_unsupported",
-    "vllm_context_length",
-    "vllm_invalid_request",
-    "deadline_infeasible",
-    "missing_authorization",
-    "invalid_api_key",
-    "key_revoked",
-    "key_disabled",
-    "account_not_approved",
-    "account_suspended",
-    "scope_denied",
-    "request_too_large",
-    "budget_exceeded",
-    "activation_quota_exceeded",
-    "harvest_quota_exceeded",
-    "upstream_auth",
-    "capture_rows_missing",
-    "activation_engine_unconfigured",
-    "upstream_deadline",
-    "not_found",
-    "method_not_allowed",
-}
+from metering.budgets import BudgetExceeded
+from metering.sql import DatabaseBusy
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -73,18 +27,156 @@ _TYPE_BY_STATUS = {
 }
 
 
+@dataclass(frozen=True)
+class ErrorCode:
+    status: int
+    description: str
+    retry_after: int | None = None  # seconds a client should wait before retrying
+    should_retry: bool = True  # False: resending the same request cannot help
+    from_upstream: bool = False  # an upstream's error with this code keeps it
+
+    @property
+    def type(self) -> str:
+        return _TYPE_BY_STATUS.get(self.status, "server_error")
+
+
+ERROR_CODES = {
+    "invalid_request": ErrorCode(400, "The message names the field or limit.", should_retry=False),
+    "bad_json": ErrorCode(400, "The body is not valid JSON.", should_retry=False),
+    "model_not_found": ErrorCode(
+        400, "Unknown model id; GET /v1/models lists them.", should_retry=False
+    ),
+    "context_length_exceeded": ErrorCode(
+        400, "Prompt tokens + max_tokens exceed the model's context.", should_retry=False
+    ),
+    "full_vocab_prompt_too_long": ErrorCode(
+        400,
+        "prompt_logprobs: -1 over too many prompt tokens × n.",
+        should_retry=False,
+        from_upstream=True,
+    ),
+    "activation_prompt_too_long": ErrorCode(
+        400, "The capture would be too large.", should_retry=False, from_upstream=True
+    ),
+    "position_steering_unavailable": ErrorCode(
+        400, "The upstream cannot steer at positions.", should_retry=False, from_upstream=True
+    ),
+    "chat_completions_unsupported": ErrorCode(400, "Use POST /v1/completions.", should_retry=False),
+    "vllm_context_length": ErrorCode(
+        400, "The upstream found the prompt too long.", should_retry=False
+    ),
+    "vllm_invalid_request": ErrorCode(400, "The upstream refused the request.", should_retry=False),
+    "deadline_infeasible": ErrorCode(
+        400, "Lower max_tokens, or stream the request.", should_retry=False
+    ),
+    "missing_authorization": ErrorCode(
+        401, "Send Authorization: Bearer acs-...", should_retry=False
+    ),
+    "invalid_api_key": ErrorCode(401, "The key is malformed or unknown.", should_retry=False),
+    "key_revoked": ErrorCode(401, "The key was revoked; create a new one.", should_retry=False),
+    "key_disabled": ErrorCode(
+        401, "The key is paused; resume it on the API keys page.", should_retry=False
+    ),
+    "account_not_approved": ErrorCode(
+        401, "The account is pending or rejected.", should_retry=False
+    ),
+    "account_suspended": ErrorCode(401, "The account is suspended.", should_retry=False),
+    "scope_denied": ErrorCode(403, "The key lacks the completions scope.", should_retry=False),
+    "download_url_invalid": ErrorCode(403, "The signed download link is invalid or has expired."),
+    "not_found": ErrorCode(404, "No such endpoint, job or file.", should_retry=False),
+    "harvest_not_cancellable": ErrorCode(409, "The harvest job has already ended."),
+    "idempotency_key_reused": ErrorCode(409, "This Idempotency-Key names a job with another body."),
+    "method_not_allowed": ErrorCode(
+        405, "Use the method the Allow header names.", should_retry=False
+    ),
+    "request_too_large": ErrorCode(413, "The body exceeds 8 MiB.", should_retry=False),
+    "budget_exceeded": ErrorCode(
+        429, "A token budget is spent; no Retry-After.", should_retry=False
+    ),
+    "activation_quota_exceeded": ErrorCode(
+        429, "The monthly activation-request quota is spent.", should_retry=False
+    ),
+    "spend_cap": ErrorCode(429, "The service is paused; Retry-After: 3600.", retry_after=3600),
+    "queue_full": ErrorCode(429, "16 running and 64 waiting requests for this key.", retry_after=1),
+    "rate_limited": ErrorCode(
+        429, "600 request starts in the last minute for this key.", retry_after=1
+    ),
+    "harvest_quota_exceeded": ErrorCode(
+        429, "The monthly harvest-job quota is spent.", should_retry=False
+    ),
+    "harvest_jobs_limit": ErrorCode(
+        429, "The key runs its maximum of harvest jobs; Retry-After: 30."
+    ),
+    "internal_error": ErrorCode(500, "Report the request id."),
+    "worker_lost": ErrorCode(500, "The worker running the job stopped too often."),
+    "upstream_unreachable": ErrorCode(502, "The upstream could not be reached.", retry_after=5),
+    "vllm_engine_dead": ErrorCode(
+        502, "The upstream closed the connection mid-response.", retry_after=10, from_upstream=True
+    ),
+    "vllm_oom": ErrorCode(
+        502, "The upstream ran out of memory.", retry_after=5, from_upstream=True
+    ),
+    "upstream_server_error": ErrorCode(502, "The upstream failed; retry only with Retry-After."),
+    "upstream_auth": ErrorCode(502, "The upstream refused the gateway.", should_retry=False),
+    "capture_incomplete": ErrorCode(
+        502, "The upstream returned a partial capture.", retry_after=5, from_upstream=True
+    ),
+    "capture_rows_missing": ErrorCode(
+        502, "Check each steering vector's hidden size.", should_retry=False, from_upstream=True
+    ),
+    "circuit_open": ErrorCode(503, "Every upstream of the model is failing.", retry_after=30),
+    "capture_preempted": ErrorCode(
+        503, "The upstream preempted the capture; retry.", retry_after=5, from_upstream=True
+    ),
+    "weights_unverified": ErrorCode(
+        503,
+        "The upstream's weights are not verified yet; retry.",
+        retry_after=30,
+        from_upstream=True,
+    ),
+    "kv_cache_unverified": ErrorCode(
+        503,
+        "The upstream's KV cache is not verified yet; retry.",
+        retry_after=30,
+        from_upstream=True,
+    ),
+    "db_pool_exhausted": ErrorCode(
+        503, "Every database connection of the gateway is busy; retry.", retry_after=2
+    ),
+    "wrapper_saturated": ErrorCode(
+        503, "The upstream is at capacity.", retry_after=2, from_upstream=True
+    ),
+    "modal_cold_boot": ErrorCode(
+        503,
+        "The model is loading; poll /v1/models/{id}/status.",
+        retry_after=30,
+        from_upstream=True,
+    ),
+    "tokenizer_unavailable": ErrorCode(
+        503, "The model's tokenizer could not be reached.", retry_after=5
+    ),
+    "activation_engine_unconfigured": ErrorCode(
+        503, "The model serves no activations.", should_retry=False
+    ),
+    "upstream_deadline": ErrorCode(
+        504, "The upstream ran out of time; lower max_tokens.", should_retry=False
+    ),
+}
+
+
 class ApiError(Exception):
-    """An error answered with the contract's envelope. `retry_after` (seconds) defaults per
-    code (see DEFAULT_RETRY_AFTER); `should_retry=False` adds `X-Should-Retry: false` and
-    defaults to False for the codes in NOT_RETRYABLE."""
+    """An error answered with the contract's envelope. `retry_after` (seconds) and
+    `should_retry` (False adds `X-Should-Retry: false`) default to the code's entry in
+    ERROR_CODES."""
 
     def __init__(self, status, code, message, *, retry_after=None, should_retry=None):
         super().__init__(message)
+        entry = ERROR_CODES[code]
         self.status = status
         self.code = code
         self.message = message
-        self.retry_after = DEFAULT_RETRY_AFTER.get(code) if retry_after is None else retry_after
-        self.should_retry = (code not in NOT_RETRYABLE) if should_retry is None else should_retry
+        self.retry_after = entry.retry_after if retry_after is None else retry_after
+        self.should_retry = entry.should_retry if should_retry is None else should_retry
 
     @property
     def error_type(self) -> str:
@@ -100,6 +192,15 @@ class ApiError(Exception):
         if not self.should_retry:
             headers["X-Should-Retry"] = "false"
         return headers
+
+
+def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
+    """The contract's error for a request that metering refuses: 429 with the budget's code
+    (Retry-After for spend_cap, X-Should-Retry: false for spent budgets and quotas), or 503
+    db_pool_exhausted."""
+    if isinstance(error, DatabaseBusy):
+        return ApiError(503, "db_pool_exhausted", str(error))
+    return ApiError(429, error.code, error.message)
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:

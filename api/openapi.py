@@ -11,65 +11,12 @@ from acs_client.protocol import (
     OUTPUT_WORK_CAP,
 )
 
-from .errors import DEFAULT_RETRY_AFTER, NOT_RETRYABLE
+from .errors import ERROR_CODES
 from .jobs.schemas import HarvestRequest
 from .schemas import (
     MAX_BODY_BYTES,
     CompletionRequest,
 )
-
-# Every error code the gateway answers with, its HTTP status and what to do.
-ERROR_CODES = [
-    (400, "invalid_request", "The message names the field or limit."),
-    (400, "bad_json", "The body is not valid JSON."),
-    (400, "model_not_found", "Unknown model id; GET /v1/models lists them."),
-    (400, "context_length_exceeded", "Prompt tokens + max_tokens exceed the model's context."),
-    (400, "full_vocab_prompt_too_long", "prompt_logprobs: -1 over too many prompt tokens × n."),
-    (400, "activation_prompt_too_long", "The capture would be too large."),
-    (400, "position_steering_unavailable", "The upstream cannot steer at positions."),
-    (400, "chat_completions_unsupported", "Use POST /v1/completions."),
-    (400, "vllm_context_length", "The upstream found the prompt too long."),
-    (400, "vllm_invalid_request", "The upstream refused the request."),
-    (400, "deadline_infeasible", "Lower max_tokens, or stream the request."),
-    (401, "missing_authorization", "Send Authorization: Bearer acs-..."),
-    (401, "invalid_api_key", "The key is malformed or unknown."),
-    (401, "key_revoked", "The key was revoked; create a new one."),
-    (401, "key_disabled", "The key is paused; resume it on the API keys page."),
-    (401, "account_not_approved", "The account is pending or rejected."),
-    (401, "account_suspended", "The account is suspended."),
-    (403, "scope_denied", "The key lacks the completions scope."),
-    (403, "download_url_invalid", "The signed download link is invalid or has expired."),
-    (404, "not_found", "No such endpoint, job or file."),
-    (409, "harvest_not_cancellable", "The harvest job has already ended."),
-    (409, "idempotency_key_reused", "This Idempotency-Key names a job with another body."),
-    (405, "method_not_allowed", "Use the method the Allow header names."),
-    (413, "request_too_large", "The body exceeds 8 MiB."),
-    (429, "budget_exceeded", "A token budget is spent; no Retry-After."),
-    (429, "activation_quota_exceeded", "The monthly activation-request quota is spent."),
-    (429, "spend_cap", "The service is paused; Retry-After: 3600."),
-    (429, "queue_full", "16 running and 64 waiting requests for this key."),
-    (429, "rate_limited", "600 request starts in the last minute for this key."),
-    (429, "harvest_quota_exceeded", "The monthly harvest-job quota is spent."),
-    (429, "harvest_jobs_limit", "The key runs its maximum of harvest jobs; Retry-After: 30."),
-    (500, "internal_error", "Report the request id."),
-    (502, "upstream_unreachable", "The upstream could not be reached."),
-    (502, "vllm_engine_dead", "The upstream closed the connection mid-response."),
-    (502, "vllm_oom", "The upstream ran out of memory."),
-    (502, "upstream_server_error", "The upstream failed; retry only with Retry-After."),
-    (502, "upstream_auth", "The upstream refused the gateway."),
-    (502, "capture_incomplete", "The upstream returned a partial capture."),
-    (502, "capture_rows_missing", "Check each steering vector's hidden size."),
-    (503, "circuit_open", "Every upstream of the model is failing."),
-    (503, "capture_preempted", "The upstream preempted the capture; retry."),
-    (503, "weights_unverified", "The upstream's weights are not verified yet; retry."),
-    (503, "kv_cache_unverified", "The upstream's KV cache is not verified yet; retry."),
-    (503, "db_pool_exhausted", "Every database connection of the gateway is busy; retry."),
-    (503, "wrapper_saturated", "The upstream is at capacity."),
-    (503, "modal_cold_boot", "The model is loading; poll /v1/models/{id}/status."),
-    (503, "tokenizer_unavailable", "The model's tokenizer could not be reached."),
-    (503, "activation_engine_unconfigured", "The model serves no activations."),
-    (504, "upstream_deadline", "The upstream ran out of time; lower max_tokens."),
-]
 
 _ERROR = {
     "type": "object",
@@ -90,7 +37,7 @@ _ERROR = {
 def _error_responses(*statuses) -> dict:
     responses = {}
     for status in statuses:
-        codes = [code for s, code, _ in ERROR_CODES if s == status]
+        codes = [code for code, entry in ERROR_CODES.items() if entry.status == status]
         responses[str(status)] = {
             "description": "Error codes: " + ", ".join(codes),
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
@@ -313,13 +260,14 @@ def openapi_document() -> dict:
         },
         "x-error-codes": [
             {
-                "status": status,
+                "status": entry.status,
                 "code": code,
-                "meaning": meaning,
-                "retry_after": DEFAULT_RETRY_AFTER.get(code),
-                "should_retry": code not in NOT_RETRYABLE,
+                "type": entry.type,
+                "meaning": entry.description,
+                "retry_after": entry.retry_after,
+                "should_retry": entry.should_retry,
             }
-            for status, code, meaning in ERROR_CODES
+            for code, entry in ERROR_CODES.items()
         ],
     }
 

@@ -3,10 +3,9 @@
 import datetime as dt
 import time
 
-import redis
-from django.conf import settings
+from acs_portal.redis import redis_sync
+from metering.sql import run_db
 
-from .db import run_db
 from .errors import ApiError
 from .models import LanguageModel, ModelStatus
 from .upstream import FAILURE_WINDOW_MS, circuit_keys
@@ -61,7 +60,7 @@ def upstream_states() -> list[dict]:
     """Every upstream URL of every model with its circuit state, for the staff overview:
     `{model, url, kind ("completions" | "activations"), state ("closed" | "open" |
     "half-open"), recent_failures, open_until (datetime or None)}`."""
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    client = redis_sync()
     now_ms = time.time() * 1000
     states = []
     try:

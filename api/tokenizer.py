@@ -18,8 +18,9 @@ from pathlib import Path
 from django.conf import settings
 from tokenizers import Tokenizer
 
+from metering.sql import run_db
+
 from . import upstream
-from .db import run_db
 from .models import LanguageModel
 
 logger = logging.getLogger(__name__)

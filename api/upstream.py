@@ -42,8 +42,10 @@ from dataclasses import dataclass
 import httpx
 from django.conf import settings
 
-from .clients import http_client, redis_client, upstream_transport
-from .errors import ApiError
+from acs_portal.redis import redis_async
+
+from .clients import http_client, upstream_transport
+from .errors import ERROR_CODES, ApiError, ErrorCode
 
 FAILURE_THRESHOLD = 5
 FAILURE_WINDOW_MS = 30_000
@@ -54,21 +56,6 @@ STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
 TOKENIZE_TIMEOUT_S = 30.0
 
-# Upstream error codes that are also contract codes keep their code, with this status.
-_PASSTHROUGH_STATUS = {
-    "capture_incomplete": 502,
-    "capture_rows_missing": 502,
-    "capture_preempted": 503,
-    "wrapper_saturated": 503,
-    "vllm_oom": 502,
-    "vllm_engine_dead": 502,
-    "position_steering_unavailable": 400,
-    "activation_prompt_too_long": 400,
-    "full_vocab_prompt_too_long": 400,
-    "weights_unverified": 503,
-    "kv_cache_unverified": 503,
-    "modal_cold_boot": 503,
-}
 # Contract codes of upstream errors that say nothing against the upstream's health (see the
 # module docstring).
 _NOT_UPSTREAM_FAILURES = frozenset(
@@ -174,7 +161,7 @@ async def pick_target(urls: list[str]) -> Target:
     ordered = urls[start:] + urls[:start]
     if _trusted_closed_until.get(ordered[0], 0.0) > time.monotonic():
         return Target(url=ordered[0], probe=False)
-    pick, _ = _scripts(redis_client())
+    pick, _ = _scripts(redis_async())
     keys = [key for url in ordered for key in circuit_keys(url)]
     index, state = await pick(keys=keys, args=[PROBE_MS])
     state = state.decode() if isinstance(state, bytes) else state
@@ -193,7 +180,7 @@ async def pick_target(urls: list[str]) -> Target:
 
 async def record_failure(target: Target) -> None:
     _trusted_closed_until.pop(target.url, None)
-    _, failure = _scripts(redis_client())
+    _, failure = _scripts(redis_async())
     await failure(
         keys=circuit_keys(target.url),
         args=[
@@ -209,7 +196,7 @@ async def record_failure(target: Target) -> None:
 async def record_success(target: Target) -> None:
     """Close the circuit after a successful probe (plain successes cost no Redis call)."""
     if target.probe:
-        await redis_client().delete(*circuit_keys(target.url))
+        await redis_async().delete(*circuit_keys(target.url))
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,10 +207,8 @@ def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
     """The contract's error for an upstream's non-2xx answer."""
     upstream_code, message = _error_fields(content)
     retry_after = _retry_after(headers)
-    if upstream_code in _PASSTHROUGH_STATUS:
-        return ApiError(
-            _PASSTHROUGH_STATUS[upstream_code], upstream_code, message, retry_after=retry_after
-        )
+    if (passed := _passed_through(upstream_code)) is not None:
+        return ApiError(passed.status, upstream_code, message, retry_after=retry_after)
     if status in (400, 422):
         if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
             upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
@@ -258,11 +243,18 @@ def map_stream_error(payload: dict) -> ApiError:
     """The contract's error for an `{"error": ...}` frame an upstream sent mid-stream."""
     error = payload.get("error") if isinstance(payload.get("error"), dict) else {}
     code, message = error.get("code") or "", error.get("message") or "The upstream failed."
-    if code in _PASSTHROUGH_STATUS:
-        return ApiError(_PASSTHROUGH_STATUS[code], code, message)
+    if (passed := _passed_through(code)) is not None:
+        return ApiError(passed.status, code, message)
     if _OOM_WORDS.search(message) or code == "oom":
         return ApiError(502, "vllm_oom", message)
     return ApiError(502, "upstream_server_error", message, should_retry=False)
+
+
+def _passed_through(upstream_code: str) -> ErrorCode | None:
+    """The contract's entry for an upstream error code that keeps its code (and the table's
+    status) through the gateway, or None."""
+    entry = ERROR_CODES.get(upstream_code)
+    return entry if entry is not None and entry.from_upstream else None
 
 
 def _error_fields(content: bytes) -> tuple[str, str]:

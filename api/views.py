@@ -7,14 +7,14 @@ from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
-from accounts.selectors import budget_windows
 from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
+from metering.selectors import budget_windows
+from metering.sql import run_db
 
 from . import upstream
 from .auth import authenticate
 from .bodies import check_declared_length, decode_json
 from .completions import CompletionResult
-from .db import run_db
 from .errors import ApiError, error_response
 from .middleware import request_id_for
 from .openapi import openapi_document

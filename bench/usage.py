@@ -68,8 +68,8 @@ def main() -> int:
     from django.utils import timezone
 
     from accounts.models import UsageDaily, UsageRecord, User, UserStatus
-    from accounts.usage_forms import cursor_encode
-    from accounts.usage_selectors import RequestLogFilter, request_log_page
+    from metering.selectors import RequestLogFilter, request_log_page
+    from portal.usage_forms import cursor_encode
 
     call_command("migrate", verbosity=0)
     # Pages link the hashed static names of the manifest (production settings).

@@ -1,24 +1,16 @@
-"""Reads of the playground: a user's runs and vectors (404 for anyone else's), the model list
-from /v1/models, and code that reproduces a run's request."""
+"""Reads of the playground: a user's runs and vectors (404 for anyone else's) and code that
+reproduces a run's request."""
 
 import datetime as dt
 import json
-import logging
 import pprint
 import shlex
 
-import redis
-from django.conf import settings
 from django.http import Http404
 from django.utils import timezone
 
-from acs_client.client import AcsApiError, AcsClient
-
 from .models import JobSubmission, JobSubmissionStatus, Run, SteeringVector
 
-logger = logging.getLogger(__name__)
-
-MODELS_CACHE_KEY = "playground:models"
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
     "echo", "stream", "stream_options",
@@ -88,26 +80,6 @@ def job_submissions_shown(*, user, limit: int = 10) -> list[JobSubmission]:
         )
         .defer("request")[:limit]
     )
-
-
-def models_available(*, user) -> tuple[list[dict], str]:
-    """The `/v1/models` entries as seen with the user's playground key, cached for
-    `PLAYGROUND_MODELS_CACHE_SECONDS`, and an error message ("" when the list was read)."""
-    from .services import playground_key_get_or_create
-
-    cache = redis.Redis.from_url(settings.REDIS_URL)
-    cached = cache.get(MODELS_CACHE_KEY)
-    if cached:
-        return json.loads(cached), ""
-    _, secret = playground_key_get_or_create(user=user)
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=secret, timeout=5.0)
-    try:
-        models = client.models()
-    except AcsApiError as error:
-        logger.warning("playground could not read /v1/models: %s", error)
-        return [], f"The model list could not be read ({error.code}: {error.message})."
-    cache.set(MODELS_CACHE_KEY, json.dumps(models), ex=settings.PLAYGROUND_MODELS_CACHE_SECONDS)
-    return models, ""
 
 
 def _python_literal(value) -> str:

@@ -1,11 +1,12 @@
 """Writes of the playground: the managed playground key, runs and their execution, and the
 steering-vector library.
 
-A run is executed by a Celery worker (`tasks.run_execute`) that calls /v1 through
+A run is executed by a Celery worker (`tasks.run_execute_task`) that calls /v1 through
 `acs_client` with the user's playground key, exactly as an outside client would.
 """
 
 import datetime as dt
+import json
 import logging
 import time
 import uuid
@@ -21,6 +22,8 @@ from accounts.models import ApiKey, User
 from accounts.services import api_key_create
 from acs_client.client import AcsApiError, AcsClient
 from acs_client.codec import decode, encode_vector
+from acs_portal.celery import task_send
+from acs_portal.redis import redis_sync
 
 from . import streams
 from .models import (
@@ -35,6 +38,10 @@ from .models import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The tasks that execute a run and send a job submission (`tasks.py`), enqueued by name.
+RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"
+JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
 
 PLAYGROUND_KEY_NAME = "Playground"
 
@@ -111,8 +118,6 @@ def run_create(
 
 
 def _run_create(*, user, request, kind, group, scale, vector, meta, submit_token) -> Run:
-    from .tasks import run_execute
-
     with transaction.atomic():
         playground_key_get_or_create(user=user)
         run = Run.objects.create(
@@ -125,7 +130,7 @@ def _run_create(*, user, request, kind, group, scale, vector, meta, submit_token
             meta=meta or {},
             submit_token=submit_token,
         )
-        transaction.on_commit(lambda: run_execute.delay(str(run.id)))
+        transaction.on_commit(lambda: task_send(RUN_EXECUTE_TASK, str(run.id)))
     return run
 
 
@@ -581,7 +586,6 @@ def job_submission_create(
     """Store a queued submission of a completion or harvest job and enqueue its sending once
     the transaction commits. The same `submit_token` again returns the first submission (a
     unique constraint decides between concurrent posts)."""
-    from .tasks import job_submission_send
 
     def existing() -> JobSubmission | None:
         if submit_token is None:
@@ -596,7 +600,7 @@ def job_submission_create(
             submission = JobSubmission.objects.create(
                 user=user, kind=kind, request=request, submit_token=submit_token
             )
-            transaction.on_commit(lambda: job_submission_send.delay(str(submission.id)))
+            transaction.on_commit(lambda: task_send(JOB_SUBMISSION_SEND_TASK, str(submission.id)))
     except IntegrityError:
         if (submission := existing()) is None:
             raise
@@ -678,3 +682,28 @@ def job_submissions_fail_stuck(*, now=None) -> int:
         error_message="No worker sent this job in time; check the jobs below, then submit again.",
         sent_at=now or timezone.now(),
     )
+
+
+# ---------------------------------------------------------------------------------------
+# The model list
+
+MODELS_CACHE_KEY = "playground:models"
+
+
+def language_models_fetch(*, user) -> tuple[list[dict], str]:
+    """The `/v1/models` entries as seen with the user's playground key (created if need be),
+    cached in Redis for `PLAYGROUND_MODELS_CACHE_SECONDS`, and an error message ("" when the
+    list was read)."""
+    cache = redis_sync()
+    cached = cache.get(MODELS_CACHE_KEY)
+    if cached:
+        return json.loads(cached), ""
+    _, secret = playground_key_get_or_create(user=user)
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=secret, timeout=5.0)
+    try:
+        models = client.models()
+    except AcsApiError as error:
+        logger.warning("playground could not read /v1/models: %s", error)
+        return [], f"The model list could not be read ({error.code}: {error.message})."
+    cache.set(MODELS_CACHE_KEY, json.dumps(models), ex=settings.PLAYGROUND_MODELS_CACHE_SECONDS)
+    return models, ""

@@ -9,9 +9,9 @@ mid-run resumes where it was. Events are small JSON objects with a `type`:
 import json
 import re
 
-import redis
-import redis.asyncio as redis_async
 from django.conf import settings
+
+from acs_portal.redis import redis_async_dedicated, redis_sync
 
 STREAM_TTL = 3600
 # How much longer than a blocking read the socket waits for Redis's answer: below the block,
@@ -20,24 +20,15 @@ SOCKET_TIMEOUT_MARGIN_S = 10
 # A Redis stream entry id, `<milliseconds>-<sequence>`, both unsigned 64-bit.
 _ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 
-_sync_client = None
-
 
 def stream_key(run_id) -> str:
     return f"playground:run:{run_id}"
 
 
-def _client() -> redis.Redis:
-    global _sync_client
-    if _sync_client is None:
-        _sync_client = redis.Redis.from_url(settings.REDIS_URL)
-    return _sync_client
-
-
 def publish(run_id, event: dict) -> None:
     """Append one event to the run's stream and refresh its expiry."""
     key = stream_key(run_id)
-    pipe = _client().pipeline(transaction=False)
+    pipe = redis_sync().pipeline(transaction=False)
     pipe.xadd(key, {"event": json.dumps(event)})
     pipe.expire(key, STREAM_TTL)
     pipe.execute()
@@ -45,19 +36,13 @@ def publish(run_id, event: dict) -> None:
 
 def reset(run_id) -> None:
     """Drop what a failed attempt published, before a retry publishes again."""
-    _client().delete(stream_key(run_id))
+    redis_sync().delete(stream_key(run_id))
 
 
-def replay(run_id) -> list[dict]:
-    """Every event published so far (synchronous; for tests and the run page)."""
-    return [json.loads(fields[b"event"]) for _, fields in _client().xrange(stream_key(run_id))]
-
-
-def _async_client() -> redis_async.Redis:
+def _follow_client():
     """A client for the web process's reads, whose socket outlasts `follow`'s blocking read."""
-    return redis_async.Redis.from_url(
-        settings.REDIS_URL,
-        socket_timeout=settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS + SOCKET_TIMEOUT_MARGIN_S,
+    return redis_async_dedicated(
+        socket_timeout=settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS + SOCKET_TIMEOUT_MARGIN_S
     )
 
 
@@ -72,7 +57,7 @@ def resume_after(last_event_id: str | None) -> str:
 
 async def exists(run_id) -> bool:
     """Whether the run's stream is still kept (it expires `STREAM_TTL` after the last event)."""
-    client = _async_client()
+    client = _follow_client()
     try:
         return bool(await client.exists(stream_key(run_id)))
     finally:
@@ -83,7 +68,7 @@ async def follow(run_id, *, after: str = "0"):
     """Yield `(entry_id, event)` from the start (or after `after`, an entry id) until an
     `end` event; yield `(None, None)` whenever PLAYGROUND_SSE_KEEPALIVE_SECONDS pass with
     nothing new, so that the caller can send a keepalive."""
-    client = _async_client()
+    client = _follow_client()
     block_ms = max(int(settings.PLAYGROUND_SSE_KEEPALIVE_SECONDS * 1000), 1)
     key = stream_key(run_id)
     try:

@@ -7,7 +7,7 @@ from . import services
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def run_execute(self, run_id: str) -> None:
+def run_execute_task(self, run_id: str) -> None:
     """Execute one playground run; retried only on transient API errors."""
     try:
         services.run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
@@ -16,7 +16,7 @@ def run_execute(self, run_id: str) -> None:
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def job_submission_send(self, submission_id: str) -> None:
+def job_submission_send_task(self, submission_id: str) -> None:
     """Send one job asked for on the Jobs page to /v1; retried only when the API asks to."""
     try:
         services.job_submission_send(
@@ -27,7 +27,7 @@ def job_submission_send(self, submission_id: str) -> None:
 
 
 @shared_task
-def runs_sweep() -> int:
+def runs_sweep_task() -> int:
     """Fail playground runs, and refuse job submissions, stuck in queued or running (see
     `services.runs_fail_stuck` and `services.job_submissions_fail_stuck`)."""
     return services.runs_fail_stuck() + services.job_submissions_fail_stuck()

@@ -34,7 +34,7 @@ RESPONSE_SHOWN_CHARS = 200_000
 
 
 def _models(request) -> tuple[list[dict], str, ModelCapabilities]:
-    models, error = selectors.models_available(user=request.user)
+    models, error = services.language_models_fetch(user=request.user)
     wanted = request.GET.get("model") or request.POST.get("model")
     entry = next((m for m in models if m["id"] == wanted), models[0] if models else None)
     return models, error, ModelCapabilities(entry)

@@ -13,15 +13,15 @@ from accounts.models import (
     UsagePeriod,
 )
 from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
-from accounts.services import (
+from metering.budgets import (
     BudgetExceeded,
     budget_holds_alive_steps,
     budget_release_stale,
     budget_reserve,
     budget_settle,
     harvest_quota_consume,
-    run_steps,
 )
+from metering.sql import run_steps
 
 
 def key_window(key, period):
@@ -121,8 +121,18 @@ def test_stale_reservations_are_released(api_key):
     assert key_window(api_key, Period.MONTH).reserved_tokens == 0
 
 
+def test_the_sweep_gives_back_a_dead_holds_activation_requests(api_key):
+    reservation = budget_reserve(key=api_key, prompt_tokens=8, max_tokens=1, activation=3)
+    assert key_window(api_key, Period.MONTH).activation_requests == 3
+    BudgetReservation.objects.filter(pk=reservation.pk).update(
+        alive_at=reservation.created_at - dt.timedelta(hours=1)
+    )
+    assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
+    assert [w.activation_requests for w in UsagePeriod.objects.all()] == [0, 0, 0]
+
+
 def test_a_settle_after_the_sweep_charges_the_usage_once(api_key):
-    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=20)
+    reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=20, activation=True)
     BudgetReservation.objects.filter(pk=reservation.pk).update(
         alive_at=reservation.created_at - dt.timedelta(hours=1)
     )
@@ -135,6 +145,7 @@ def test_a_settle_after_the_sweep_charges_the_usage_once(api_key):
         assert (window.used_tokens, window.reserved_tokens) == (25, 0)
         assert (window.used_input, window.used_output) == (10, 15)
         assert (window.reserved_input, window.reserved_output) == (0, 0)
+        assert window.activation_requests == 1  # given back by the sweep, counted again
     assert BudgetReservation.objects.get().status == ReservationStatus.SETTLED
 
 
@@ -214,7 +225,7 @@ def test_concurrent_reservations_never_overspend(api_key):
 
 
 def test_budget_windows_report_used_remaining_and_reset(api_key):
-    from accounts.selectors import budget_windows
+    from metering.selectors import budget_windows
 
     moment = dt.datetime(2026, 5, 20, 12, tzinfo=dt.UTC)
     reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=10, now=moment)

@@ -116,6 +116,16 @@ def test_a_malformed_integer_is_refused_naming_variable_and_value(monkeypatch):
         load_settings(monkeypatch, **production(SECURE_HSTS_SECONDS="1y"))
 
 
+def test_an_integer_below_its_minimum_is_refused(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="SECURE_HSTS_SECONDS=-1 is below its minimum"):
+        load_settings(monkeypatch, **production(SECURE_HSTS_SECONDS="-1"))
+    monkeypatch.setenv("ACS_JOB_MAX_ATTEMPTS", "0")
+    with pytest.raises(ImproperlyConfigured, match="ACS_JOB_MAX_ATTEMPTS=0 is below its minimum"):
+        load_settings(monkeypatch, **production())
+    monkeypatch.setenv("ACS_JOB_MAX_ATTEMPTS", "1")
+    assert load_settings(monkeypatch, **production())["ACS_JOB_MAX_ATTEMPTS"] == 1
+
+
 def test_a_proxy_ssl_header_without_a_value_is_refused(monkeypatch):
     with pytest.raises(ImproperlyConfigured, match="SECURE_PROXY_SSL_HEADER="):
         load_settings(monkeypatch, **production(SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO"))

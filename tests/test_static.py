@@ -2,7 +2,6 @@
 type the figures use; in production, files are served hashed, compressed and cached for long."""
 
 import ast
-import json
 import re
 
 import plotly
@@ -12,14 +11,14 @@ from django.templatetags.static import static
 from django.test import AsyncClient, override_settings
 from plotly.basedatatypes import BaseTraceType
 
-from accounts.usage_views import _usage_figures
+from portal.figures import usage_figures
 
 from .servers import REPO_ROOT
 from .test_settings import load_settings, production
 
 BUNDLE = REPO_ROOT / "static" / "vendor" / "plotly-acs-4.1.1.min.js"
 PACKAGE_BUNDLE = plotly.__file__.replace("__init__.py", "package_data/plotly.min.js")
-FIGURE_MODULES = ["playground/figures.py", "api/jobs/figures.py"]
+FIGURE_MODULES = ["playground/figures.py", "portal/figures.py"]
 TEN_YEARS = 315360000
 
 
@@ -38,8 +37,8 @@ def traces_used() -> set[str]:
                 candidate = getattr(go, node.attr)
                 if isinstance(candidate, type) and issubclass(candidate, BaseTraceType):
                     used.add(candidate().type)
-    for figure in _usage_figures({"days": []}).values():
-        used.update(trace["type"] for trace in json.loads(figure)["data"])
+    for figure in usage_figures({"days": []}).values():
+        used.update(trace["type"] for trace in figure["data"])
     return used
 
 

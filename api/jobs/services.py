@@ -22,24 +22,23 @@ from django.utils import timezone
 
 from accounts.models import ApiKey, BudgetReservation, UsageRecord
 from accounts.periods import month_start
-from accounts.services import (
+from acs_client.codec import bfloat16_bits_to_float32
+from acs_portal.celery import task_send
+from api.auth import key_recheck
+from api.completions import completion_run
+from api.errors import ApiError, metering_refusal
+from api.models import LanguageModel
+from metering.budgets import (
     BudgetExceeded,
     budget_activations_refund_steps,
     budget_reserve,
     budget_settle_steps,
     harvest_quota_consume,
     harvest_quota_refund,
-    run_steps,
-    usage_records_steps,
 )
-from acs_client.codec import bfloat16_bits_to_float32
-from api.auth import key_recheck
-from api.completions import completion_run
-from api.errors import ApiError
-from api.metering import budget_refusal
-from api.models import LanguageModel
+from metering.sql import run_steps
+from metering.usage import usage_records_steps
 
-from . import tasks
 from .capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
 from .models import (
     HARVEST_ACTIVE_STATUSES,
@@ -65,6 +64,10 @@ logger = logging.getLogger(__name__)
 # Response headers of the completion path that are part of the stored result; the rest
 # (request id, content type, length, encoding) belong to the response that serves it.
 _STORED_RESULT_HEADERS = ("Retry-After", "X-Should-Retry", "X-Acs-Max-Tokens-Clamped")
+
+# The tasks that run a job (`tasks.py`), enqueued by name.
+COMPLETION_JOB_RUN_TASK = "api.jobs.tasks.completion_job_run_task"
+HARVEST_JOB_RUN_TASK = "api.jobs.tasks.harvest_job_run_task"
 
 
 class IdempotencyKeyReused(Exception):
@@ -111,7 +114,7 @@ def completion_job_submit(
         if job.request_hash != fingerprint:
             raise IdempotencyKeyReused(job) from None
         return job, False
-    transaction.on_commit(lambda: tasks.completion_job_run.delay(str(job.pk)))
+    transaction.on_commit(lambda: task_send(COMPLETION_JOB_RUN_TASK, str(job.pk)))
     return job, True
 
 
@@ -172,7 +175,7 @@ def completion_job_execute(*, job_id, now=None) -> None:
             lease_expires_at=timezone.now()
             + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
         )
-        tasks.completion_job_run.apply_async((str(job.pk),), countdown=int(retry_after))
+        task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
     CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
         status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
@@ -208,12 +211,12 @@ def _jobs_recover(model, *, waiting, lease_seconds, task, fail_fields, requeue_f
             touched += still_stuck.update(lease_expires_at=None, **fail_fields(job.attempts))
         elif still_stuck.update(status=waiting, lease_expires_at=next_lease, **requeue_fields):
             touched += 1
-            task.delay(str(job.pk))
+            task_send(task, str(job.pk))
     unclaimed = model.objects.filter(status=waiting, lease_expires_at__lt=now)
     for job_id in unclaimed.values_list("pk", flat=True):
         if unclaimed.filter(pk=job_id).update(lease_expires_at=next_lease):
             touched += 1
-            task.delay(str(job_id))
+            task_send(task, str(job_id))
     return touched
 
 
@@ -225,7 +228,7 @@ def completion_jobs_recover_stuck(*, now=None) -> int:
         CompletionJob,
         waiting=CompletionJobStatus.QUEUED,
         lease_seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS,
-        task=tasks.completion_job_run,
+        task=COMPLETION_JOB_RUN_TASK,
         fail_fields=lambda attempts: {
             "status": CompletionJobStatus.FAILED,
             "finished_at": now,
@@ -286,7 +289,7 @@ def harvest_job_submit(
             lease_expires_at=timezone.now()
             + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
         )
-        transaction.on_commit(lambda: tasks.harvest_job_run.delay(str(job.pk)))
+        transaction.on_commit(lambda: task_send(HARVEST_JOB_RUN_TASK, str(job.pk)))
     return job
 
 
@@ -380,7 +383,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
                 lease_expires_at=timezone.now()
                 + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
             ):
-                tasks.harvest_job_run.apply_async((str(job.pk),), countdown=error.retry_after)
+                task_send(HARVEST_JOB_RUN_TASK, str(job.pk), countdown=error.retry_after)
             return
         _harvest_fail(job, error)
         return
@@ -500,7 +503,7 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
             activation=len(token_lists),
         )
     except BudgetExceeded as exceeded:
-        raise _HarvestRefused(budget_refusal(exceeded)) from None
+        raise _HarvestRefused(metering_refusal(exceeded)) from None
     try:
         captures = async_to_sync(capture_batch)(
             model, token_lists=token_lists, layers=job.layers, first_index=first_index
@@ -668,7 +671,7 @@ def harvest_jobs_recover_stuck(*, now=None) -> int:
         HarvestJob,
         waiting=HarvestJobStatus.PENDING,
         lease_seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS,
-        task=tasks.harvest_job_run,
+        task=HARVEST_JOB_RUN_TASK,
         fail_fields=lambda attempts: {
             "status": HarvestJobStatus.FAILED,
             "completed_at": now,

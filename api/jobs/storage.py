@@ -91,9 +91,5 @@ def harvest_file_open(prefix: str, name: str):
     return default_storage.open(prefix + name, "rb")
 
 
-def harvest_file_exists(prefix: str, name: str) -> bool:
-    return default_storage.exists(prefix + name)
-
-
 def manifest_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, indent=1).encode()

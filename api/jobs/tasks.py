@@ -1,6 +1,6 @@
 """Thin Celery tasks: ids in, call a service. Messages are acknowledged after the task ends
 (acks_late), so a worker killed mid-job leaves its message to be delivered again; the
-periodic `jobs_sweep` catches whatever that misses."""
+periodic `jobs_sweep_task` catches whatever that misses."""
 
 from celery import shared_task
 
@@ -8,17 +8,17 @@ from . import services
 
 
 @shared_task(acks_late=True, ignore_result=True)
-def completion_job_run(job_id: str) -> None:
+def completion_job_run_task(job_id: str) -> None:
     services.completion_job_execute(job_id=job_id)
 
 
 @shared_task(acks_late=True, ignore_result=True)
-def harvest_job_run(job_id: str) -> None:
+def harvest_job_run_task(job_id: str) -> None:
     services.harvest_job_execute(job_id=job_id)
 
 
 @shared_task(ignore_result=True)
-def jobs_sweep() -> None:
+def jobs_sweep_task() -> None:
     """Recover jobs whose worker died, delete completion jobs past their retention and the
     files of harvest jobs past theirs."""
     services.completion_jobs_recover_stuck()

@@ -6,19 +6,18 @@ from django.conf import settings
 from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from accounts.services import BudgetExceeded
 from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate
 from api.completions import CompletionResult
-from api.db import run_db
-from api.errors import ApiError, error_response
-from api.metering import budget_refusal
+from api.errors import ApiError, error_response, metering_refusal
 from api.schemas import parse_body
 from api.selectors import model_get
 from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
 from api.views import _json, allow, read_json_body, request_id, result_response
+from metering.budgets import BudgetExceeded
+from metering.sql import run_db
 
 from . import selectors, services
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
@@ -267,7 +266,7 @@ async def harvest_jobs(request):
             rid,
         )
     except BudgetExceeded as exceeded:
-        return error_response(budget_refusal(exceeded), rid)
+        return error_response(metering_refusal(exceeded), rid)
     except ApiError as error:
         return error_response(error, rid)
     return _json(

@@ -6,8 +6,9 @@ from django.urls import reverse
 
 from accounts.models import KeyStatus, Period, UsagePeriod
 from accounts.periods import month_start
-from accounts.selectors import budget_panel
-from accounts.services import api_key_create, budget_reserve, budget_settle
+from accounts.services import api_key_create
+from metering.budgets import budget_reserve, budget_settle
+from metering.selectors import budget_panel
 
 
 def test_dashboard_shows_budget_panel_per_active_key(approved_client, approved_user, api_key):

@@ -1,4 +1,4 @@
-"""Celery tasks and beat schedule of the accounts app."""
+"""The sweep of stale budget holds (a Celery task of metering) and its beat schedule."""
 
 import datetime as dt
 
@@ -6,8 +6,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import BudgetReservation, ReservationStatus
-from accounts.services import budget_reserve
-from accounts.tasks import release_stale_budget_reservations
+from metering.budgets import budget_reserve
+from metering.tasks import budget_release_stale_task
 
 
 def test_stale_reservations_are_released_and_fresh_ones_kept(api_key):
@@ -16,7 +16,7 @@ def test_stale_reservations_are_released_and_fresh_ones_kept(api_key):
     BudgetReservation.objects.filter(pk=stale.pk).update(
         alive_at=timezone.now() - dt.timedelta(minutes=31)
     )
-    assert release_stale_budget_reservations.delay().get() == 1
+    assert budget_release_stale_task.delay().get() == 1
     stale.refresh_from_db()
     fresh.refresh_from_db()
     assert stale.status == ReservationStatus.RELEASED
@@ -24,8 +24,8 @@ def test_stale_reservations_are_released_and_fresh_ones_kept(api_key):
 
 
 def test_sweep_runs_every_five_minutes():
-    entry = settings.CELERY_BEAT_SCHEDULE["accounts.release_stale_budget_reservations"]
-    assert entry["task"] == release_stale_budget_reservations.name
+    entry = settings.CELERY_BEAT_SCHEDULE["metering.budget_release_stale"]
+    assert entry["task"] == budget_release_stale_task.name
     assert entry["schedule"] == 300
 
 
@@ -35,6 +35,6 @@ def test_stale_age_of_the_sweep_is_a_setting(api_key, settings):
     BudgetReservation.objects.filter(pk=old.pk).update(
         alive_at=timezone.now() - dt.timedelta(minutes=2)
     )
-    assert release_stale_budget_reservations.delay().get() == 1
+    assert budget_release_stale_task.delay().get() == 1
     old.refresh_from_db()
     assert old.status == ReservationStatus.RELEASED

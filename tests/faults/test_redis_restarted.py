@@ -12,10 +12,12 @@ import redis
 
 from accounts.models import UsageRecord
 from accounts.services import api_key_revoke
+from acs_portal.celery import app as celery_app
+from acs_portal.redis import redis_sync_reset
 from api.auth import GENERATION_KEY, access_generation_bump
 from playground import services as playground_services
-from playground import streams
 from playground.models import Run
+from tests.playground.conftest import replay
 
 from .conftest import STUB_MODEL, wait_for
 
@@ -42,10 +44,9 @@ def _restart_redis(system) -> float:
 def playground_sends_to_system(system, monkeypatch):
     """run_create enqueues on the system's broker."""
     monkeypatch.setattr(
-        "playground.tasks.run_execute.delay",
-        lambda run_id: system.send_task("playground.tasks.run_execute", run_id),
+        celery_app, "send_task", lambda name, args, countdown=None: system.send_task(name, *args)
     )
-    monkeypatch.setattr(streams, "_sync_client", None)
+    redis_sync_reset()
 
 
 def test_redis_restart_keeps_holds_and_admission_and_playground_recover(
@@ -155,7 +156,7 @@ def _playground_run_succeeds(account) -> None:
         what="the playground run to finish",
     )
     assert finished.status == "succeeded", (finished.error_code, finished.error_message)
-    assert streams.replay(run.pk)[-1]["type"] == "end"
+    assert replay(run.pk)[-1]["type"] == "end"
 
 
 def test_key_revoked_after_a_redis_restart_is_refused(system, account, fault_table):

@@ -10,12 +10,12 @@ import httpx
 from django.utils import timezone
 
 from accounts.models import BudgetReservation, Period, ReservationStatus, UsageRecord
-from accounts.services import budget_release_stale
 from api.jobs.models import CompletionJob, HarvestJob
+from metering.budgets import budget_release_stale
 
 from .conftest import ENGINE_MODEL, JOB_LEASE_S, STUB_MODEL, wait_for
 
-JOBS_SWEEP = "api.jobs.tasks.jobs_sweep"
+JOBS_SWEEP = "api.jobs.tasks.jobs_sweep_task"
 
 
 def _client(system, account) -> httpx.Client:

@@ -1,4 +1,4 @@
 """The fuzz suite reuses the gateway suite's live server (uvicorn in a thread of the test
-process, on the test database) and its ledger settings."""
+process, on the test database) and its lease-writer settings."""
 
-from tests.gateway.conftest import gateway_url, ledger_writes_at_once  # noqa: F401
+from tests.gateway.conftest import gateway_url, leases_write_at_once  # noqa: F401

@@ -27,9 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from acs_client.codec import encode_vector
+from api.errors import ERROR_CODES
 from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
 from api.models import LanguageModel
-from api.openapi import ERROR_CODES, openapi_document
+from api.openapi import openapi_document
 from api.selectors import registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
@@ -42,7 +43,7 @@ HIDDEN = ENGINE_MODEL_FIELDS["hidden_size"]
 # /v1/harvest (SmolLM2-135M in bfloat16); about twice that catches a leak or an allocation
 # sized by the input.
 ENGINE_RSS_LIMIT_MB = 2000
-ERROR_TABLE = {code for _, code, _ in ERROR_CODES}
+ERROR_TABLE = set(ERROR_CODES)
 DOCUMENT = openapi_document()
 OPERATIONS = [
     (method.upper(), path)

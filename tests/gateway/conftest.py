@@ -9,8 +9,9 @@ import httpx
 import pytest
 from django.db import connections
 
-from api import admission, background, completions, ledger, selectors, upstream
+from api import admission, completions, selectors, upstream
 from api.models import LanguageModel
+from metering import background, leases
 
 from .stub import StubUpstream, serve_in_thread, stop_server
 
@@ -41,21 +42,21 @@ def gateway_url(tmp_path_factory, django_db_setup):
 
 
 @pytest.fixture(autouse=True)
-def ledger_writes_at_once(monkeypatch):
-    """The ledger writes each request's usage and gives its budget lease back as soon as it
+def leases_write_at_once(monkeypatch):
+    """The lease writer writes each request's usage and gives its budget lease back as soon as it
     can, so a test that waited for `background.pending()` sees every window settled. Tests
     of batching and lease reuse set their own delays."""
-    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 0)
-    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 0)
-    monkeypatch.setattr(ledger, "RETRY_S", 0.05)
+    monkeypatch.setattr(leases, "FLUSH_DELAY_S", 0)
+    monkeypatch.setattr(leases, "LEASE_IDLE_S", 0)
+    monkeypatch.setattr(leases, "RETRY_S", 0.05)
 
 
 @pytest.fixture
 def exact_budgets(monkeypatch):
     """No budget leases: every request holds a BudgetReservation of its own."""
-    from accounts import services
+    from metering import budgets
 
-    monkeypatch.setattr(services, "LEASE_MAX_TOKENS", 0)
+    monkeypatch.setattr(budgets, "LEASE_MAX_TOKENS", 0)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Budget leases and batched metering (api.ledger) on the live gateway, real PostgreSQL."""
+"""Budget leases and batched metering (metering.leases) on the live gateway, real PostgreSQL."""
 
 import asyncio
 import datetime as dt
@@ -13,7 +13,8 @@ from django.utils import timezone
 from accounts import services
 from accounts.models import BudgetLease, BudgetReservation, UsageRecord
 from accounts.periods import day_start, month_start
-from api import admission, background, ledger, metering
+from api import admission
+from metering import background, budgets, gateway, leases, sql
 
 from .conftest import key_day_window, wait_settled
 from .test_admission_and_budgets import fire
@@ -26,24 +27,24 @@ BODY = {"model": "stub-model", "prompt": "hello", "max_tokens": 4}
 @pytest.fixture
 def lasting_leases(monkeypatch):
     """Leases outlive their requests (as in production) until `give_back` is called."""
-    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 600)
+    monkeypatch.setattr(leases, "LEASE_IDLE_S", 600)
 
     def give_back():
-        monkeypatch.setattr(ledger, "LEASE_IDLE_S", 0)
-        on_each_ledger(idle_timer_fired)
+        monkeypatch.setattr(leases, "LEASE_IDLE_S", 0)
+        on_each_loop(idle_timer_fired)
         wait_settled()
 
     return give_back
 
 
-def on_each_ledger(make_coroutine) -> None:
-    """Run `make_coroutine(ledger)` on the server loop of each ledger, and wait for it."""
-    for loop, book in list(ledger._ledgers.items()):
+def on_each_loop(make_coroutine) -> None:
+    """Run `make_coroutine(leases)` on the server loop of each loop's leases, and wait for it."""
+    for loop, book in list(leases._by_loop.items()):
         asyncio.run_coroutine_threadsafe(make_coroutine(book), loop).result(timeout=10)
 
 
 async def idle_timer_fired(book) -> None:
-    """What the ledger's idle timer does, on the server loop, awaited."""
+    """What the lease writer's idle timer does, on the server loop, awaited."""
     background.on_server_loop.set(True)
     book._timer_fired()
     while book.writer is not None:
@@ -73,14 +74,14 @@ def test_requests_of_a_key_share_one_lease_and_settle_exactly(
 
 def test_usage_records_are_written_in_batches(client, stub, api_key, monkeypatch):
     writes = []
-    run_steps_async = ledger.run_steps_async
+    run_steps_async = leases.run_steps_async
 
     async def counted(make_steps):
         writes.append(make_steps)
         return await run_steps_async(make_steps)
 
-    monkeypatch.setattr(ledger, "run_steps_async", counted)
-    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 2.0)
+    monkeypatch.setattr(leases, "run_steps_async", counted)
+    monkeypatch.setattr(leases, "FLUSH_DELAY_S", 2.0)
     with httpx.Client(
         base_url=client.base_url, headers=client.headers, timeout=30
     ) as without_waiting:
@@ -153,21 +154,21 @@ def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count
     lease = BudgetLease(
         key=api_key, user=api_key.user, month_start=month_start(now), day_start=day_start(now)
     )
-    granted = services.run_steps(
-        lambda: services.budget_lease_steps(
+    granted = sql.run_steps(
+        lambda: budgets.budget_lease_steps(
             key=api_key, lease=lease, retiring=None, give_back=0, worst_case=10, now=now
         )
     )
     assert granted > 0 and key_day_window(api_key).reserved_tokens == granted
-    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    assert budgets.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
     BudgetLease.objects.filter(pk=lease.pk).update(alive_at=now - dt.timedelta(hours=1))
-    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
+    assert budgets.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
     assert key_day_window(api_key).reserved_tokens == 0
     assert BudgetLease.objects.get().returned_at is not None
-    assert services.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
+    assert budgets.budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
     # Its process was only frozen: what it spent still counts, and nothing goes negative.
     spend = {"lease": lease, "prompt_tokens": 3, "completion_tokens": 4, "requests": 1}
-    services.run_steps(lambda: services.budget_lease_spend_steps(spends=[spend]))
+    sql.run_steps(lambda: budgets.budget_lease_spend_steps(spends=[spend]))
     window = key_day_window(api_key)
     assert (window.used_tokens, window.reserved_tokens, window.requests) == (7, 0, 1)
     assert BudgetLease.objects.get().held_tokens == 0
@@ -179,7 +180,7 @@ def test_a_long_live_stream_keeps_its_hold_through_the_sweep(
 ):
     if exact:
         request.getfixturevalue("exact_budgets")
-    monkeypatch.setattr(metering, "HOLD_HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(gateway, "HOLD_HEARTBEAT_S", 0.2)
     stub.mode["gap"] = 0.1
     body = {**BODY, "max_tokens": 60, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -188,7 +189,7 @@ def test_a_long_live_stream_keeps_its_hold_through_the_sweep(
             if time.monotonic() - started > 3:
                 break
         # The hold was made 3 s ago, twice the sweep's age here, and the stream still runs.
-        assert services.budget_release_stale(older_than=dt.timedelta(seconds=1.5)) == 0
+        assert budgets.budget_release_stale(older_than=dt.timedelta(seconds=1.5)) == 0
         assert key_day_window(api_key).reserved_tokens > 0
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
@@ -204,7 +205,7 @@ def test_a_record_that_cannot_be_written_does_not_lose_the_others(
     doomed, doomed_secret = services.api_key_create(
         user=approved_user, name="doomed", acting_user=None
     )
-    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 1.0)
+    monkeypatch.setattr(leases, "FLUSH_DELAY_S", 1.0)
     for token in (secret, secret, doomed_secret):
         response = httpx.post(
             f"{gateway_url}/v1/completions",
@@ -221,20 +222,32 @@ def test_a_record_that_cannot_be_written_does_not_lose_the_others(
     assert (window.used_tokens, window.reserved_tokens) == (10, 0)
 
 
+def steps_name(make_steps) -> str:
+    """The name of the step generator `make_steps` makes (a driver may call it again)."""
+    steps = make_steps()
+    steps.close()
+    return steps.gi_code.co_name
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["lost-before", "lost-after-commit"])
 def test_a_stream_whose_batch_fails_once_ends_with_done_and_is_metered_once(
-    client, stub, api_key, monkeypatch
+    client, stub, api_key, monkeypatch, committed
 ):
+    """The connection breaks while writing a batch: before the transaction reached the
+    database, or after its COMMIT did (the outcome is unknown to the gateway)."""
     from django.db import OperationalError
 
-    batch_steps, failures = ledger._batch_steps, []
+    real, failures = leases.run_steps_async, []
 
-    def failing_once(spends, records):
-        if not failures:
-            failures.append(records)
+    async def breaking_first_batch(make_steps):
+        if steps_name(make_steps) == "_batch_steps" and not failures:
+            failures.append(make_steps)
+            if committed:
+                await real(make_steps)
             raise OperationalError("connection lost")
-        yield from batch_steps(spends, records)
+        return await real(make_steps)
 
-    monkeypatch.setattr(ledger, "_batch_steps", failing_once)
+    monkeypatch.setattr(leases, "run_steps_async", breaking_first_batch)
     body = {**BODY, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line]
@@ -249,12 +262,12 @@ def test_a_stream_whose_batch_fails_once_ends_with_done_and_is_metered_once(
 def test_shutdown_writes_what_is_queued_and_gives_every_lease_back(
     client, stub, api_key, monkeypatch
 ):
-    monkeypatch.setattr(ledger, "LEASE_IDLE_S", 600)
-    monkeypatch.setattr(ledger, "FLUSH_DELAY_S", 600)
+    monkeypatch.setattr(leases, "LEASE_IDLE_S", 600)
+    monkeypatch.setattr(leases, "FLUSH_DELAY_S", 600)
     with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=30) as plain:
         assert plain.post("/v1/completions", json=BODY).status_code == 200
     assert not UsageRecord.objects.exists()
-    on_each_ledger(lambda book: book.drain())
+    on_each_loop(lambda book: book.drain())
     assert UsageRecord.objects.count() == 1
     window = key_day_window(api_key)
     assert (window.used_tokens, window.reserved_tokens) == (5, 0)
@@ -267,19 +280,18 @@ def test_a_settlement_the_database_dropped_is_retried_and_metered_once(
 ):
     """The connection breaks while settling a reservation: before the transaction reached
     the database, or after its COMMIT did (the outcome is unknown to the gateway)."""
-    real, broken = metering.run_steps_async, []
-    monkeypatch.setattr(metering, "SETTLE_RETRY_S", (0.05,))
+    real, broken = gateway.run_steps_async, []
+    monkeypatch.setattr(gateway, "SETTLE_RETRY_S", (0.05,))
 
     async def breaking_first_settlement(make_steps):
-        steps = make_steps()
-        if steps.gi_code.co_name == "_settle_and_record_steps" and not broken:
-            broken.append(steps)
+        if steps_name(make_steps) == "_settle_and_record_steps" and not broken:
+            broken.append(make_steps)
             if committed:
-                await real(lambda: steps)
-            raise metering.ApiError(503, "db_pool_exhausted", "The connection was lost.")
-        return await real(lambda: steps)
+                await real(make_steps)
+            raise sql.DatabaseBusy("The connection was lost.")
+        return await real(make_steps)
 
-    monkeypatch.setattr(metering, "run_steps_async", breaking_first_settlement)
+    monkeypatch.setattr(gateway, "run_steps_async", breaking_first_settlement)
     assert client.post("/v1/completions", json=BODY).status_code == 200
     wait_settled()
     assert broken

@@ -231,15 +231,15 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
 ):
     import asyncio
 
-    from api import completions
+    from metering import gateway
 
-    hold = completions.reserve
+    hold = gateway.reserve
 
     async def slow_hold(**kwargs):
         await asyncio.sleep(0.5)
         return await hold(**kwargs)
 
-    monkeypatch.setattr(completions, "reserve", slow_hold)
+    monkeypatch.setattr(gateway, "reserve", slow_hold)
     post_and_leave(gateway_url, api_secret, after=0.2)
     # The hold the request was making when its client left is made, then released at once
     # (not left reserved until the sweep), and the upstream was never called.

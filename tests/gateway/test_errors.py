@@ -488,12 +488,12 @@ def test_an_unexpected_failure_in_a_v1_view_is_a_500_envelope(client, stub, monk
 def test_a_saturated_database_pool_is_503_db_pool_exhausted(client, stub, monkeypatch):
     from psycopg_pool import PoolTimeout
 
-    from api import db
+    from metering import sql
 
     async def saturated(pool, steps):
         raise PoolTimeout("no connection within the timeout")
 
-    monkeypatch.setattr(db, "_run_on", saturated)
+    monkeypatch.setattr(sql, "_run_on", saturated)
     response = client.post("/v1/completions", json=BASE)
     assert_error(response, 503, "db_pool_exhausted", retry_after=2)
     assert stub.requests == []

@@ -19,14 +19,14 @@ from django.db import connection
 
 from accounts.models import BudgetLease, Period, UsagePeriod, UsageRecord
 from accounts.services import api_key_create
-from accounts.tasks import release_stale_budget_reservations
 from api import admission
+from metering.tasks import budget_release_stale_task
 from tests.conftest import PASSWORD
 from tests.servers import REPO_ROOT, free_port, stop, wait_ready
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# What a replica that dies may lose, by the ledger's documented window: the usage of the
+# What a replica that dies may lose, by the lease writer's documented window: the usage of the
 # requests that finished in the last FLUSH_DELAY_S, plus a batch whose transaction had not
 # committed yet. On a loaded 2-core machine that write can take a few hundred ms, so the test
 # allows the requests answered in the last second before the kill.
@@ -368,7 +368,7 @@ async def test_killed_replica_loses_only_its_unwritten_window_and_its_leases_ret
         dead_leases = BudgetLease.objects.filter(returned_at=None).count()
         reserved_before = windows_reserved()
         settings.ACS_STALE_RESERVATION_SECONDS = 0
-        release_stale_budget_reservations()
+        budget_release_stale_task()
         day = UsagePeriod.objects.get(key=api_key, period=Period.DAY)
         return dead_leases, reserved_before, day, BudgetLease.objects.filter(returned_at=None)
 

@@ -5,7 +5,7 @@ test runs each worker step itself."""
 import pytest
 from django.db import connections
 
-from api.jobs import tasks
+from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
@@ -63,14 +63,9 @@ class SentTasks(list):
 @pytest.fixture(autouse=True)
 def sent_tasks(monkeypatch):
     sent = SentTasks()
-    for task in (tasks.completion_job_run, tasks.harvest_job_run):
-
-        def delay(job_id, _name=task.name):
-            sent.append((_name, job_id, None))
-
-        def apply_async(args, countdown=None, _name=task.name, **options):
-            sent.append((_name, args[0], countdown))
-
-        monkeypatch.setattr(task, "delay", delay)
-        monkeypatch.setattr(task, "apply_async", apply_async)
+    monkeypatch.setattr(
+        celery_app,
+        "send_task",
+        lambda name, args, countdown=None: sent.append((name, args[0], countdown)),
+    )
     return sent

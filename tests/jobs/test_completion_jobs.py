@@ -19,7 +19,7 @@ from api.jobs import services, tasks
 from api.jobs.models import CompletionJob, CompletionJobStatus
 
 BODY = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 2}
-JOB_RUN = "api.jobs.tasks.completion_job_run"
+JOB_RUN = "api.jobs.tasks.completion_job_run_task"
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -136,7 +136,7 @@ def test_result_is_202_with_retry_after_until_done_then_the_completion(
     assert int(pending["Retry-After"]) > 0
     assert pending.json()["status"] == "queued"
 
-    tasks.completion_job_run.apply((job_id,)).get()
+    tasks.completion_job_run_task.apply((job_id,)).get()
 
     status = api_client.get(f"/v1/completion-jobs/{job_id}").json()
     assert status["status"] == "succeeded"
@@ -264,7 +264,7 @@ def test_another_users_job_is_404(api_client, client, engine_model, other_user):
 
 
 def test_the_beat_sweep_task_expires_and_recovers_jobs(api_key, sent_tasks, settings):
-    assert settings.CELERY_BEAT_SCHEDULE["jobs-sweep"]["task"] == tasks.jobs_sweep.name
+    assert settings.CELERY_BEAT_SCHEDULE["jobs-sweep"]["task"] == tasks.jobs_sweep_task.name
     ended, _ = services.completion_job_submit(key=api_key, idempotency_key="old", payload=BODY)
     stuck, _ = services.completion_job_submit(key=api_key, idempotency_key="stuck", payload=BODY)
     long_ago = timezone.now() - timedelta(days=2)
@@ -274,6 +274,6 @@ def test_the_beat_sweep_task_expires_and_recovers_jobs(api_key, sent_tasks, sett
     CompletionJob.objects.filter(pk=stuck.pk).update(
         status=CompletionJobStatus.RUNNING, attempts=1, lease_expires_at=long_ago
     )
-    tasks.jobs_sweep()
+    tasks.jobs_sweep_task()
     assert not CompletionJob.objects.filter(pk=ended.pk).exists()
     assert CompletionJob.objects.get(pk=stuck.pk).status == CompletionJobStatus.QUEUED

@@ -28,7 +28,7 @@ def _post(client, body=BODY, **headers):
 
 def _done_job(api_client):
     job_id = _post(api_client, {**BODY, "layers": [3, 5]}).json()["job_id"]
-    tasks.harvest_job_run.apply((job_id,)).get()
+    tasks.harvest_job_run_task.apply((job_id,)).get()
     return job_id
 
 
@@ -41,7 +41,7 @@ def test_submit_returns_202_pending_with_quartile_layers_by_default(
     assert body["status"] == "pending"
     assert (body["model"], body["n_prompts"]) == ("smollm2-135m", 2)
     assert HarvestJob.objects.get(pk=body["job_id"]).layers == [7, 15, 22]
-    assert sent_tasks.ids("api.jobs.tasks.harvest_job_run") == [body["job_id"]]
+    assert sent_tasks.ids("api.jobs.tasks.harvest_job_run_task") == [body["job_id"]]
 
 
 def test_layers_all_means_every_layer(api_client, engine_model):

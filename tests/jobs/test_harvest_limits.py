@@ -225,7 +225,7 @@ def test_the_beat_sweep_deletes_the_files_of_jobs_past_their_retention(
     recent = _ended_job(api_key, ended_ago=retention - timedelta(minutes=1))
     old_links = api_client.get(f"/v1/harvest/{old.pk}").json()["result"]
 
-    tasks.jobs_sweep()
+    tasks.jobs_sweep_task()
 
     assert not default_storage.exists(old.storage_prefix + "manifest.json")
     assert default_storage.exists(recent.storage_prefix + "manifest.json")
@@ -268,7 +268,7 @@ class WorkerKilled(BaseException):
 def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
     api_key, engine_model, engine_url, redis_client, settings, monkeypatch
 ):
-    from accounts.services import budget_release_stale
+    from metering.budgets import budget_release_stale
 
     settings.ACS_HARVEST_BATCH_SIZE = 1
     real_capture_batch = services.capture_batch

@@ -222,7 +222,7 @@ def test_an_unreachable_upstream_puts_the_job_back_to_pending_until_attempts_run
         assert job.attempts == attempt
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "upstream_unreachable"
-    retries = [c for name, _, c in sent_tasks if name.endswith("harvest_job_run") and c]
+    retries = [c for name, _, c in sent_tasks if name.endswith("harvest_job_run_task") and c]
     assert len(retries) == settings.ACS_JOB_MAX_ATTEMPTS - 1
 
 
@@ -237,7 +237,7 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
     assert services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
     assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 0)
-    assert sent_tasks.ids("api.jobs.tasks.harvest_job_run")[-1] == str(job.pk)
+    assert sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")[-1] == str(job.pk)
 
     HarvestJob.objects.filter(pk=job.pk).update(
         status=HarvestJobStatus.RUNNING,

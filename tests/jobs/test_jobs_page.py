@@ -206,7 +206,7 @@ def test_a_finished_harvest_has_download_links_and_a_norm_chart(
 
 @pytest.fixture
 def model_list(monkeypatch):
-    monkeypatch.setattr("playground.selectors.models_available", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr("playground.services.language_models_fetch", lambda *, user: ([MODEL], ""))
 
 
 COMPLETION_POST = {

@@ -9,9 +9,18 @@ import httpx
 import pytest
 
 from acs_client.client import AcsClient
+from acs_portal.celery import app as celery_app
+from acs_portal.redis import redis_sync
+from playground import streams
 from tests.gateway.conftest import gateway_url  # noqa: F401 (the live /v1 gateway)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def replay(run_id) -> list[dict]:
+    """Every event published so far to the run's stream."""
+    entries = redis_sync().xrange(streams.stream_key(run_id))
+    return [json.loads(fields[b"event"]) for _, fields in entries]
 
 
 def recorded(name: str):
@@ -46,5 +55,7 @@ def gateway(monkeypatch):
 def no_enqueue(monkeypatch):
     """Record enqueued run ids instead of sending them to the broker."""
     queued = []
-    monkeypatch.setattr("playground.tasks.run_execute.delay", queued.append)
+    monkeypatch.setattr(
+        celery_app, "send_task", lambda name, args, countdown=None: queued.append(args[0])
+    )
     return queued

@@ -10,6 +10,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
+from acs_portal.celery import app as celery_app
 from playground import services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind, JobSubmission, JobSubmissionStatus
@@ -30,7 +31,9 @@ JOB_ID = "0b8f5a52-0f4e-4c55-9d8c-1d1f3cf0a001"
 @pytest.fixture
 def enqueued(monkeypatch):
     sent = []
-    monkeypatch.setattr("playground.tasks.job_submission_send.delay", sent.append)
+    monkeypatch.setattr(
+        celery_app, "send_task", lambda name, args, countdown=None: sent.append(args[0])
+    )
     return sent
 
 

@@ -12,10 +12,10 @@ from django.db import connection
 from accounts.models import ApiKey, AuditLog
 from accounts.services import api_key_authenticate, api_key_revoke
 from api.auth import access_generation_bump
-from playground import services, streams, tasks
+from playground import services, tasks
 from playground.models import Run, RunKind, RunStatus
 
-from .conftest import recorded
+from .conftest import recorded, replay
 
 REQUEST = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 6}
 TIMING = {"server-timing": "gateway;dur=14.5, upstream;dur=11.25", "x-request-id": "req-9"}
@@ -116,7 +116,7 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
     assert httpx.Response(200, content=sent.content).json() == REQUEST
     _, secret = services.playground_key_get_or_create(user=queued_run.user)
     assert sent.headers["authorization"] == f"Bearer {secret}"
-    assert [event["type"] for event in streams.replay(run.id)] == ["status", "end"]
+    assert [event["type"] for event in replay(run.id)] == ["status", "end"]
 
 
 def test_streamed_run_publishes_tokens_and_merges_the_frames(
@@ -127,7 +127,7 @@ def test_streamed_run_publishes_tokens_and_merges_the_frames(
         200, text=recorded("stream.txt"), headers=TIMING
     )
     run = services.run_execute(run_id=run.id, final_attempt=False)
-    events = streams.replay(run.id)
+    events = replay(run.id)
     assert [e["text"] for e in events if e["type"] == "token"] == ["\n", "//", " create"]
     assert events[-1] == {"type": "end", "status": "succeeded"}
     choice = run.response["choices"][0]
@@ -153,7 +153,7 @@ def test_transient_error_requeues_the_run_for_a_retry(queued_run, gateway, redis
         services.run_execute(run_id=queued_run.id, final_attempt=False)
     queued_run.refresh_from_db()
     assert queued_run.status == RunStatus.QUEUED and queued_run.attempts == 1
-    assert streams.replay(queued_run.id) == []
+    assert replay(queued_run.id) == []
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ def test_permanent_error_fails_the_run_with_the_api_code(
     run = services.run_execute(run_id=queued_run.id, final_attempt=False)
     assert run.status == RunStatus.FAILED
     assert run.error_code == code and run.error_message == f"{code} happened"
-    assert streams.replay(run.id)[-1]["error"]["code"] == code
+    assert replay(run.id)[-1]["error"]["code"] == code
 
 
 def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
@@ -197,7 +197,7 @@ def test_error_frame_after_tokens_fails_without_retry(
     assert (run.status, run.error_code, run.error_message) == (
         RunStatus.FAILED, "vllm_engine_dead", "engine died"
     )  # fmt: skip
-    assert [e["type"] for e in streams.replay(run.id)] == ["status", "token", "end"]
+    assert [e["type"] for e in replay(run.id)] == ["status", "token", "end"]
 
 
 def test_unreadable_answer_fails_the_run_instead_of_leaving_it_running(
@@ -224,14 +224,14 @@ def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_
         ]
     )
     gateway.handler = lambda request: next(answers)
-    tasks.run_execute.apply(args=[str(queued_run.id)])
+    tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
     assert queued_run.status == RunStatus.SUCCEEDED and queued_run.attempts == 3
 
 
 def test_task_does_not_retry_a_permanent_error(queued_run, gateway, redis_client):
     gateway.handler = lambda request: error(400, "context_length_exceeded")
-    tasks.run_execute.apply(args=[str(queued_run.id)])
+    tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
     assert queued_run.status == RunStatus.FAILED and queued_run.attempts == 1
     assert len(gateway.requests) == 1
@@ -239,7 +239,7 @@ def test_task_does_not_retry_a_permanent_error(queued_run, gateway, redis_client
 
 def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_client):
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "0"})
-    tasks.run_execute.apply(args=[str(queued_run.id)])
+    tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
     assert queued_run.status == RunStatus.FAILED
     assert len(gateway.requests) == settings.PLAYGROUND_RUN_MAX_RETRIES + 1
@@ -288,14 +288,14 @@ def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
     alive = Run.objects.create(
         user=approved_user, request=request, status=RunStatus.RUNNING, started_at=now
     )
-    assert tasks.runs_sweep() == 2
+    assert tasks.runs_sweep_task() == 2
     for run, code in [(dead, "worker_lost"), (lost, "not_started")]:
         run.refresh_from_db()
         assert (run.status, run.error_code) == (RunStatus.FAILED, code)
         assert run.error_message
     alive.refresh_from_db()
     assert alive.status == RunStatus.RUNNING
-    assert tasks.runs_sweep() == 0
+    assert tasks.runs_sweep_task() == 0
 
 
 @pytest.mark.django_db(transaction=True)
@@ -317,5 +317,5 @@ def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_mes
     assert run.error_code == "key_revoked"
     assert run.error_message == "This API key has been revoked; create a new one."
     assert run.request_id
-    end = list(streams.replay(run.id))[-1]
+    end = list(replay(run.id))[-1]
     assert end["error"] == {"code": "key_revoked", "message": run.error_message}

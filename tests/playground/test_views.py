@@ -37,7 +37,7 @@ EVIL = "<script>alert('pwned')</script><b>bold</b>"
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
-    monkeypatch.setattr(selectors, "models_available", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_page_lists_every_request_field_with_limits(user_client):
 
 def test_model_without_activations_disables_capture_with_the_reason(user_client, monkeypatch):
     plain = {**MODEL, "capabilities": {**MODEL["capabilities"], "activations": False}}
-    monkeypatch.setattr(selectors, "models_available", lambda *, user: ([plain], ""))
+    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([plain], ""))
     page = user_client.get(reverse("playground:page")).content.decode()
     assert "smollm2-135m does not support activation capture or steering." in page
     assert 'name="capture" disabled' in page or 'disabled id="id_capture"' in page

@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from accounts.services import usage_record_create
+from metering.usage import usage_record_create
 
 _request_ids = itertools.count()
 

@@ -6,7 +6,7 @@ from django.test.utils import CaptureQueriesContext
 
 from accounts.models import UsageRecord
 from accounts.services import api_key_create
-from accounts.usage_selectors import REQUEST_LOG_PAGE_SIZE
+from metering.selectors import REQUEST_LOG_PAGE_SIZE
 
 from .conftest import table_rows, utc
 

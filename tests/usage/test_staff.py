@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from accounts.models import UsageDaily, UsageRecord
 from accounts.services import api_key_create, service_spend_cap_set
-from accounts.usage_selectors import UsageWindow, latency_percentiles, usage_summary
+from metering.selectors import UsageWindow, latency_percentiles, usage_summary
 
 from .conftest import table_rows, utc
 

@@ -226,10 +226,10 @@ def test_page_carries_plotly_figures_of_the_same_numbers(user_client, january):
 
     text = response.content.decode()
     embedded = re.search(
-        r'<script type="application/json" id="usage-figure-tokens">(.*?)</script>', text
+        r'<script id="usage-figure-tokens" type="application/json">(.*?)</script>', text
     )
     tokens = json.loads(embedded.group(1))
-    requests = json.loads(response.context["figures"]["requests"])
+    requests = response.context["figures"]["requests"]
     days = response.context["summary"]["days"]
     prompt, completion = tokens["data"]
     assert prompt["x"] == [d["day"].isoformat() for d in days]
@@ -252,7 +252,7 @@ def test_pending_user_is_refused_and_anonymous_is_sent_to_log_in(client, pending
 def test_project_urls_mount_the_usage_pages_under_usage():
     from django.urls import resolve
 
-    from accounts import usage_views
+    from portal import usage_views
 
     assert resolve("/usage/", urlconf="acs_portal.urls").func is usage_views.usage_page
     assert resolve("/usage/staff/", urlconf="acs_portal.urls").func is usage_views.staff_overview

@@ -11,12 +11,12 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from accounts.htmx import with_messages
+from api.jobs import selectors, services
 from playground import selectors as playground_selectors
 from playground import services as playground_services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind
 
-from . import selectors, services
 from .figures import harvest_norm_figure
 
 # How often the page re-reads the jobs while one is queued or running.
@@ -44,7 +44,7 @@ def _capabilities(models: list[dict], wanted: str | None, *, activations=False):
 
 def _job_forms(request, **bound) -> dict:
     """The two submit forms, fresh unless a bound one (with its errors) is given."""
-    models, models_error = playground_selectors.models_available(user=request.user)
+    models, models_error = playground_services.language_models_fetch(user=request.user)
     return {
         "models_error": models_error,
         "completion_form": bound.get("completion_form")
@@ -113,7 +113,7 @@ def _form_errors(request, **bound):
 @approved_required
 @require_POST
 def completion_job_create(request):
-    models, _ = playground_selectors.models_available(user=request.user)
+    models, _ = playground_services.language_models_fetch(user=request.user)
     capabilities = _capabilities(models, request.POST.get("completion-model"))
     form = CompletionJobForm(request.POST, models=models, capabilities=capabilities)
     if not form.is_valid():
@@ -130,7 +130,7 @@ def completion_job_create(request):
 @approved_required
 @require_POST
 def harvest_job_create(request):
-    models, _ = playground_selectors.models_available(user=request.user)
+    models, _ = playground_services.language_models_fetch(user=request.user)
     capabilities = _capabilities(models, request.POST.get("harvest-model"), activations=True)
     form = HarvestJobForm(request.POST, request.FILES, models=models, capabilities=capabilities)
     if not form.is_valid():

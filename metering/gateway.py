@@ -1,9 +1,9 @@
-"""Budget holds, settlement and the usage ledger, as async calls for the gateway.
+"""Budget holds, settlement and usage records, as async calls for the gateway.
 
 `reserve` holds a request's worst case before the upstream: out of a budget lease of the
-process where it can (`api.ledger`), else as a reservation in one transaction of
-`accounts.services` step generators (`db.run_steps_async`). `meter` settles the hold to the
-actual usage and writes the usage record: batched by the ledger on the server loop, else in
+process where it can (`metering.leases`), else as a reservation in one transaction of
+`metering.budgets` step generators (`sql.run_steps_async`). `meter` settles the hold to the
+actual usage and writes the usage record: batched with the leases on the server loop, else in
 one transaction. `keep_alive` tells the sweep of stale holds that a long request still runs.
 """
 
@@ -15,18 +15,11 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from accounts.models import UsageRecord
-from accounts.services import (
-    BudgetExceeded,
-    budget_holds_alive_steps,
-    budget_reserve_steps,
-    budget_settle_steps,
-    usage_record_written_steps,
-    usage_records_steps,
-)
 
-from . import background, ledger
-from .db import run_steps_async
-from .errors import ApiError
+from . import background, leases
+from .budgets import budget_holds_alive_steps, budget_reserve_steps, budget_settle_steps
+from .sql import DatabaseBusy, run_steps_async
+from .usage import usage_record_written_steps, usage_records_steps
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +33,26 @@ SETTLE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
-    """Hold the worst case against every budget window: a `ledger.LeaseHold` or a
-    `BudgetReservation` (whose `max_tokens_applied` may be clamped), or raise 429 with the
-    contract's code (budget_exceeded, activation_quota_exceeded, spend_cap)."""
+    """Hold the worst case against every budget window: a `leases.LeaseHold` or a
+    `BudgetReservation` (whose `max_tokens_applied` may be clamped), or raise
+    `BudgetExceeded` (or `sql.DatabaseBusy`)."""
     now = timezone.now()
-    try:
-        if ledger.leasable(key, activation=activation):
-            hold = await ledger.current().hold(
-                key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
-            )
-            if hold is not None:
-                return hold
-        return await run_steps_async(
-            lambda: budget_reserve_steps(
-                key=key,
-                prompt_tokens=prompt_tokens,
-                max_tokens=max_tokens,
-                completions=completions,
-                activation=activation,
-                now=now,
-            )
+    if leases.leasable(key, activation=activation):
+        hold = await leases.current().hold(
+            key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
         )
-    except BudgetExceeded as error:
-        raise budget_refusal(error) from None
-
-
-def budget_refusal(error: BudgetExceeded) -> ApiError:
-    """The contract's 429 for a request the budgets refuse (Retry-After for spend_cap,
-    X-Should-Retry: false for spent budgets and quotas)."""
-    return ApiError(429, error.code, error.message)
+        if hold is not None:
+            return hold
+    return await run_steps_async(
+        lambda: budget_reserve_steps(
+            key=key,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            completions=completions,
+            activation=activation,
+            now=now,
+        )
+    )
 
 
 def _settle_and_record_steps(settlement: dict | None, record: UsageRecord, *, retry: bool):
@@ -82,9 +66,9 @@ def _settle_and_record_steps(settlement: dict | None, record: UsageRecord, *, re
 def meter(*, hold, record: UsageRecord, urgent: bool):
     """Settle `hold` (what `reserve` returned, or None) to the usage of the unsaved usage
     `record` and write the record. Returns a future done once both are written; `urgent`
-    asks the ledger not to wait for a fuller batch."""
-    if isinstance(hold, ledger.LeaseHold) or (hold is None and ledger.active()):
-        return ledger.current().meter(hold=hold, record=record, urgent=urgent)
+    asks the lease writer not to wait for a fuller batch."""
+    if isinstance(hold, leases.LeaseHold) or (hold is None and leases.active()):
+        return leases.current().meter(hold=hold, record=record, urgent=urgent)
     settlement = None
     if hold is not None:
         settlement = {
@@ -104,7 +88,7 @@ async def _settle_and_record(settlement: dict | None, record: UsageRecord) -> No
                 lambda retry=attempt > 0: _settle_and_record_steps(settlement, record, retry=retry)
             )
             return
-        except (ApiError, OperationalError, psycopg.OperationalError) as error:
+        except (DatabaseBusy, OperationalError, psycopg.OperationalError) as error:
             if pause is None:
                 # The hold stays reserved until the sweep frees it as a dead process's.
                 logger.error("dropped usage %s: %r", record.request_id, error)
@@ -115,7 +99,7 @@ async def _settle_and_record(settlement: dict | None, record: UsageRecord) -> No
 def keep_alive(hold):
     """Mark `hold` (what `reserve` returned) alive now, in work of its own, so that the sweep
     leaves it (or the lease it was taken from) alone; returns that work's future."""
-    if isinstance(hold, ledger.LeaseHold):
+    if isinstance(hold, leases.LeaseHold):
         ids = {"lease_ids": [hold.lease.row.pk]}
     else:
         ids = {"reservation_ids": [hold.pk]}

@@ -4,7 +4,7 @@ Reserving each request's worst case in PostgreSQL, then settling it and writing 
 record, took two transactions and about 2 ms of the gateway's CPU per request, against a
 latency target of 2 ms for the whole gateway. So on its server loop a process instead:
 
-- takes a *lease* for a key (`accounts.services.budget_lease_steps`): a slice of what the
+- takes a *lease* for a key (`metering.budgets.budget_lease_steps`): a slice of what the
   key's and its account's windows have left, reserved in those windows like a request's worst
   case, and holds each request's worst case out of the lease in memory;
 - writes what finished requests spent, and every usage record, in batches ("group commit"):
@@ -17,7 +17,7 @@ latency target of 2 ms for the whole gateway. So on its server loop a process in
 
 Nothing can overspend: a lease's tokens are reserved in every window before a request takes
 any, and a request takes its whole worst case. Leases are granted only far from the limits
-(see `accounts.services.LEASE_SHARE`); near a limit every request is reserved exactly, with
+(see `metering.budgets.LEASE_SHARE`); near a limit every request is reserved exactly, with
 clamping, after the process gave back its lease's unused tokens. What leasing changes is
 visible: a window's `reserved` includes leased tokens until they are given back, and `used`
 trails by up to FLUSH_DELAY_S. A process that dies loses the usage it had not written yet (at
@@ -35,15 +35,11 @@ from django.utils import timezone
 
 from accounts.models import BudgetLease, UsageRecord
 from accounts.periods import day_start, month_start
-from accounts.services import (
-    budget_lease_return_steps,
-    budget_lease_spend_steps,
-    budget_lease_steps,
-    usage_records_steps,
-)
 
-from . import background
-from .db import on_postgresql, run_steps_async
+from . import background, windows
+from .budgets import budget_lease_return_steps, budget_lease_spend_steps, budget_lease_steps
+from .sql import on_postgresql, run_steps_async
+from .usage import usage_record_written_steps, usage_records_steps
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +79,7 @@ class Lease:
 
 @dataclass(eq=False)
 class LeaseHold:
-    """A request's worst case held out of a lease; `metering.reserve` returns it in place
+    """A request's worst case held out of a lease; `gateway.reserve` returns it in place
     of a BudgetReservation (it is never clamped)."""
 
     lease: Lease
@@ -93,22 +89,17 @@ class LeaseHold:
 
 def active() -> bool:
     """Whether this call runs on the gateway's server loop against PostgreSQL, where
-    metering goes through the ledger."""
+    metering goes through budget leases and batched writes."""
     return background.on_server_loop.get() and on_postgresql()
 
 
 def leasable(key, *, activation: bool) -> bool:
     """Whether a request of `key` may be held out of a lease: activation requests (counted
     against a per-request quota) and keys with input or output budgets are reserved exactly."""
-    return (
-        active()
-        and not activation
-        and key.monthly_input_budget is None
-        and key.monthly_output_budget is None
-    )
+    return active() and not activation and not windows.has_split_limit(key)
 
 
-class _Ledger:
+class _Leases:
     def __init__(self):
         self.current: dict[int, Lease] = {}
         self.leases: set[Lease] = set()
@@ -122,6 +113,10 @@ class _Ledger:
         self.writer: asyncio.Future | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.failed_batches = 0
+        # A batch whose write failed, to be tried again on its own: `(spends, records,
+        # waiters)`. The failed attempt may have committed (the connection broke after its
+        # COMMIT was sent), so the retry first looks for its records.
+        self.unsure: tuple[dict, list, list] | None = None
 
     async def hold(self, *, key, worst_case: int, max_tokens: int) -> LeaseHold | None:
         """Hold `worst_case` tokens out of the key's lease, replacing the lease when it is
@@ -220,7 +215,9 @@ class _Ledger:
     async def _write(self) -> None:
         try:
             while True:
-                if self.records:
+                if self.unsure is not None:
+                    await self._write_batch()
+                elif self.records:
                     if FLUSH_DELAY_S > 0 and not self.urgent.is_set():
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self.urgent.wait(), FLUSH_DELAY_S)
@@ -242,24 +239,23 @@ class _Ledger:
         self._write_soon()
 
     async def _write_batch(self) -> None:
-        spends, records, waiters = self.spends, self.records, self.waiters
-        self.spends, self.records, self.waiters = {}, [], []
+        retry = self.unsure is not None
+        if retry:
+            (spends, records, waiters), self.unsure = self.unsure, None
+        else:
+            spends, records, waiters = self.spends, self.records, self.waiters
+            self.spends, self.records, self.waiters = {}, [], []
         try:
-            await run_steps_async(lambda: _batch_steps(spends, records))
+            await run_steps_async(lambda: _batch_steps(spends, records, retry=retry))
         except Exception as error:
             self.failed_batches += 1
             if self.failed_batches < WRITE_ATTEMPTS:
                 logger.warning(
                     "could not write %d usage records, retrying: %r", len(records), error
                 )
-                for lease, totals in spends.items():
-                    kept = self.spends.setdefault(lease, [0, 0, 0])
-                    for index, value in enumerate(totals):
-                        kept[index] += value
-                # Still queued, so their requests wait for the retry: were they told of the
-                # failure, they would meter again what the retry writes.
-                self.records[:0] = records
-                self.waiters[:0] = waiters
+                # Their requests wait for the retry: were they told of the failure, they
+                # would meter again what the retry writes.
+                self.unsure = (spends, records, waiters)
                 await asyncio.sleep(RETRY_S)
                 return
             self.failed_batches = 0
@@ -272,7 +268,12 @@ class _Ledger:
 
     async def _write_one_by_one(self, spends, records) -> None:
         """After WRITE_ATTEMPTS failed batches: write the spends, then each record, on its
-        own, and drop (logging it) whatever still fails, such as a record of a deleted key."""
+        own, and drop (logging it) whatever still fails, such as a record of a deleted key.
+        Unless the last failed attempt did commit: then all of it is written."""
+        with contextlib.suppress(Exception):
+            if await run_steps_async(lambda: usage_record_written_steps(record=records[0])):
+                self._written(spends)
+                return
         for part_spends, part_records in [(spends, []), *(({}, [record]) for record in records)]:
             try:
                 await run_steps_async(lambda s=part_spends, r=part_records: _batch_steps(s, r))
@@ -297,6 +298,7 @@ class _Ledger:
             for lease in self.leases
             if lease.in_flight == 0
             and lease not in self.spends
+            and (self.unsure is None or lease not in self.unsure[0])
             and lease.row.key_id not in self.granting
             and (lease.retired or now - lease.last_used >= LEASE_IDLE_S)
         ]
@@ -322,7 +324,9 @@ class _Ledger:
             await asyncio.shield(self.writer)
 
 
-def _batch_steps(spends: dict, records: list):
+def _batch_steps(spends: dict, records: list, *, retry: bool = False):
+    if retry and (yield from usage_record_written_steps(record=records[0])):
+        return
     yield from budget_lease_spend_steps(
         spends=[
             {"lease": lease.row, "prompt_tokens": p, "completion_tokens": c, "requests": n}
@@ -332,22 +336,22 @@ def _batch_steps(spends: dict, records: list):
     yield from usage_records_steps(records=records)
 
 
-_ledgers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Ledger]" = (
+_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Leases]" = (
     weakref.WeakKeyDictionary()
 )
 
 
-def current() -> _Ledger:
-    """The running loop's ledger."""
+def current() -> _Leases:
+    """The running loop's leases."""
     loop = asyncio.get_running_loop()
-    ledger = _ledgers.get(loop)
-    if ledger is None:
-        ledger = _ledgers[loop] = _Ledger()
-    return ledger
+    leases = _by_loop.get(loop)
+    if leases is None:
+        leases = _by_loop[loop] = _Leases()
+    return leases
 
 
 async def drain() -> None:
-    """`_Ledger.drain` for the running loop's ledger, if it has one."""
-    ledger = _ledgers.get(asyncio.get_running_loop())
-    if ledger is not None:
-        await ledger.drain()
+    """`_Leases.drain` for the running loop's leases, if it has any."""
+    leases = _by_loop.get(asyncio.get_running_loop())
+    if leases is not None:
+        await leases.drain()

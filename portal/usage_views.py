@@ -3,20 +3,22 @@ staff's view of one user's usage. Every period is whole UTC days."""
 
 import csv
 
-import plotly.io
 from django.http import Http404, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.utils.safestring import mark_safe
 
-from . import usage_selectors
-from .access import approved_required, staff_required
-from .models import ApiKey, ServiceSettings, User
-from .periods import day_start
+from accounts.access import approved_required, staff_required
+from accounts.models import ApiKey, ServiceSettings, User
+from accounts.periods import day_start
+from accounts.selectors import pending_applications_count
+from api import selectors as api_selectors
+from metering import selectors as usage_selectors
+from playground.models import Run
+
+from .figures import usage_figures
 from .usage_forms import RequestLogFilterForm, UsageFilterForm, cursor_encode
 
-_SCRIPT_ESCAPES = {ord(">"): "\\u003E", ord("<"): "\\u003C", ord("&"): "\\u0026"}
-STATUS_COLOURS = {"2xx": "#1e7b34", "4xx": "#c77700", "5xx": "#b3261e"}
 TABLE_COLUMNS = [
     "day",
     "requests",
@@ -63,7 +65,7 @@ def _summary_context(summary: dict, window) -> dict:
         "summary": summary,
         "window": window,
         "day_rows_html": [_day_row_html(cells) for cells in _day_table(summary)],
-        "figures": _usage_figures(summary),
+        "figures": usage_figures(summary),
     }
 
 
@@ -87,50 +89,6 @@ def _day_row_html(cells: list[str]) -> str:
     day, *numbers = cells
     numbers_html = "".join(f'<td class="num">{n}</td>' for n in numbers)
     return mark_safe(f"<tr><td>{day}</td>{numbers_html}</tr>")
-
-
-def _usage_figures(summary: dict) -> dict:
-    """Plotly figures of tokens and requests per UTC day, as JSON safe to put inside a
-    <script> element. Built as plain figure dicts: plotly's per-point validation of
-    graph objects would cost more than the rest of the page on a year of days."""
-    days = [row["day"].isoformat() for row in summary["days"]]
-    layout = {
-        "barmode": "stack",
-        "margin": {"l": 60, "r": 10, "t": 40, "b": 40},
-        "height": 320,
-        "legend": {"orientation": "h", "y": -0.2},
-        "xaxis": {"type": "date", "title": {"text": "Day (UTC)"}},
-    }
-    tokens = {
-        "data": [
-            _bar(days, summary, "prompt_tokens", "Prompt", "#1f5fbf"),
-            _bar(days, summary, "completion_tokens", "Completion", "#7fa7e0"),
-        ],
-        "layout": {**layout, "title": {"text": "Tokens per day"}},
-    }
-    requests = {
-        "data": [
-            _bar(days, summary, status, status, colour) for status, colour in STATUS_COLOURS.items()
-        ],
-        "layout": {**layout, "title": {"text": "Requests per day by status"}},
-    }
-    return {"tokens": _script_json(tokens), "requests": _script_json(requests)}
-
-
-def _bar(days, summary, field, name, colour) -> dict:
-    return {
-        "type": "bar",
-        "x": days,
-        "y": [row[field] for row in summary["days"]],
-        "name": name,
-        "marker": {"color": colour},
-    }
-
-
-def _script_json(figure: dict) -> str:
-    text = plotly.io.to_json(figure, validate=False)
-    # As Django's json_script does: nothing inside can close the <script> element.
-    return mark_safe(text.translate(_SCRIPT_ESCAPES))
 
 
 def _export_csv(request, subject: User, *, filename: str) -> HttpResponse:
@@ -192,8 +150,6 @@ def request_detail(request, record_id: int):
         raise Http404("No such request in your log.")
     # The playground keeps the bodies of its own requests; a request sent from there can be
     # re-run from its run page. Other requests' bodies are never stored.
-    from playground.models import Run
-
     playground_run = (
         Run.objects.filter(user_id=record.user_id, request_id=record.request_id).only("id").first()
     )
@@ -210,8 +166,6 @@ def request_detail(request, record_id: int):
 
 @staff_required
 def staff_overview(request):
-    from api.selectors import upstream_states
-
     now = timezone.now()
     form = UsageFilterForm(request.GET, today=day_start(now))
     context = {"form": form}
@@ -224,10 +178,10 @@ def staff_overview(request):
         return render(request, "usage/staff.html#results", context)
     service = ServiceSettings.objects.filter(pk=1).first()
     context.update(
-        upstreams=upstream_states(),
+        upstreams=api_selectors.upstream_states(),
         latencies=usage_selectors.latency_percentiles(now=now),
         latency_sample=usage_selectors.LATENCY_SAMPLE_PER_MODEL,
-        pending_applications=usage_selectors.pending_applications_count(),
+        pending_applications=pending_applications_count(),
         spend_cap_paused=bool(service and service.spend_cap_paused),
         spend_cap_reason=service.spend_cap_reason if service else "",
     )

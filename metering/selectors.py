@@ -1,5 +1,6 @@
-"""Reads behind the usage pages: per-day series, totals and errors from the `UsageDaily`
-roll-up, the keyset-paged request log, and the staff overview.
+"""Budget and usage reads: a key's budget windows, and behind the usage pages per-day
+series, totals and errors from the `UsageDaily` roll-up, the keyset-paged request log and
+the staff overview.
 
 Every period is a whole number of UTC days, `start` to `end` inclusive. Series read only the
 roll-up (one row per day, key, model, status and error code), never the raw records; the
@@ -9,11 +10,17 @@ request log and the latency percentiles read `UsageRecord` through its indexes, 
 import datetime as dt
 import statistics
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 
 from django.db import connection
-from django.db.models import Sum
+from django.db.models import Q, Sum
+from django.utils import timezone
 
-from .models import AccessApplication, ApiKey, ApplicationStatus, UsageDaily, UsageRecord, User
+from accounts.models import ApiKey, Period, UsageDaily, UsagePeriod, UsageRecord, User
+from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
+
+from . import windows
 
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 REQUEST_LOG_PAGE_SIZE = 50
@@ -21,6 +28,70 @@ TOP_N = 10
 # Latency percentiles read at most this many of the newest records per model, so the staff
 # overview costs the same however busy the last 24 hours were.
 LATENCY_SAMPLE_PER_MODEL = 20_000
+
+
+def budget_windows(*, key: ApiKey, now=None) -> list[dict]:
+    """Every budget window of a key and its account (`windows.WINDOWS`), as
+    `{name, label, used, reserved, limit, remaining, resets_at}`; `limit` and `remaining` are
+    None for a window with no limit. `reserved` counts the worst cases of running requests and
+    the unspent tokens of the gateway's budget leases (given back 2 s after a key's last
+    request; see `metering.leases`). Used by the dashboard, the keys page and GET /v1/usage."""
+    now = now or timezone.now()
+    starts = {Period.MONTH: month_start(now), Period.DAY: day_start(now)}
+    resets = {Period.MONTH: next_month_reset(now), Period.DAY: next_day_reset(now)}
+    owners = {windows.KEY: Q(key=key), windows.ACCOUNT: Q(key__isnull=True, user_id=key.user_id)}
+    rows = UsagePeriod.objects.filter(
+        reduce(
+            or_,
+            (
+                owners[scope] & Q(period=period, start=starts[period])
+                for scope, period in windows.rows()
+            ),
+        )
+    )
+    by_row = {windows.row_of(row): row for row in rows}
+    result = []
+    for window in windows.WINDOWS:
+        row = by_row.get(window.row, UsagePeriod())
+        used, reserved, limit = window.used(row), window.reserved(row), window.limit_of(key)
+        result.append(
+            {
+                "name": window.name,
+                "label": window.label,
+                "used": used,
+                "reserved": reserved,
+                "limit": limit,
+                "remaining": None if limit is None else max(limit - used - reserved, 0),
+                "resets_at": resets[window.period],
+            }
+        )
+    return result
+
+
+# Share of a window's limit past which the dashboard and keys page warn.
+BUDGET_WARNING_SHARE = 0.8
+
+
+def budget_panel(*, key: ApiKey, now=None) -> list[dict]:
+    """`budget_windows` of a key, each with `consumed` (used + reserved), `percent` (0–100,
+    None without a limit) and `warning` (more than 80% of the limit consumed)."""
+    panel = []
+    for window in budget_windows(key=key, now=now):
+        consumed = window["used"] + window["reserved"]
+        limit = window["limit"]
+        if limit is None:
+            percent, warning = None, False
+        elif limit == 0:
+            percent, warning = 100, True
+        else:
+            percent = min(round(100 * consumed / limit), 100)
+            warning = consumed > BUDGET_WARNING_SHARE * limit
+        panel.append({**window, "consumed": consumed, "percent": percent, "warning": warning})
+    return panel
+
+
+# ---------------------------------------------------------------------------------------
+# Usage
 
 
 @dataclass(frozen=True)
@@ -303,10 +374,6 @@ def _latency_percentiles_python(models: list[str], since: dt.datetime) -> list[d
             p50, p95 = cuts[49], cuts[94]
         result.append({"model": model, "requests": len(latencies), "p50_ms": p50, "p95_ms": p95})
     return result
-
-
-def pending_applications_count() -> int:
-    return AccessApplication.objects.filter(status=ApplicationStatus.PENDING).count()
 
 
 def usage_record_for_user(*, user_id: int, record_id: int) -> UsageRecord | None:

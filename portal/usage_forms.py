@@ -7,7 +7,7 @@ import re
 from django import forms
 from django.core.validators import MaxValueValidator
 
-from .usage_selectors import RequestLogFilter, UsageWindow
+from metering.selectors import RequestLogFilter, UsageWindow
 
 RANGE_CHOICES = [
     ("7", "Last 7 days"),

@@ -1,0 +1,287 @@
+"""Pages that combine accounts with metering: the dashboard, the API keys page and the
+staff page of one user, each showing budget panels.
+
+Views are thin: load (another user's key is a 404), validate a form, call one service, then
+redirect (plain POST) or render the page's partial (htmx), so every page works without JS.
+"""
+
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.db.models import Q
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.cache import add_never_cache_headers
+from django.views.decorators.http import require_http_methods, require_POST
+
+from accounts import selectors, services
+from accounts.access import approved_required, forbidden, staff_required
+from accounts.forms import (
+    KeyBudgetForm,
+    KeyCreateForm,
+    KeyRenameForm,
+    StaffKeyBudgetForm,
+    UserBudgetForm,
+)
+from accounts.models import ApiKey, AuditLog, KeyStatus, User
+from metering.selectors import budget_panel
+
+# ---------------------------------------------------------------------------------------
+# Dashboard
+
+
+def home(request):
+    user = request.user
+    context = {}
+    if user.is_authenticated:
+        context["application"] = user.applications.first()
+        if user.is_approved:
+            context["key_panels"] = [
+                {"key": key, "panel": budget_panel(key=key)}
+                for key in selectors.user_keys(user=user)
+                if key.status != KeyStatus.REVOKED
+            ]
+        if user.is_staff:
+            context["pending_applications"] = selectors.pending_applications_count()
+    return render(request, "accounts/home.html", context)
+
+
+# ---------------------------------------------------------------------------------------
+# API keys
+
+
+def _key_rows(user, overrides=None):
+    overrides = overrides or {}
+    rows = []
+    for key in selectors.user_keys(user=user):
+        row = {
+            "key": key,
+            "panel": budget_panel(key=key),
+            "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
+            "budget_form": KeyBudgetForm.for_key(key),
+            "errors": [],
+        }
+        row.update(overrides.get(key.pk, {}))
+        rows.append(row)
+    return rows
+
+
+def _render_keys(request, *, create_form=None, overrides=None):
+    context = {
+        "reveals": services.api_key_reveals_take(user=request.user),
+        "rows": _key_rows(request.user, overrides),
+        "create_form": create_form or KeyCreateForm(),
+        "account_budget": request.user.monthly_token_budget,
+    }
+    template = "accounts/keys.html#key_list" if request.htmx else "accounts/keys.html"
+    response = render(request, template, context)
+    # The page may show a new key's secret: no browser or proxy cache may keep a copy.
+    add_never_cache_headers(response)
+    return response
+
+
+def _keys_done(request):
+    return _render_keys(request) if request.htmx else redirect("keys")
+
+
+@approved_required
+@require_http_methods(["GET", "POST"])
+def keys(request):
+    """The API keys page; POST creates a key, whose secret the next render shows once."""
+    if request.method == "GET":
+        return _render_keys(request)
+    form = KeyCreateForm(request.POST)
+    if not form.is_valid():
+        return _render_keys(request, create_form=form)
+    key, secret = services.api_key_create(
+        user=request.user, name=form.cleaned_data["name"], acting_user=request.user
+    )
+    services.api_key_reveal_store(key=key, secret=secret)
+    return _keys_done(request)
+
+
+def _owned_key(request, key_id) -> ApiKey:
+    return get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id, user=request.user)
+
+
+def _refuse_managed(request, key):
+    return forbidden(
+        request,
+        "The playground key is managed by the portal: you can pause and resume it, "
+        "but not rename or revoke it.",
+        title="Managed key",
+    )
+
+
+@approved_required
+@require_POST
+def key_rename(request, key_id):
+    key = _owned_key(request, key_id)
+    if key.is_playground:
+        return _refuse_managed(request, key)
+    form = KeyRenameForm(request.POST, prefix=f"rename-{key.pk}")
+    if form.is_valid():
+        try:
+            services.api_key_rename(
+                key=key, acting_user=request.user, name=form.cleaned_data["name"]
+            )
+            return _keys_done(request)
+        except ValidationError as error:
+            form.add_error(None, error)
+    return _render_keys(request, overrides={key.pk: {"rename_form": form}})
+
+
+@approved_required
+@require_POST
+def key_budget(request, key_id):
+    key = _owned_key(request, key_id)
+    form = KeyBudgetForm.for_key(key, request.POST)
+    if form.is_valid():
+        try:
+            services.api_key_budget_set(
+                key=key, acting_user=request.user, budgets=form.cleaned_data
+            )
+            return _keys_done(request)
+        except ValidationError as error:
+            form.add_error(None, error)
+    return _render_keys(request, overrides={key.pk: {"budget_form": form}})
+
+
+def _key_status_view(service, *, managed_allowed):
+    @approved_required
+    @require_POST
+    def view(request, key_id):
+        key = _owned_key(request, key_id)
+        if key.is_playground and not managed_allowed:
+            return _refuse_managed(request, key)
+        try:
+            service(key=key, acting_user=request.user)
+        except ValidationError as error:
+            return _render_keys(request, overrides={key.pk: {"errors": error.messages}})
+        return _keys_done(request)
+
+    return view
+
+
+key_disable = _key_status_view(services.api_key_disable, managed_allowed=True)
+key_enable = _key_status_view(services.api_key_enable, managed_allowed=True)
+_key_revoke_post = _key_status_view(services.api_key_revoke, managed_allowed=False)
+
+
+@approved_required
+@require_http_methods(["GET", "POST"])
+def key_revoke(request, key_id):
+    """GET: a confirmation page (the no-JS path); POST: revoke for good."""
+    if request.method == "POST":
+        return _key_revoke_post(request, key_id)
+    key = _owned_key(request, key_id)
+    if key.is_playground:
+        return _refuse_managed(request, key)
+    return render(request, "accounts/key_revoke.html", {"key": key})
+
+
+# ---------------------------------------------------------------------------------------
+# Staff: one user
+
+
+def _render_staff_user(request, user, *, account_form=None, key_forms=None, errors=()):
+    key_forms = key_forms or {}
+    keys = list(ApiKey.objects.filter(user=user).select_related("user"))
+    key_ids = [str(key.pk) for key in keys]
+    audit = AuditLog.objects.filter(
+        Q(target_type="user", target_id=str(user.pk))
+        | Q(target_type="apikey", target_id__in=key_ids)
+    ).select_related("actor")[:50]
+    context = {
+        "subject": user,
+        "applications": user.applications.select_related("decided_by"),
+        "rows": [
+            {
+                "key": key,
+                "panel": budget_panel(key=key),
+                "budget_form": key_forms.get(key.pk)
+                or StaffKeyBudgetForm.for_key(key, prefix=f"staff-budget-{key.pk}"),
+            }
+            for key in keys
+        ],
+        "account_form": account_form
+        or UserBudgetForm(initial={"monthly_token_budget": user.monthly_token_budget}),
+        "audit": audit,
+        "errors": errors,
+    }
+    return render(request, "staff/user_detail.html", context)
+
+
+@staff_required
+def staff_user_detail(request, user_id):
+    return _render_staff_user(request, get_object_or_404(User, pk=user_id))
+
+
+@staff_required
+@require_POST
+def staff_user_status(request, user_id):
+    user = get_object_or_404(User, pk=user_id)
+    actions = {"suspend": services.user_suspend, "reactivate": services.user_reactivate}
+    action = actions.get(request.POST.get("action"))
+    if action is None:
+        return _render_staff_user(request, user, errors=["Choose suspend or reactivate."])
+    try:
+        action(user=user, acting_user=request.user, note=request.POST.get("note", ""))
+    except ValidationError as error:
+        return _render_staff_user(request, user, errors=error.messages)
+    messages.success(request, f"{user.email} is now {user.status}.")
+    return redirect("staff_user_detail", user_id=user.pk)
+
+
+@staff_required
+@require_POST
+def staff_user_budget(request, user_id):
+    user = get_object_or_404(User, pk=user_id)
+    form = UserBudgetForm(request.POST)
+    if form.is_valid():
+        try:
+            services.user_budget_set(
+                user=user,
+                acting_user=request.user,
+                monthly_token_budget=form.cleaned_data["monthly_token_budget"],
+            )
+            messages.success(request, "Account budget saved.")
+            return redirect("staff_user_detail", user_id=user.pk)
+        except ValidationError as error:
+            form.add_error(None, error)
+    return _render_staff_user(request, user, account_form=form)
+
+
+@staff_required
+@require_POST
+def staff_key_budget(request, key_id):
+    key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
+    form = StaffKeyBudgetForm.for_key(key, request.POST, prefix=f"staff-budget-{key.pk}")
+    if form.is_valid():
+        try:
+            services.api_key_budget_set(
+                key=key, acting_user=request.user, budgets=form.cleaned_data
+            )
+            messages.success(request, f"Budgets of {key} saved.")
+            return redirect("staff_user_detail", user_id=key.user_id)
+        except ValidationError as error:
+            form.add_error(None, error)
+    return _render_staff_user(request, key.user, key_forms={key.pk: form})
+
+
+@staff_required
+@require_POST
+def staff_key_status(request, key_id):
+    key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
+    actions = {
+        "disable": services.api_key_disable,
+        "enable": services.api_key_enable,
+        "revoke": services.api_key_revoke,
+    }
+    action = actions.get(request.POST.get("action"))
+    if action is None:
+        return _render_staff_user(request, key.user, errors=["Choose disable, enable or revoke."])
+    try:
+        action(key=key, acting_user=request.user)
+    except ValidationError as error:
+        return _render_staff_user(request, key.user, errors=error.messages)
+    messages.success(request, f"{key} updated.")
+    return redirect("staff_user_detail", user_id=key.user_id)
