@@ -110,38 +110,36 @@ def _form_errors(request, **bound):
     return render(request, "jobs/page.html", context, status=400)
 
 
-@approved_required
-@require_POST
-def completion_job_create(request):
+def _job_submit(request, *, kind: str, form_class, activations: bool = False):
+    """Validate the Jobs page form of `kind` and queue its submission to /v1, or show the
+    page with the form's errors."""
+    prefix = form_class.prefix
     models, _ = playground_services.language_models_fetch(user=request.user)
-    capabilities = _capabilities(models, request.POST.get("completion-model"))
-    form = CompletionJobForm(request.POST, models=models, capabilities=capabilities)
+    capabilities = _capabilities(
+        models, request.POST.get(f"{prefix}-model"), activations=activations
+    )
+    form = form_class(request.POST, request.FILES, models=models, capabilities=capabilities)
     if not form.is_valid():
-        return _form_errors(request, completion_form=form)
+        return _form_errors(request, **{f"{prefix}_form": form})
     playground_services.job_submission_create(
         user=request.user,
-        kind=JobKind.COMPLETION,
+        kind=kind,
         request=form.to_request(),
         submit_token=form.cleaned_data["submit_token"],
     )
     return _submitted(request)
+
+
+@approved_required
+@require_POST
+def completion_job_create(request):
+    return _job_submit(request, kind=JobKind.COMPLETION, form_class=CompletionJobForm)
 
 
 @approved_required
 @require_POST
 def harvest_job_create(request):
-    models, _ = playground_services.language_models_fetch(user=request.user)
-    capabilities = _capabilities(models, request.POST.get("harvest-model"), activations=True)
-    form = HarvestJobForm(request.POST, request.FILES, models=models, capabilities=capabilities)
-    if not form.is_valid():
-        return _form_errors(request, harvest_form=form)
-    playground_services.job_submission_create(
-        user=request.user,
-        kind=JobKind.HARVEST,
-        request=form.to_request(),
-        submit_token=form.cleaned_data["submit_token"],
-    )
-    return _submitted(request)
+    return _job_submit(request, kind=JobKind.HARVEST, form_class=HarvestJobForm, activations=True)
 
 
 @approved_required

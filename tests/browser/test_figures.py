@@ -1,7 +1,7 @@
 """Playground figures in a real browser: a figure swapped in for a new position, layer or
 choice looks exactly like the first-rendered one, and the sweep figures show what was asked.
 
-Every page a test visits is watched: a console error or a failed request fails the test."""
+Every page a test visits is watched by the `page` fixture (see `conftest.PageWatch`)."""
 
 import html
 import re
@@ -13,52 +13,6 @@ from playwright.sync_api import expect
 from .test_playground import RUN_PANEL, submit_completion
 
 pytestmark = pytest.mark.django_db
-
-CUT_EVENT_STREAM = ("net::ERR_ABORTED", "net::ERR_INCOMPLETE_CHUNKED_ENCODING")
-
-
-@pytest.fixture
-def watched(page):
-    """The logged-in page; console errors and failed requests (network failures or 5xx)
-    are collected and must be none at the end of the test."""
-    problems = []
-    page.on(
-        "console",
-        lambda message: (
-            message.type == "error"
-            and not _closed_event_stream_message(message)
-            and problems.append(f"console: {message.text} {message.location}")
-        ),
-    )
-    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
-    page.on(
-        "requestfailed",
-        lambda request: (
-            not _closed_event_stream(request)
-            and problems.append(f"failed: {request.url} {request.failure}")
-        ),
-    )
-    page.on(
-        "response",
-        lambda response: (
-            response.status >= 500 and problems.append(f"{response.status}: {response.url}")
-        ),
-    )
-    yield page
-    assert problems == []
-
-
-def _closed_event_stream(request) -> bool:
-    """A run's event stream, cut when the page closes it once the run has ended (or swaps
-    out its panel): how it ends is the event stream's business, not the figures'."""
-    return request.url.endswith("/events/") and request.failure in CUT_EVENT_STREAM
-
-
-def _closed_event_stream_message(message) -> bool:
-    """The console's line about such a cut event stream."""
-    return message.location.get("url", "").endswith("/events/") and any(
-        failure in message.text for failure in CUT_EVENT_STREAM
-    )
 
 
 def plot_geometry(page, selector):
@@ -84,8 +38,7 @@ def expect_drawn(page, selector):
     expect(page.locator(f"{selector} .main-svg").first).to_be_visible(timeout=60_000)
 
 
-def test_figures_swapped_in_look_like_the_first_rendered_ones(watched):
-    page = watched
+def test_figures_swapped_in_look_like_the_first_rendered_ones(page):
     panel = submit_completion(
         page, prompt="The Eiffel Tower is in", max_tokens=4, temperature=0, stream=False,
         logprobs=5, prompt_logprobs=3, capture="all",
@@ -150,8 +103,7 @@ def sweep_traces(page) -> dict:
     )
 
 
-def test_sweep_plots_the_target_logprob_even_outside_the_top_k(watched, tmp_path):
-    page = watched
+def test_sweep_plots_the_target_logprob_even_outside_the_top_k(page, tmp_path):
     page.goto("/playground/")
     vector = tmp_path / "noise.npy"
     np.save(vector, np.random.default_rng(0).standard_normal(576).astype(np.float32))
@@ -169,8 +121,7 @@ def test_sweep_plots_the_target_logprob_even_outside_the_top_k(watched, tmp_path
     assert len(target["y"]) == 4 and all(isinstance(y, float) and y < 0 for y in target["y"])
 
 
-def test_sweep_in_typical_norms_shows_the_scales_as_entered(watched):
-    page = watched
+def test_sweep_in_typical_norms_shows_the_scales_as_entered(page):
     page.goto("/playground/")
     page.fill("#id_contrast-name", "mood")
     page.fill("#id_contrast-layer", "8")
@@ -199,8 +150,7 @@ def test_sweep_in_typical_norms_shows_the_scales_as_entered(watched):
     )
 
 
-def test_every_choice_has_its_token_view_with_rows_labelled_by_offset(watched):
-    page = watched
+def test_every_choice_has_its_token_view_with_rows_labelled_by_offset(page):
     panel = submit_completion(
         page, prompt="My favourite animal is", max_tokens=20, n=3, temperature=1, seed=7,
         logprobs=3, prompt_logprobs=2, stream=False,
