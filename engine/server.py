@@ -168,7 +168,16 @@ async def health(request: Request) -> Response:
         return json_response(body, status=503)
     if state.scheduler is None:
         return json_response({"status": "loading", "model_loaded": False}, status=503)
-    return json_response({"status": "ok", "model_loaded": True, **state.scheduler.stats()})
+    decoder = state.loaded.decoder
+    return json_response(
+        {
+            "status": "ok",
+            "model_loaded": True,
+            "device": decoder.device.type,
+            "dtype": str(decoder.dtype).removeprefix("torch."),
+            **state.scheduler.stats(),
+        }
+    )
 
 
 async def models(request: Request) -> Response:

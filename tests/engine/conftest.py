@@ -17,9 +17,21 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
+from reference_model import ReferenceModel, cpu_description  # noqa: E402
+
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
+
+
+def pytest_report_header(config) -> list[str]:
+    """Which machine this run tested, so a failure says where it came from."""
+    from engine.loader import compute_dtype, engine_device
+
+    return [
+        f"CPU: {cpu_description()}",
+        f"engine: {engine_device()} device, computes in {compute_dtype()} unless a test says",
+    ]
 
 
 class EngineProcess:
@@ -81,6 +93,18 @@ def reference():
     loaded = load_model()
     loaded.model.config.tie_last_hidden_states = False
     return loaded
+
+
+@pytest.fixture(scope="session")
+def float32_reference() -> ReferenceModel:
+    """transformers' own model in float32 on the engine's weight directory (reference_model.py):
+    the independent reference the fidelity tests hold the engine to."""
+    from engine.loader import build_cache, default_cache_dir
+
+    cache_dir = default_cache_dir()
+    if not (cache_dir / "config.json").exists():
+        build_cache(cache_dir)  # the weight directory, from the packaged GGUF file
+    return ReferenceModel(cache_dir)
 
 
 def decode_logprob_tolerance() -> float:
