@@ -217,9 +217,10 @@ async def test_budget_is_exact_across_replicas(
     assert set(refused) == {"budget_exceeded"}
     delivered = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
     assert sum(r.status_code == 200 for r in responses) == 50
-    # Both replicas served some of them.
-    served = {str(r.url).rsplit("/v1/", 1)[0] for r in responses if r.status_code == 200}
-    assert served == {replica.url for replica in replicas}
+    # Both replicas took part in the race (which one wins the 50 depends on the machine's
+    # load: a loaded machine can let one replica's requests all arrive first).
+    answered = {str(r.url).rsplit("/v1/", 1)[0] for r in responses}
+    assert answered == {replica.url for replica in replicas}
 
     async def settled():
         return await sync_to_async(windows_reserved)() == 0
