@@ -9,6 +9,7 @@ from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
@@ -78,8 +79,16 @@ def _render_keys(request, *, create_form=None, overrides=None):
     return response
 
 
-def _keys_done(request):
-    return _render_keys(request) if request.htmx else redirect("keys")
+def _keys_done(request, *, key=None, notice="", place="status"):
+    """After a change: for htmx, the key list with `notice` in `key`'s card, where the person
+    clicked (`place`: "status" under the card's heading, "budgets" beside the budget form's
+    button); otherwise back to the page, which shows `notice` at its top."""
+    if not request.htmx:
+        if notice:
+            messages.success(request, notice)
+        return redirect("keys")
+    overrides = {key.pk: {f"{place}_notice": notice}} if notice else None
+    return _render_keys(request, overrides=overrides)
 
 
 @approved_required
@@ -139,13 +148,17 @@ def key_budget(request, key_id):
             services.api_key_budget_set(
                 key=key, acting_user=request.user, budgets=form.cleaned_data
             )
-            return _keys_done(request)
+            notice = f"Budgets of “{key.name}” saved."
+            return _keys_done(request, key=key, notice=notice, place="budgets")
         except ValidationError as error:
             form.add_error(None, error)
     return _render_keys(request, overrides={key.pk: {"budget_form": form}})
 
 
-def _key_status_view(service, *, managed_allowed):
+def _key_status_view(service, *, managed_allowed, notice=""):
+    """A view that changes a key's status with `service`; `notice` (formatted with `key`)
+    confirms it."""
+
     @approved_required
     @require_POST
     def view(request, key_id):
@@ -156,14 +169,18 @@ def _key_status_view(service, *, managed_allowed):
             service(key=key, acting_user=request.user)
         except ValidationError as error:
             return _render_keys(request, overrides={key.pk: {"errors": error.messages}})
-        return _keys_done(request)
+        return _keys_done(request, key=key, notice=notice.format(key=key))
 
     return view
 
 
 key_disable = _key_status_view(services.api_key_disable, managed_allowed=True)
 key_enable = _key_status_view(services.api_key_enable, managed_allowed=True)
-_key_revoke_post = _key_status_view(services.api_key_revoke, managed_allowed=False)
+_key_revoke_post = _key_status_view(
+    services.api_key_revoke,
+    managed_allowed=False,
+    notice="Revoked “{key.name}” (acs-{key.prefix}-…): programs using it now get key_revoked.",
+)
 
 
 @approved_required
@@ -175,7 +192,12 @@ def key_revoke(request, key_id):
     key = _owned_key(request, key_id)
     if key.is_playground:
         return _refuse_managed(request, key)
-    return render(request, "accounts/key_revoke.html", {"key": key})
+    context = {
+        "key": key,
+        "revoke_url": reverse("key_revoke", args=[key.pk]),
+        "keep_url": reverse("keys"),
+    }
+    return render(request, "accounts/key_revoke.html", context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,12 +298,23 @@ def staff_key_status(request, key_id):
         "enable": services.api_key_enable,
         "revoke": services.api_key_revoke,
     }
-    action = actions.get(request.POST.get("action"))
+    name = request.POST.get("action")
+    action = actions.get(name)
     if action is None:
         return _render_staff_user(request, key.user, errors=["Choose disable, enable or revoke."])
+    if name == "revoke" and request.POST.get("confirmed") != "true":
+        # Revoking is for good: ask first, on a page of its own.
+        context = {
+            "key": key,
+            "staff_view": True,
+            "revoke_url": reverse("staff_key_status", args=[key.pk]),
+            "keep_url": reverse("staff_user_detail", args=[key.user_id]),
+        }
+        return render(request, "accounts/key_revoke.html", context)
     try:
         action(key=key, acting_user=request.user)
     except ValidationError as error:
         return _render_staff_user(request, key.user, errors=error.messages)
-    messages.success(request, f"{key} updated.")
+    done = {"disable": "Paused", "enable": "Resumed", "revoke": "Revoked"}[name]
+    messages.success(request, f"{done} “{key.name}” (acs-{key.prefix}-…) of {key.user.email}.")
     return redirect("staff_user_detail", user_id=key.user_id)
