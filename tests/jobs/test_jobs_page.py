@@ -2,6 +2,7 @@
 links, and the mean-norm chart of a finished harvest."""
 
 import json
+import re
 import uuid
 from datetime import timedelta
 
@@ -259,6 +260,23 @@ def test_a_harvest_submitted_with_htmx_answers_the_list_and_fresh_forms(
     submission = JobSubmission.objects.get(user=approved_user)
     assert submission.request["prompts"] == ["first prompt", "second prompt"]
     assert submission.request["layers"] == [7, 15]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("htmx", [False, True])
+def test_a_harvest_is_sent_with_exactly_the_layers_ticked(
+    logged_in, approved_user, model_list, htmx
+):
+    page = logged_in.get("/jobs/").content.decode()
+    boxes = re.findall(r'<input[^>]*name="harvest-layers"[^>]*>', page)
+    assert len(boxes) == 30 and not any("checked" in box for box in boxes)
+    logged_in.post(
+        "/jobs/harvest/",
+        {**HARVEST_POST, "harvest-layers": ["0", "12", "29"], "harvest-prompts": "a"},
+        **(HTMX if htmx else {}),
+    )
+    submission = JobSubmission.objects.get(user=approved_user)
+    assert submission.request["layers"] == [0, 12, 29]
 
 
 @pytest.mark.django_db
