@@ -81,8 +81,8 @@ def _render_keys(request, *, create_form=None, overrides=None):
 
 def _keys_done(request, *, key=None, notice="", place="status"):
     """After a change: for htmx, the key list with `notice` in `key`'s card, where the person
-    clicked (`place`: "status" under the card's heading, "budgets" beside the budget form's
-    button); otherwise back to the page, which shows `notice` at its top."""
+    clicked (`place`: "status" where the pause/revoke buttons are, "budgets" just above the
+    budget form's button); otherwise back to the page, which shows `notice` at its top."""
     if not request.htmx:
         if notice:
             messages.success(request, notice)
