@@ -49,20 +49,20 @@ def home(request):
 # API keys
 
 
+def _key_row(key, **overrides) -> dict:
+    return {
+        "key": key,
+        "panel": budget_panel(key=key),
+        "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
+        "budget_form": KeyBudgetForm.for_key(key),
+        "errors": [],
+        **overrides,
+    }
+
+
 def _key_rows(user, overrides=None):
     overrides = overrides or {}
-    rows = []
-    for key in selectors.user_keys(user=user):
-        row = {
-            "key": key,
-            "panel": budget_panel(key=key),
-            "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
-            "budget_form": KeyBudgetForm.for_key(key),
-            "errors": [],
-        }
-        row.update(overrides.get(key.pk, {}))
-        rows.append(row)
-    return rows
+    return [_key_row(key, **overrides.get(key.pk, {})) for key in selectors.user_keys(user=user)]
 
 
 def _render_keys(request, *, create_form=None, overrides=None):
@@ -79,16 +79,14 @@ def _render_keys(request, *, create_form=None, overrides=None):
     return response
 
 
-def _keys_done(request, *, key=None, notice="", place="status"):
-    """After a change: for htmx, the key list with `notice` in `key`'s card, where the person
-    clicked (`place`: "status" where the pause/revoke buttons are, "budgets" just above the
-    budget form's button); otherwise back to the page, which shows `notice` at its top."""
-    if not request.htmx:
-        if notice:
-            messages.success(request, notice)
-        return redirect("keys")
-    overrides = {key.pk: {f"{place}_notice": notice}} if notice else None
-    return _render_keys(request, overrides=overrides)
+def _keys_done(request, *, notice=""):
+    """After a change: for htmx, the key list; otherwise back to the page, which shows
+    `notice` at its top."""
+    if request.htmx:
+        return _render_keys(request)
+    if notice:
+        messages.success(request, notice)
+    return redirect("keys")
 
 
 @approved_required
@@ -141,23 +139,29 @@ def key_rename(request, key_id):
 @approved_required
 @require_POST
 def key_budget(request, key_id):
+    """Set a key's budgets. For htmx the answer is the key's card (see `_key_card`), with the
+    confirmation just above the button that saved them, or the form with its errors."""
     key = _owned_key(request, key_id)
     form = KeyBudgetForm.for_key(key, request.POST)
     if form.is_valid():
         try:
-            services.api_key_budget_set(
+            key = services.api_key_budget_set(
                 key=key, acting_user=request.user, budgets=form.cleaned_data
             )
             notice = f"Budgets of “{key.name}” saved."
-            return _keys_done(request, key=key, notice=notice, place="budgets")
+            if request.htmx:
+                return _key_card(request, key, budgets_notice=notice)
+            return _keys_done(request, notice=notice)
         except ValidationError as error:
             form.add_error(None, error)
+    if request.htmx:
+        return _key_card(request, key, budget_form=form)
     return _render_keys(request, overrides={key.pk: {"budget_form": form}})
 
 
 def _key_status_view(service, *, managed_allowed, notice=""):
     """A view that changes a key's status with `service`; `notice` (formatted with `key`)
-    confirms it."""
+    confirms it, in the key's card for htmx (see `_key_card`)."""
 
     @approved_required
     @require_POST
@@ -166,12 +170,25 @@ def _key_status_view(service, *, managed_allowed, notice=""):
         if key.is_playground and not managed_allowed:
             return _refuse_managed(request, key)
         try:
-            service(key=key, acting_user=request.user)
+            key = service(key=key, acting_user=request.user)
         except ValidationError as error:
+            if request.htmx:
+                return _key_card(request, key, errors=error.messages)
             return _render_keys(request, overrides={key.pk: {"errors": error.messages}})
-        return _keys_done(request, key=key, notice=notice.format(key=key))
+        if request.htmx:
+            return _key_card(request, key, status_notice=notice.format(key=key))
+        return _keys_done(request, notice=notice.format(key=key))
 
     return view
+
+
+def _key_card(request, key, **overrides):
+    """The answer to htmx for a change of one key: its card alone, swapped in where it was,
+    so that a confirmation shows where the person clicked. (The whole list would put a
+    revoked key last, and drop a new key's secret shown above, moving the cards.)"""
+    response = render(request, "accounts/keys.html#key_card", {"row": _key_row(key, **overrides)})
+    add_never_cache_headers(response)
+    return response
 
 
 key_disable = _key_status_view(services.api_key_disable, managed_allowed=True)

@@ -103,18 +103,33 @@ def test_revoke_needs_confirmation_without_js_and_is_permanent(
     assert refusal(api_secret) == "key_revoked"
 
 
-def test_revoke_with_htmx_updates_the_list_in_place_and_confirms_in_the_keys_card(
+def test_revoke_with_htmx_answers_the_keys_card_in_place_with_the_confirmation(
     approved_client, api_key
 ):
+    other, _ = api_key_create(user=api_key.user, name="second key", acting_user=None)
+    page = approved_client.get(reverse("keys")).content.decode()
+    assert f'hx-target="#key-{api_key.pk}"' in page.split(f'id="key-{api_key.pk}"', 1)[1]
     response = approved_client.post(reverse("key_revoke", args=[api_key.pk]), **HTMX)
     html = response.content.decode()
-    assert html.lstrip().startswith('<div id="key-list">')
-    card = html.split(f'id="key-{api_key.pk}"', 1)[1].split("</article>", 1)[0]
+    # The card alone, for its own place: the list puts revoked keys last, away from the click.
+    assert html.lstrip().startswith(f'<article class="card key" id="key-{api_key.pk}"')
+    assert html.count("<article") == 1 and "second key" not in html
+    assert '<span class="badge revoked">Revoked</span>' in html
     assert (
         '<p class="notice" role="status">Revoked “first key” '
         f"(acs-{api_key.prefix}-…): programs using it now get key_revoked.</p>"
-    ) in card
+    ) in html
     assert AuditLog.objects.filter(action="key.revoke", target_id=str(api_key.pk)).exists()
+    reloaded = approved_client.get(reverse("keys")).content.decode()
+    assert reloaded.index(f'id="key-{other.pk}"') < reloaded.index(f'id="key-{api_key.pk}"')
+    assert 'class="notice"' not in reloaded
+
+
+def test_a_refused_status_change_with_htmx_shows_the_error_in_the_card(approved_client, api_key):
+    response = approved_client.post(reverse("key_enable", args=[api_key.pk]), **HTMX)
+    html = response.content.decode()
+    assert html.lstrip().startswith(f'<article class="card key" id="key-{api_key.pk}"')
+    assert '<ul class="errorlist" role="alert"><li>' in html and "cannot be changed" in html
 
 
 def test_revoke_without_js_confirms_at_the_top_of_the_page(approved_client, api_key):
