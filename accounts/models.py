@@ -293,6 +293,49 @@ class AuditLog(models.Model):
     def __str__(self):
         return f"{self.created_at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.target_repr}"
 
+    def changes(self) -> list[tuple[str, str, str]]:
+        """What the action changed, as text a person reads: `(field, before, after)` per
+        field whose value differs, nested settings under dotted names
+        ("budgets.daily_token_budget"), "—" where a side has no such field (a creation has
+        no before). Unchanged fields are left out."""
+        before, after = _audit_fields(self.before), _audit_fields(self.after)
+        return [
+            (field, _audit_value(before, field), _audit_value(after, field))
+            for field in [*before, *(name for name in after if name not in before)]
+            if before.get(field, _MISSING) != after.get(field, _MISSING)
+        ]
+
+
+_MISSING = object()
+
+
+def _audit_fields(value, prefix="") -> dict:
+    """An audit side as one flat {dotted field: value} dict (a non-dict side is `value`)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        return {prefix or "value": value}
+    flat = {}
+    for name, item in value.items():
+        field = f"{prefix}.{name}" if prefix else str(name)
+        flat.update(_audit_fields(item, field) if isinstance(item, dict) else {field: item})
+    return flat
+
+
+def _audit_value(fields: dict, field: str) -> str:
+    value = fields.get(field, _MISSING)
+    if value is _MISSING:
+        return "—"
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, list):
+        return ", ".join(str(item) for item in value) or "none"
+    return str(value)
+
 
 class UsageRecord(models.Model):
     """One row per /v1 request: metadata only, never prompt or completion text."""

@@ -24,7 +24,6 @@ from .forms import (
     SpendCapForm,
     UserSearchForm,
 )
-from .htmx import with_messages
 from .models import (
     AccessApplication,
     ServiceSettings,
@@ -84,10 +83,14 @@ def staff_applications(request):
 @staff_required
 @require_POST
 def staff_application_decide(request, application_id):
+    """Approve or reject. With htmx the answer is the application's own card, with the
+    decision (or the errors) in it: the card stays where the person clicked, where a message
+    at the top of the page would be out of view. Without JS, back to the queue, which shows
+    the message at its top."""
     application = get_object_or_404(AccessApplication, pk=application_id)
     form = DecisionForm(request.POST)
     if not form.is_valid():
-        return _render_queue(request, errors={application.pk: ["Choose approve or reject."]})
+        return _decision_refused(request, application, ["Choose approve or reject."])
     rejecting = form.cleaned_data["decision"] == "reject"
     if rejecting and not form.cleaned_data["confirmed"]:
         return _reject_confirmation(request, application, note=form.cleaned_data["note"])
@@ -95,19 +98,31 @@ def staff_application_decide(request, application_id):
     try:
         decide(application=application, acting_user=request.user, note=form.cleaned_data["note"])
     except ValidationError as error:
-        return _render_queue(request, errors={application.pk: error.messages})
+        return _decision_refused(request, application, error.messages)
     email = application.user.email
     if rejecting:
-        messages.success(request, f"Rejected the application of {email}; they are e-mailed.")
+        notice = f"Rejected the application of {email}; they are e-mailed."
     else:
-        messages.success(
-            request,
+        notice = (
             f"Approved {email}: they are e-mailed, and their first key waits on their API "
-            "keys page.",
+            "keys page."
         )
     if request.htmx:
-        return with_messages(request, _render_queue(request))
+        return _application_card(request, application, notice=notice)
+    messages.success(request, notice)
     return redirect("staff_applications")
+
+
+def _application_card(request, application, *, notice="", errors=()):
+    application.refresh_from_db()
+    context = {"application": application, "notice": notice, "errors": {application.pk: errors}}
+    return render(request, "staff/applications.html#application_card", context)
+
+
+def _decision_refused(request, application, errors):
+    if request.htmx:
+        return _application_card(request, application, errors=errors)
+    return _render_queue(request, errors={application.pk: errors})
 
 
 def _reject_confirmation(request, application, *, note: str):

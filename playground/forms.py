@@ -506,7 +506,9 @@ def prompts_from_file(upload) -> list[str]:
 
 class HarvestJobForm(SubmitOnceForm):
     """A harvest job: prompts pasted (one per line) or uploaded, layers picked from the
-    model's layers (the quartile layers preselected, as the API's default)."""
+    model's layers. None is ticked at first: the layers sent are exactly those ticked, and
+    none ticked sends none, so the API captures its default (the quartile layers, named in
+    the help text)."""
 
     prefix = "harvest"
 
@@ -524,7 +526,7 @@ class HarvestJobForm(SubmitOnceForm):
         f"…}} per line); at most {MAX_HARVEST_PROMPTS:,} prompts.",
     )
     layers = forms.TypedMultipleChoiceField(
-        coerce=int, widget=forms.CheckboxSelectMultiple, label="Layers to capture"
+        coerce=int, required=False, widget=forms.CheckboxSelectMultiple, label="Layers to capture"
     )
     add_special_tokens = forms.BooleanField(
         required=False, initial=True, help_text="Start each prompt with the model's BOS token."
@@ -539,7 +541,13 @@ class HarvestJobForm(SubmitOnceForm):
         self.fields["model"].initial = capabilities.id
         n_layers = capabilities.n_layers or 0
         self.fields["layers"].choices = [(layer, str(layer)) for layer in range(n_layers)]
-        self.fields["layers"].initial = quartile_layers(n_layers)
+        default = ", ".join(str(layer) for layer in quartile_layers(n_layers)) if n_layers else ""
+        self.fields["layers"].help_text = (
+            f"Only the layers you tick. None ticked: the API's default, layers {default} "
+            "(a quarter, half and three quarters deep)."
+            if default
+            else "None ticked: the API's default, the quartile layers of the model."
+        )
         reason = capabilities.activations_reason
         if reason:
             self.fields["model"].help_text = reason
@@ -571,9 +579,10 @@ class HarvestJobForm(SubmitOnceForm):
     def to_request(self) -> dict:
         """The POST /v1/harvest body."""
         data = self.cleaned_data
+        layers = {"layers": data["layers"]} if data["layers"] else {}
         return {
             "model": data["model"],
             "prompts": data["prompt_list"],
-            "layers": data["layers"],
+            **layers,
             "add_special_tokens": data["add_special_tokens"],
         }

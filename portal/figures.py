@@ -40,7 +40,13 @@ def usage_figures(summary: dict) -> dict:
         "margin": {"l": 60, "r": 10, "t": 40, "b": 40},
         "height": 320,
         "legend": {"orientation": "h", "y": -0.2},
-        "xaxis": {"type": "date", "title": {"text": "Day (UTC)"}},
+        # Days as the page's tables print them (YYYY-MM-DD), not plotly's "Nov 8 2026".
+        "xaxis": {
+            "type": "date",
+            "title": {"text": "Day (UTC)"},
+            "tickformat": "%Y-%m-%d",
+            "hoverformat": "%Y-%m-%d",
+        },
     }
     tokens = {
         "data": [

@@ -10,7 +10,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
-from accounts.htmx import with_messages
+from accounts.htmx import varies_on_htmx, wants_fragment, with_messages
 from api.jobs import selectors, services
 from playground import selectors as playground_selectors
 from playground import services as playground_services
@@ -77,10 +77,10 @@ def _jobs_context(request) -> dict:
 
 
 def _render_jobs(request):
-    if request.htmx:
-        return render(request, "jobs/page.html#jobs", _jobs_context(request))
+    if wants_fragment(request):
+        return varies_on_htmx(render(request, "jobs/page.html#jobs", _jobs_context(request)))
     context = {**_jobs_context(request), **_job_forms(request)}
-    return render(request, "jobs/page.html", context)
+    return varies_on_htmx(render(request, "jobs/page.html", context))
 
 
 @approved_required

@@ -24,14 +24,23 @@ LAST_DAY = dt.date.max - dt.timedelta(days=1)
 
 
 def _date_field(label):
+    # A text field, not the browser's date picker: the picker shows the day in the browser's
+    # locale (mm/dd/yyyy in en-US) beside pages that print every day as YYYY-MM-DD.
     return forms.DateField(
         label=label,
         required=False,
         input_formats=["%Y-%m-%d"],
         validators=[MaxValueValidator(LAST_DAY, message=f"Give a day no later than {LAST_DAY}.")],
-        # The browser's date picker shows the day in the reader's own format (and sends it as
-        # YYYY-MM-DD), so the help names no format.
-        widget=forms.DateInput(attrs={"type": "date"}),
+        error_messages={"invalid": "Give the day as YYYY-MM-DD, e.g. 2026-12-01."},
+        widget=forms.DateInput(
+            format="%Y-%m-%d",
+            attrs={
+                "class": "date",
+                "placeholder": "YYYY-MM-DD",
+                "inputmode": "numeric",
+                "autocomplete": "off",
+            },
+        ),
         help_text="A whole day in UTC.",
     )
 

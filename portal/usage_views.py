@@ -9,6 +9,7 @@ from django.utils import timezone
 from django.utils.safestring import mark_safe
 
 from accounts.access import approved_required, staff_required
+from accounts.htmx import varies_on_htmx, wants_fragment
 from accounts.models import ApiKey, ServiceSettings, User
 from accounts.periods import day_start
 from accounts.selectors import pending_applications_count
@@ -56,8 +57,8 @@ def _render_usage(request, subject: User, *, base_path: str, staff_view: bool):
     if form.is_valid():
         window = form.window(user_id=subject.pk)
         context.update(_summary_context(usage_selectors.usage_summary(window), window))
-    template = "usage/usage.html#results" if request.htmx else "usage/usage.html"
-    return render(request, template, context)
+    template = "usage/usage.html#results" if wants_fragment(request) else "usage/usage.html"
+    return varies_on_htmx(render(request, template, context))
 
 
 def _summary_context(summary: dict, window) -> dict:
@@ -139,8 +140,8 @@ def request_log(request):
         context["records"] = records
         context["next_cursor"] = cursor_encode(*next_row) if next_row else None
         context["is_first_page"] = form.cleaned_data["before"] is None
-    template = "usage/requests.html#log" if request.htmx else "usage/requests.html"
-    return render(request, template, context)
+    template = "usage/requests.html#log" if wants_fragment(request) else "usage/requests.html"
+    return varies_on_htmx(render(request, template, context))
 
 
 @approved_required
@@ -174,8 +175,8 @@ def staff_overview(request):
         context.update(_summary_context(usage_selectors.usage_summary(window), window))
         top = usage_selectors.usage_top_users_and_keys(window)
         context["top_users"], context["top_keys"] = top["users"], top["keys"]
-    if request.htmx:
-        return render(request, "usage/staff.html#results", context)
+    if wants_fragment(request):
+        return varies_on_htmx(render(request, "usage/staff.html#results", context))
     service = ServiceSettings.objects.filter(pk=1).first()
     context.update(
         upstreams=api_selectors.upstream_states(),
@@ -185,7 +186,7 @@ def staff_overview(request):
         spend_cap_paused=bool(service and service.spend_cap_paused),
         spend_cap_reason=service.spend_cap_reason if service else "",
     )
-    return render(request, "usage/staff.html", context)
+    return varies_on_htmx(render(request, "usage/staff.html", context))
 
 
 @staff_required

@@ -9,6 +9,7 @@ from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
@@ -48,20 +49,20 @@ def home(request):
 # API keys
 
 
+def _key_row(key, **overrides) -> dict:
+    return {
+        "key": key,
+        "panel": budget_panel(key=key),
+        "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
+        "budget_form": KeyBudgetForm.for_key(key),
+        "errors": [],
+        **overrides,
+    }
+
+
 def _key_rows(user, overrides=None):
     overrides = overrides or {}
-    rows = []
-    for key in selectors.user_keys(user=user):
-        row = {
-            "key": key,
-            "panel": budget_panel(key=key),
-            "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
-            "budget_form": KeyBudgetForm.for_key(key),
-            "errors": [],
-        }
-        row.update(overrides.get(key.pk, {}))
-        rows.append(row)
-    return rows
+    return [_key_row(key, **overrides.get(key.pk, {})) for key in selectors.user_keys(user=user)]
 
 
 def _render_keys(request, *, create_form=None, overrides=None):
@@ -78,8 +79,14 @@ def _render_keys(request, *, create_form=None, overrides=None):
     return response
 
 
-def _keys_done(request):
-    return _render_keys(request) if request.htmx else redirect("keys")
+def _keys_done(request, *, notice=""):
+    """After a change: for htmx, the key list; otherwise back to the page, which shows
+    `notice` at its top."""
+    if request.htmx:
+        return _render_keys(request)
+    if notice:
+        messages.success(request, notice)
+    return redirect("keys")
 
 
 @approved_required
@@ -132,20 +139,30 @@ def key_rename(request, key_id):
 @approved_required
 @require_POST
 def key_budget(request, key_id):
+    """Set a key's budgets. For htmx the answer is the key's card (see `_key_card`), with the
+    confirmation just above the button that saved them, or the form with its errors."""
     key = _owned_key(request, key_id)
     form = KeyBudgetForm.for_key(key, request.POST)
     if form.is_valid():
         try:
-            services.api_key_budget_set(
+            key = services.api_key_budget_set(
                 key=key, acting_user=request.user, budgets=form.cleaned_data
             )
-            return _keys_done(request)
+            notice = f"Budgets of “{key.name}” saved."
+            if request.htmx:
+                return _key_card(request, key, budgets_notice=notice)
+            return _keys_done(request, notice=notice)
         except ValidationError as error:
             form.add_error(None, error)
+    if request.htmx:
+        return _key_card(request, key, budget_form=form)
     return _render_keys(request, overrides={key.pk: {"budget_form": form}})
 
 
-def _key_status_view(service, *, managed_allowed):
+def _key_status_view(service, *, managed_allowed, notice=""):
+    """A view that changes a key's status with `service`; `notice` (formatted with `key`)
+    confirms it, in the key's card for htmx (see `_key_card`)."""
+
     @approved_required
     @require_POST
     def view(request, key_id):
@@ -153,17 +170,34 @@ def _key_status_view(service, *, managed_allowed):
         if key.is_playground and not managed_allowed:
             return _refuse_managed(request, key)
         try:
-            service(key=key, acting_user=request.user)
+            key = service(key=key, acting_user=request.user)
         except ValidationError as error:
+            if request.htmx:
+                return _key_card(request, key, errors=error.messages)
             return _render_keys(request, overrides={key.pk: {"errors": error.messages}})
-        return _keys_done(request)
+        if request.htmx:
+            return _key_card(request, key, status_notice=notice.format(key=key))
+        return _keys_done(request, notice=notice.format(key=key))
 
     return view
 
 
+def _key_card(request, key, **overrides):
+    """The answer to htmx for a change of one key: its card alone, swapped in where it was,
+    so that a confirmation shows where the person clicked. (The whole list would put a
+    revoked key last, and drop a new key's secret shown above, moving the cards.)"""
+    response = render(request, "accounts/keys.html#key_card", {"row": _key_row(key, **overrides)})
+    add_never_cache_headers(response)
+    return response
+
+
 key_disable = _key_status_view(services.api_key_disable, managed_allowed=True)
 key_enable = _key_status_view(services.api_key_enable, managed_allowed=True)
-_key_revoke_post = _key_status_view(services.api_key_revoke, managed_allowed=False)
+_key_revoke_post = _key_status_view(
+    services.api_key_revoke,
+    managed_allowed=False,
+    notice="Revoked “{key.name}” (acs-{key.prefix}-…): programs using it now get key_revoked.",
+)
 
 
 @approved_required
@@ -175,7 +209,12 @@ def key_revoke(request, key_id):
     key = _owned_key(request, key_id)
     if key.is_playground:
         return _refuse_managed(request, key)
-    return render(request, "accounts/key_revoke.html", {"key": key})
+    context = {
+        "key": key,
+        "revoke_url": reverse("key_revoke", args=[key.pk]),
+        "keep_url": reverse("keys"),
+    }
+    return render(request, "accounts/key_revoke.html", context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,12 +315,23 @@ def staff_key_status(request, key_id):
         "enable": services.api_key_enable,
         "revoke": services.api_key_revoke,
     }
-    action = actions.get(request.POST.get("action"))
+    name = request.POST.get("action")
+    action = actions.get(name)
     if action is None:
         return _render_staff_user(request, key.user, errors=["Choose disable, enable or revoke."])
+    if name == "revoke" and request.POST.get("confirmed") != "true":
+        # Revoking is for good: ask first, on a page of its own.
+        context = {
+            "key": key,
+            "staff_view": True,
+            "revoke_url": reverse("staff_key_status", args=[key.pk]),
+            "keep_url": reverse("staff_user_detail", args=[key.user_id]),
+        }
+        return render(request, "accounts/key_revoke.html", context)
     try:
         action(key=key, acting_user=request.user)
     except ValidationError as error:
         return _render_staff_user(request, key.user, errors=error.messages)
-    messages.success(request, f"{key} updated.")
+    done = {"disable": "Paused", "enable": "Resumed", "revoke": "Revoked"}[name]
+    messages.success(request, f"{done} “{key.name}” (acs-{key.prefix}-…) of {key.user.email}.")
     return redirect("staff_user_detail", user_id=key.user_id)

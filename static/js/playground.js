@@ -6,8 +6,6 @@
   // Timings of the latest run, read by the latency benchmark and the browser tests.
   window.playgroundTimings = window.playgroundTimings || {};
 
-  var PLOT_CONFIG = { responsive: true, displaylogo: false };
-
   // The one way a figure is drawn, on first load and after any htmx swap (after settling).
   // An element swapped in over one with the same id carries the old element's class and
   // style until htmx settles it, then gets its own back: that strips the js-plotly-plot
@@ -18,7 +16,8 @@
     var data = document.getElementById(div.dataset.plot);
     if (!data) return;
     var figure = JSON.parse(data.textContent);
-    window.Plotly.newPlot(div, figure.data, figure.layout, PLOT_CONFIG);
+    var layout = acsFigures.layout(figure.layout, div);
+    window.Plotly.newPlot(div, figure.data, layout, acsFigures.config);
     if (div.dataset.plot === "tokens") {
       div.on("plotly_click", function (event) {
         var position = event.points[0].customdata[1];

@@ -1,7 +1,8 @@
 // Draws each chart from the Plotly figure JSON the server put in the <script> element its
-// data-figure attribute names, on page load and again after every htmx swap. Charts in or
-// near the view are drawn at once; the others when they come near it, since drawing every
-// chart of a page was most of its first load.
+// data-figure attribute names, on page load, after every htmx swap and after htmx restores a
+// page of the history (back, forward). Charts in or near the view are drawn at once; the
+// others when they come near it, since drawing every chart of a page was most of its first
+// load. The config and layout are the site's (js/figures.js).
 (function () {
   var NEAR_PX = 300;
 
@@ -9,7 +10,7 @@
     var source = document.getElementById(chart.dataset.figure);
     if (!source || !window.Plotly) return;
     var figure = JSON.parse(source.textContent);
-    Plotly.react(chart, figure.data, figure.layout, { responsive: true, displaylogo: false });
+    Plotly.react(chart, figure.data, acsFigures.layout(figure.layout, chart), acsFigures.config);
   }
 
   var observer = new IntersectionObserver(
@@ -34,4 +35,5 @@
   }
   document.addEventListener("DOMContentLoaded", draw);
   document.addEventListener("htmx:afterSettle", draw);
+  document.addEventListener("htmx:historyRestore", draw);
 })();

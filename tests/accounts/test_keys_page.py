@@ -103,12 +103,41 @@ def test_revoke_needs_confirmation_without_js_and_is_permanent(
     assert refusal(api_secret) == "key_revoked"
 
 
-def test_revoke_with_htmx_updates_the_list_in_place(approved_client, api_key):
+def test_revoke_with_htmx_answers_the_keys_card_in_place_with_the_confirmation(
+    approved_client, api_key
+):
+    other, _ = api_key_create(user=api_key.user, name="second key", acting_user=None)
+    page = approved_client.get(reverse("keys")).content.decode()
+    assert f'hx-target="#key-{api_key.pk}"' in page.split(f'id="key-{api_key.pk}"', 1)[1]
     response = approved_client.post(reverse("key_revoke", args=[api_key.pk]), **HTMX)
     html = response.content.decode()
-    assert html.lstrip().startswith('<div id="key-list">')
-    assert "Revoked" in html
+    # The card alone, for its own place: the list puts revoked keys last, away from the click.
+    assert html.lstrip().startswith(f'<article class="card key" id="key-{api_key.pk}"')
+    assert html.count("<article") == 1 and "second key" not in html
+    assert '<span class="badge revoked">Revoked</span>' in html
+    assert (
+        '<p class="notice" role="status">Revoked “first key” '
+        f"(acs-{api_key.prefix}-…): programs using it now get key_revoked.</p>"
+    ) in html
     assert AuditLog.objects.filter(action="key.revoke", target_id=str(api_key.pk)).exists()
+    reloaded = approved_client.get(reverse("keys")).content.decode()
+    assert reloaded.index(f'id="key-{other.pk}"') < reloaded.index(f'id="key-{api_key.pk}"')
+    assert 'class="notice"' not in reloaded
+
+
+def test_a_refused_status_change_with_htmx_shows_the_error_in_the_card(approved_client, api_key):
+    response = approved_client.post(reverse("key_enable", args=[api_key.pk]), **HTMX)
+    html = response.content.decode()
+    assert html.lstrip().startswith(f'<article class="card key" id="key-{api_key.pk}"')
+    assert '<ul class="errorlist" role="alert"><li>' in html and "cannot be changed" in html
+
+
+def test_revoke_without_js_confirms_at_the_top_of_the_page(approved_client, api_key):
+    response = approved_client.post(reverse("key_revoke", args=[api_key.pk]), follow=True)
+    html = response.content.decode()
+    messages = html.split('<div id="messages"', 1)[1].split("</div>", 1)[0]
+    assert f"Revoked “first key” (acs-{api_key.prefix}-…)" in messages
+    assert 'class="notice"' not in html
 
 
 def test_rename_key(approved_client, api_key):
@@ -178,6 +207,30 @@ def test_user_sets_key_budget_within_account_budget(approved_client, api_key, ap
     assert row.actor == approved_user
     assert row.before["daily_token_budget"] != 1000
     assert row.after["daily_token_budget"] == 1000
+
+
+@pytest.mark.parametrize("htmx", [False, True])
+def test_saving_key_budgets_confirms_it(approved_client, api_key, htmx):
+    response = approved_client.post(
+        reverse("key_budget", args=[api_key.pk]),
+        budget_post(api_key, daily_token_budget=1234),
+        follow=not htmx,
+        **(HTMX if htmx else {}),
+    )
+    html = response.content.decode()
+    api_key.refresh_from_db()
+    assert api_key.daily_token_budget == 1234
+    if htmx:
+        # Where the button that saved them was: above it, the budgets still open.
+        card = html.split(f'id="key-{api_key.pk}"', 1)[1].split("</article>", 1)[0]
+        budgets = card.split("<details open>\n          <summary>Budgets</summary>", 1)[1]
+        form = budgets.split("</form>", 1)[0]
+        assert form.index(
+            '<p class="notice" role="status">Budgets of “first key” saved.</p>'
+        ) < form.index("Save budgets</button>")
+    else:
+        messages = html.split('<div id="messages"', 1)[1].split("</div>", 1)[0]
+        assert "Budgets of “first key” saved." in messages
 
 
 def test_key_budget_above_account_budget_is_a_field_error(approved_client, api_key, approved_user):

@@ -72,7 +72,9 @@ def test_queue_is_full_page_without_htmx_and_partial_with_it(staff_client, pendi
     assert pending_user.email in partial
 
 
-def test_approve_with_htmx_updates_the_queue_in_place(staff_client, pending_user, commit):
+def test_approve_with_htmx_answers_the_decided_card_with_the_message_in_it(
+    staff_client, pending_user, commit
+):
     application = pending_user.applications.get()
     with commit():
         response = staff_client.post(
@@ -82,12 +84,32 @@ def test_approve_with_htmx_updates_the_queue_in_place(staff_client, pending_user
         )
     assert response.status_code == 200
     html = response.content.decode()
-    assert html.lstrip().startswith('<div id="application-queue">')
-    assert "Approved" in html
+    # The card the form targets, in place: the message is where the person clicked.
+    assert html.lstrip().startswith(
+        f'<article class="card application approved" id="application-{application.pk}"'
+    )
+    assert html.count("<article") == 1
+    assert '<span class="badge approved">Approved</span>' in html
     assert reverse("staff_application_decide", args=[application.pk]) not in html
-    # The confirmation goes to the page's message area, out of band.
-    assert '<div id="messages" role="status" hx-swap-oob="true">' in html
-    assert f"Approved {pending_user.email}: they are e-mailed" in html
+    assert (
+        f'<p class="notice" role="status">Approved {pending_user.email}: they are e-mailed'
+    ) in html
+    assert "hx-swap-oob" not in html
+    # Nothing is left over for the top of the next page.
+    queue = staff_client.get(reverse("staff_applications")).content.decode()
+    assert f"Approved {pending_user.email}:" not in queue
+
+
+def test_a_refused_decision_with_htmx_shows_the_error_in_the_card(staff_client, pending_user):
+    application = pending_user.applications.get()
+    response = staff_client.post(
+        reverse("staff_application_decide", args=[application.pk]), {"decision": "x"}, **HTMX
+    )
+    html = response.content.decode()
+    assert html.lstrip().startswith(
+        f'<article class="card application pending" id="application-{application.pk}"'
+    )
+    assert '<ul class="errorlist" role="alert"><li>Choose approve or reject.</li></ul>' in html
 
 
 def test_approving_without_htmx_confirms_with_a_message(staff_client, pending_user, commit):
@@ -214,11 +236,36 @@ def test_staff_key_budget_form_errors_show_on_the_user_page(staff_client, api_ke
     assert "daily_token_budget" in form.errors
 
 
-def test_staff_revokes_a_key_audited(staff_client, staff_user, api_key):
-    staff_client.post(reverse("staff_key_status", args=[api_key.pk]), {"action": "revoke"})
+def test_staff_revoking_a_key_is_asked_first_then_confirmed_and_audited(
+    staff_client, staff_user, api_key
+):
+    url = reverse("staff_key_status", args=[api_key.pk])
+    asked = staff_client.post(url, {"action": "revoke"})
+    assert asked.status_code == 200
+    html = asked.content.decode()
+    assert f"Revoke “first key” of {api_key.user.email}?" in html
+    assert '<input type="hidden" name="confirmed" value="true">' in html
+    api_key.refresh_from_db()
+    assert api_key.status == "active"
+    assert not AuditLog.objects.filter(action="key.revoke").exists()
+
+    done = staff_client.post(url, {"action": "revoke", "confirmed": "true"}, follow=True)
     api_key.refresh_from_db()
     assert api_key.status == "revoked"
     assert AuditLog.objects.get(action="key.revoke").actor == staff_user
+    assert (
+        f"Revoked “first key” (acs-{api_key.prefix}-…) of {api_key.user.email}."
+        in done.content.decode()
+    )
+
+
+def test_staff_pausing_a_key_is_not_asked_and_confirmed(staff_client, api_key):
+    response = staff_client.post(
+        reverse("staff_key_status", args=[api_key.pk]), {"action": "disable"}, follow=True
+    )
+    api_key.refresh_from_db()
+    assert api_key.status == "disabled"
+    assert f"Paused “first key” (acs-{api_key.prefix}-…)" in response.content.decode()
 
 
 def test_user_list_search_and_status_filter(staff_client, approved_user, pending_user):
@@ -256,6 +303,51 @@ def test_audit_log_filters(staff_client, staff_user, approved_user, api_key):
         staff_client.get(reverse("staff_audit"), {"target": api_key.prefix}).context["page"]
     )
     assert [r.action for r in rows] == ["key.create"]
+
+
+def test_the_audit_log_shows_each_changed_field_as_before_arrow_after(
+    staff_client, approved_user, api_key
+):
+    prefix = f"staff-budget-{api_key.pk}"
+    budgets = {
+        "monthly_token_budget": api_key.monthly_token_budget,
+        "daily_token_budget": 2_500,
+        "monthly_input_budget": 40_000,
+        "monthly_output_budget": "",
+        "monthly_activation_quota": api_key.monthly_activation_quota,
+        "monthly_harvest_quota": api_key.monthly_harvest_quota,
+    }
+    staff_client.post(
+        reverse("staff_key_budget", args=[api_key.pk]),
+        {f"{prefix}-{name}": value for name, value in budgets.items()},
+    )
+    html = staff_client.get(reverse("staff_audit"), {"action": "key.budget_set"}).content.decode()
+    row = html.split('<table class="audit">', 1)[1].split("</table>", 1)[0]
+    daily = f"{api_key.daily_token_budget:,}"
+    assert f"<li><code>daily_token_budget</code>: {daily} → 2,500</li>" in row
+    assert "<li><code>monthly_input_budget</code>: none → 40,000</li>" in row
+    # Unchanged budgets are not listed; no Python dict reprs.
+    assert "monthly_token_budget" not in row and "monthly_output_budget" not in row
+    assert "{&#x27;" not in row and "{'" not in row
+
+
+def test_audit_changes_of_a_creation_list_the_new_values_under_dotted_names(api_key):
+    row = AuditLog.objects.get(action="key.create")
+    changes = {field: (before, after) for field, before, after in row.changes()}
+    assert changes["name"] == ("—", "first key")
+    assert changes["budgets.daily_token_budget"] == ("—", f"{api_key.daily_token_budget:,}")
+    assert changes["budgets.monthly_input_budget"] == ("—", "none")
+
+
+def test_an_audit_row_that_changed_nothing_says_so(staff_client, approved_user):
+    budget = approved_user.monthly_token_budget
+    staff_client.post(
+        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": budget}
+    )
+    row = AuditLog.objects.get(action="user.budget_set")
+    assert row.changes() == []
+    html = staff_client.get(reverse("staff_audit"), {"action": "user."}).content.decode()
+    assert '<span class="help">no change</span>' in html
 
 
 def test_spend_cap_switch(staff_client, staff_user):

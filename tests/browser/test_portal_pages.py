@@ -1,5 +1,6 @@
 """Portal pages in a real browser: a key's budgets checked against each other, staff
-decisions confirmed (a rejection asked first), and every table at phone width."""
+decisions confirmed in the card clicked (a rejection asked first), and every table at phone
+width."""
 
 import uuid
 
@@ -16,6 +17,8 @@ pytestmark = pytest.mark.django_db
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1280, "height": 900}
 FITS_THE_SCREEN = "() => document.documentElement.scrollWidth <= window.innerWidth"
+IN_VIEW = """e => { const box = e.getBoundingClientRect();
+                    return box.top >= 0 && box.bottom <= window.innerHeight; }"""
 
 
 def test_a_daily_budget_above_the_monthly_budget_is_refused_with_a_field_error(page):
@@ -38,27 +41,34 @@ def test_a_daily_budget_above_the_monthly_budget_is_refused_with_a_field_error(p
     assert (key.monthly_token_budget, key.daily_token_budget) != (50_000, 60_000)
 
 
-def test_approve_and_reject_confirm_with_a_message_and_reject_asks_first(staff_page):
+def test_approve_and_reject_confirm_in_the_clicked_card_and_reject_asks_first(staff_page):
     page = staff_page
+    # On a phone the cards are tall: the message at the top of the page was out of view.
+    page.set_viewport_size(PHONE)
     approved, rejected = APPLICANTS
     page.goto("/staff/applications/")
-    page.locator("article.application", has_text=approved).locator(
-        "button", has_text="Approve"
-    ).click()
-    expect(page.locator("#messages")).to_contain_text(f"Approved {approved}")
+    card = page.locator("article.application", has_text=approved)
+    card.locator("button", has_text="Approve").click()
+    notice = card.locator(".notice")
+    expect(notice).to_have_text(
+        f"Approved {approved}: they are e-mailed, and their first key waits on their API keys page."
+    )
+    assert notice.evaluate(IN_VIEW)
+    expect(card.locator(".badge")).to_have_text("Approved")
     assert User.objects.get(email=approved).status == UserStatus.APPROVED
 
     questions = []
-    reject = page.locator("article.application", has_text=rejected).locator(
-        "button", has_text="Reject"
-    )
+    card = page.locator("article.application", has_text=rejected)
+    reject = card.locator("button", has_text="Reject")
     page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
     reject.click()
-    expect(reject).to_be_visible()  # still pending: the queue was not replaced
+    expect(reject).to_be_visible()  # still pending: the card was not replaced
     assert User.objects.get(email=rejected).status == UserStatus.PENDING
     page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.accept()))
     reject.click()
-    expect(page.locator("#messages")).to_contain_text(f"Rejected the application of {rejected}")
+    notice = card.locator(".notice")
+    expect(notice).to_have_text(f"Rejected the application of {rejected}; they are e-mailed.")
+    assert notice.evaluate(IN_VIEW)
     assert User.objects.get(email=rejected).status == UserStatus.REJECTED
     assert (
         questions == [f"Reject the application of {rejected}? They are e-mailed the decision."] * 2

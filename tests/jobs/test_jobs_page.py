@@ -2,9 +2,11 @@
 links, and the mean-norm chart of a finished harvest."""
 
 import json
+import re
 import uuid
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
@@ -12,7 +14,7 @@ from django.utils import timezone
 from accounts.models import UserStatus
 from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
-from api.jobs.storage import harvest_file_write
+from api.jobs.storage import STATS_NAME, Tensor, harvest_file_write, safetensors_bytes
 from playground.models import JobKind, JobSubmission, JobSubmissionStatus
 from tests.conftest import PASSWORD
 from tests.playground.test_views import MODEL
@@ -200,6 +202,47 @@ def test_a_finished_harvest_has_download_links_and_a_norm_chart(
     assert 'data-figure="harvest-norm-figure"' in html
 
 
+def _finished_harvest(api_key, norms):
+    """A done harvest job with a stats file of these per-layer mean norms (no engine)."""
+    job = _harvest(api_key)
+    stats = {"norm_mean": Tensor.from_array(np.asarray(norms, dtype=np.float32))}
+    harvest_file_write(job.storage_prefix, STATS_NAME, safetensors_bytes(stats))
+    HarvestJob.objects.filter(pk=job.pk).update(
+        status=HarvestJobStatus.DONE, prompts_done=2, files=[STATS_NAME]
+    )
+    return job
+
+
+@pytest.mark.django_db
+def test_the_plot_link_swaps_the_chart_in_and_scrolls_to_it_or_loads_the_page_at_it(
+    logged_in, api_key
+):
+    older = _finished_harvest(api_key, [1.0, 2.0])
+    newer = _finished_harvest(api_key, [3.0, 4.0])
+    page = logged_in.get("/jobs/")
+    html = page.content.decode()
+    # The newest is plotted; the older one's link names the chart's place on the page,
+    # which a browser without JS scrolls to, and htmx swaps the list and shows the chart.
+    assert page.context["plotted"] == newer
+    link = re.search(r'<a href="\?plot=' + str(older.pk) + r"[^>]*>plot</a>", html).group(0)
+    assert f'href="?plot={older.pk}#harvest-norm-chart"' in link
+    assert f'hx-get="?plot={older.pk}"' in link
+    assert f'hx-push-url="?plot={older.pk}#harvest-norm-chart"' in link
+    assert 'hx-swap="outerHTML show:#harvest-norm-chart:top"' in link
+    assert 'id="harvest-norm-chart"' in html
+
+    fragment = logged_in.get("/jobs/", {"plot": str(older.pk)}, **HTMX)
+    assert fragment.content.decode().lstrip().startswith('<div id="jobs" hx-history="false"')
+    assert fragment.context["figure"]["data"][0]["y"] == [1.0, 2.0]
+    restored = logged_in.get(
+        "/jobs/", {"plot": str(older.pk)}, **HTMX, HTTP_HX_HISTORY_RESTORE_REQUEST="true"
+    )
+    assert restored.content.decode().lstrip().lower().startswith("<!doctype html>")
+    assert restored.context["plotted"] == older
+    for response in (page, fragment, restored):
+        assert "HX-Request" in response["Vary"]
+
+
 # ---------------------------------------------------------------------------------------
 # Submitting jobs from the page
 
@@ -259,6 +302,23 @@ def test_a_harvest_submitted_with_htmx_answers_the_list_and_fresh_forms(
     submission = JobSubmission.objects.get(user=approved_user)
     assert submission.request["prompts"] == ["first prompt", "second prompt"]
     assert submission.request["layers"] == [7, 15]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("htmx", [False, True])
+def test_a_harvest_is_sent_with_exactly_the_layers_ticked(
+    logged_in, approved_user, model_list, htmx
+):
+    page = logged_in.get("/jobs/").content.decode()
+    boxes = re.findall(r'<input[^>]*name="harvest-layers"[^>]*>', page)
+    assert len(boxes) == 30 and not any("checked" in box for box in boxes)
+    logged_in.post(
+        "/jobs/harvest/",
+        {**HARVEST_POST, "harvest-layers": ["0", "12", "29"], "harvest-prompts": "a"},
+        **(HTMX if htmx else {}),
+    )
+    submission = JobSubmission.objects.get(user=approved_user)
+    assert submission.request["layers"] == [0, 12, 29]
 
 
 @pytest.mark.django_db

@@ -161,10 +161,24 @@ def _harvest_form(data, files=None):
     )
 
 
-def test_the_harvest_form_preselects_the_quartile_layers_of_the_model():
+def test_the_harvest_form_ticks_no_layer_and_names_the_apis_default():
     form = HarvestJobForm(models=[MODEL], capabilities=ModelCapabilities(MODEL))
-    assert form.fields["layers"].initial == [7, 15, 22]
+    assert not form.fields["layers"].initial
     assert len(form.fields["layers"].choices) == 30
+    assert "None ticked: the API's default, layers 7, 15, 22" in form.fields["layers"].help_text
+    assert "checked" not in str(form["layers"])
+
+
+def test_the_harvest_body_has_exactly_the_ticked_layers():
+    form = _harvest_form({"harvest-prompts": "a", "harvest-layers": ["0", "12", "29"]})
+    assert form.is_valid(), form.errors
+    assert form.to_request()["layers"] == [0, 12, 29]
+
+
+def test_no_layer_ticked_leaves_the_layers_to_the_api():
+    form = _harvest_form({"harvest-prompts": "a", "harvest-layers": []})
+    assert form.is_valid(), form.errors
+    assert "layers" not in form.to_request()
 
 
 def test_pasted_prompts_one_per_line_make_the_harvest_body():

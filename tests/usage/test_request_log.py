@@ -118,7 +118,7 @@ def test_htmx_log_returns_only_the_log_partial(user_client, record):
     partial = user_client.get("/usage/requests/", headers={"HX-Request": "true"})
     full = user_client.get("/usage/requests/")
 
-    assert partial.content.decode().lstrip().startswith('<div id="log">')
+    assert partial.content.decode().lstrip().startswith('<div id="log" hx-history="false">')
     assert "<html" not in partial.content.decode()
     assert _ids(partial) == _ids(full) == [row.pk]
     assert "<html" in full.content.decode()

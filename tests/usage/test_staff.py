@@ -147,12 +147,17 @@ def test_htmx_overview_returns_only_the_results_partial(staff_client, service_tr
     partial = staff_client.get("/usage/staff/", JAN, headers={"HX-Request": "true"})
     full = staff_client.get("/usage/staff/", JAN)
 
-    assert partial.content.decode().lstrip().startswith('<div id="results">')
+    assert partial.content.decode().lstrip().startswith('<div id="results" hx-history="false">')
     assert "<html" not in partial.content.decode()
     assert table_rows(partial.content.decode(), "top-users") == table_rows(
         full.content.decode(), "top-users"
     )
     assert "<html" in full.content.decode()
+    assert "HX-Request" in partial["Vary"] and "HX-Request" in full["Vary"]
+    restored = staff_client.get(
+        "/usage/staff/", JAN, headers={"HX-Request": "true", "HX-History-Restore-Request": "true"}
+    )
+    assert "<html" in restored.content.decode()
 
 
 def test_seed_command_writes_records_and_matching_daily_roll_ups(db):

@@ -210,7 +210,7 @@ def test_htmx_filter_returns_only_the_results_partial(user_client, january):
     partial = user_client.get("/usage/", JAN, headers={"HX-Request": "true"})
     full = user_client.get("/usage/", JAN)
 
-    assert partial.content.decode().lstrip().startswith('<div id="results">')
+    assert partial.content.decode().lstrip().startswith('<div id="results" hx-history="false">')
     assert "<html" not in partial.content.decode()
     assert 'id="usage-days"' in partial.content.decode()
     assert "<html" in full.content.decode()
@@ -219,6 +219,36 @@ def test_htmx_filter_returns_only_the_results_partial(user_client, january):
     assert table_rows(partial.content.decode(), "usage-days") == table_rows(
         full.content.decode(), "usage-days"
     )
+
+
+@pytest.mark.parametrize("path", ["/usage/", "/usage/requests/"])
+def test_a_filtered_view_is_the_whole_page_for_a_bookmark_and_for_the_back_button(
+    user_client, january, path
+):
+    """The filters are the URL (htmx pushes it): the page, its htmx fragment and htmx's
+    restore of that history entry are three answers of one URL. The browser's cache must
+    tell the fragment from the page (Vary), and a restore gets the whole page, which htmx
+    puts in place of the body (hx-history="false": it keeps no copy of pages with charts)."""
+    page = user_client.get(path, JAN)
+    fragment = user_client.get(path, JAN, headers={"HX-Request": "true"})
+    restored = user_client.get(
+        path, JAN, headers={"HX-Request": "true", "HX-History-Restore-Request": "true"}
+    )
+    for response in (page, fragment, restored):
+        assert "HX-Request" in response["Vary"]
+    assert "<html" not in fragment.content.decode()
+    assert restored.content.decode().lstrip().lower().startswith("<!doctype html>")
+    assert 'hx-history="false"' in page.content.decode()
+    assert 'hx-push-url="true"' in page.content.decode()
+
+
+def test_date_filters_are_typed_as_the_page_prints_days(user_client, january):
+    page = user_client.get("/usage/", JAN).content.decode()
+    field = re.search(r'<input[^>]*name="from"[^>]*>', page).group(0)
+    assert 'type="text"' in field and 'placeholder="YYYY-MM-DD"' in field
+    assert 'value="2025-01-01"' in field
+    american = user_client.get("/usage/", {"range": "custom", "from": "01/02/2025", "to": ""})
+    assert "Give the day as YYYY-MM-DD, e.g. 2026-12-01." in american.content.decode()
 
 
 def test_page_carries_plotly_figures_of_the_same_numbers(user_client, january):
