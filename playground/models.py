@@ -63,6 +63,9 @@ class Run(models.Model):
     # Time to first token as the worker, a client of /v1, saw it (streamed runs).
     api_ttft_ms = models.FloatField(null=True, blank=True)
     usage = models.JSONField(null=True, blank=True)
+    # The prompts' and choices' token ids and strings (`run_tokens`), set when the run
+    # succeeds: the labels of every position, whatever the request asked for.
+    tokens = models.JSONField(null=True, blank=True)
     # The one-time token of the form submission that created this run (the first run of a
     # group): the same token submitted again returns this run instead of creating more.
     submit_token = models.UUIDField(null=True, blank=True)

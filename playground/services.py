@@ -36,6 +36,7 @@ from .models import (
     SteeringVector,
     VectorMethod,
 )
+from .run_tokens import run_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -307,10 +308,13 @@ def merge_stream_frames(frames: list[dict]) -> dict:
 
 
 def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
+    # Tokenized after the answer, off the path to the first token.
+    tokens = run_tokens(run.request, response)
     now = timezone.now()
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.SUCCEEDED,
         response=response,
+        tokens=tokens,
         usage=response.get("usage"),
         request_id=request_id,
         gateway_ms=timing.get("gateway"),

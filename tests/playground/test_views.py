@@ -10,8 +10,9 @@ import uuid
 import numpy as np
 import pytest
 from django.urls import reverse
-from safetensors.numpy import load as safetensors_load
 
+from acs_client.codec import decode
+from acs_client.downloads import load_activations
 from playground import selectors, services, streams
 from playground.models import Run, RunKind, RunStatus, SteeringVector
 
@@ -182,8 +183,9 @@ def test_another_users_run_is_404_everywhere(user_client, other_user):
     urls = [
         reverse("playground:run_detail", args=[run.id]),
         reverse("playground:run_edit", args=[run.id]),
-        reverse("playground:run_figure", args=[run.id, "cosine"]) + "?row=0",
-        reverse("playground:run_activations", args=[run.id, "npy"]),
+        reverse("playground:run_figure", args=[run.id, "cosine"]) + "?cosine_row=0",
+        reverse("playground:run_figure", args=[run.id, "activations"]),
+        reverse("playground:run_activations", args=[run.id]),
         reverse("playground:group_detail", args=[run.id]),
     ]
     for url in urls:
@@ -298,18 +300,17 @@ def test_capture_run_has_activation_figures_and_downloads(user_client, approved_
     body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     for name in ("heatmap", "norm_by_layer", "cosine", "pca"):
         assert f'data-plot="{name}"' in body
-    npy = user_client.get(reverse("playground:run_activations", args=[run.id, "npy"]))
-    tensor = np.load(io.BytesIO(b"".join([npy.content])))
+    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    loaded = load_activations(download.content)
+    tensor = loaded.captures[0].activations
     assert tensor.shape == (3, 5, 576) and tensor.dtype == np.float32
-    st = user_client.get(reverse("playground:run_activations", args=[run.id, "safetensors"]))
-    loaded = safetensors_load(st.content)
-    assert np.array_equal(loaded["residual_stream"], tensor)
-    assert loaded["layers"].tolist() == [0, 4, 8]
+    assert np.array_equal(tensor, decode(recorded("capture.json")["activations"]["residual_stream"]))
+    assert loaded.layers == [0, 4, 8] and loaded.metadata["kind"] == "run"
     figure = user_client.get(
-        reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=2", **HTMX
+        reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=2", **HTMX
     )
     assert "PCA of positions, layer 8" in figure.content.decode()
-    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=9")
+    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=9")
     assert bad.status_code == 404
 
 
@@ -666,7 +667,10 @@ def test_norm_heatmap_colour_can_be_log_or_clipped(user_client, approved_user):
     for colour, shown in (("log", "log₁₀"), ("clip", "clipped at the 95th percentile")):
         partial = user_client.get(url + f"?colour={colour}", **HTMX).content.decode()
         title = json.loads(_figure_json(partial, "heatmap"))["layout"]["title"]["text"]
-        assert title == f"Residual-stream norm by layer × position ({shown})"
+        assert title == (
+            f"Residual-stream norm ‖h‖ by layer × position ({shown}), "
+            "positions 1–4 (first token excluded)"
+        )
     assert user_client.get(url + "?colour=sepia").status_code == 404
 
 
