@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('playground', '0003_job_submission'),
+        ("playground", "0003_job_submission"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='run',
-            name='tokens',
+            model_name="run",
+            name="tokens",
             field=models.JSONField(blank=True, null=True),
         ),
     ]

@@ -127,9 +127,7 @@ def with_tokens(capture, tokens):
 
 @pytest.fixture
 def captured():
-    capture = figures.activations(
-        {"output_residual_stream": [0, 4, 8]}, recorded("capture.json")
-    )
+    capture = figures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
     return with_tokens(capture, TOKENS)
 
 

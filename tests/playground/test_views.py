@@ -304,7 +304,8 @@ def test_capture_run_has_activation_figures_and_downloads(user_client, approved_
     loaded = load_activations(download.content)
     tensor = loaded.captures[0].activations
     assert tensor.shape == (3, 5, 576) and tensor.dtype == np.float32
-    assert np.array_equal(tensor, decode(recorded("capture.json")["activations"]["residual_stream"]))
+    captured = decode(recorded("capture.json")["activations"]["residual_stream"])
+    assert np.array_equal(tensor, captured)
     assert loaded.layers == [0, 4, 8] and loaded.metadata["kind"] == "run"
     figure = user_client.get(
         reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=2", **HTMX
