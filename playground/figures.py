@@ -649,37 +649,124 @@ def activation_pca_figure(
 # Steering
 
 
-def steering_difference_figure(baseline: dict, steered: dict) -> go.Figure:
-    """Per generated position: steered minus baseline logprob of the sampled token."""
-    base = completion_positions(baseline["choices"][0].get("logprobs"))
-    other = completion_positions(steered["choices"][0].get("logprobs"))
-    pairs = list(zip(base, other, strict=False))
-    figure = go.Figure(
+def same_token_summary(compared: dict) -> dict:
+    """The means of one steered run's same-token comparison (an entry of
+    `SteeringScore.results["runs"]`), in nats per token: Δ logprob (steered − baseline) on
+    the baseline's tokens and on the steered run's tokens, and KL(baseline ‖ steered) on the
+    baseline's tokens (None without full distributions)."""
+
+    def mean_delta(part: dict) -> float | None:
+        deltas = np.asarray(part["under_steered"]) - np.asarray(part["under_baseline"])
+        return float(deltas.mean()) if deltas.size else None
+
+    kl = compared["baseline_tokens"]["kl"]
+    return {
+        "delta_baseline_tokens": mean_delta(compared["baseline_tokens"]),
+        "delta_steered_tokens": mean_delta(compared["steered_tokens"]),
+        "kl": float(np.mean(kl)) if kl else None,
+    }
+
+
+DELTA_AXIS = "Δ logprob = log p_steered − log p_baseline (nats)"
+KL_AXIS = "KL(baseline ‖ steered) (nats)"
+
+
+def _pair_label(position: int, base: str | None, steered: str | None) -> str:
+    if base == steered or steered is None:
+        return (
+            f"{position} {_label(base)}" if base is not None else f"{position} –/{_label(steered)}"
+        )
+    if base is None:
+        return f"{position} –/{_label(steered)}"
+    return f"{position} {_label(base)}/{_label(steered)}"
+
+
+def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
+    """Per generated position j, the Δ logprob (steered − baseline, nats) of the baseline's
+    token j and of the steered run's token j, each scored under both models on the same
+    tokens (teacher-forced), and KL(baseline ‖ steered) at the baseline's positions where
+    the full distributions were available. Ticks name the baseline's / steered token."""
+    base = compared["baseline_tokens"]
+    own = compared["steered_tokens"]
+    base_delta = np.asarray(base["under_steered"]) - np.asarray(base["under_baseline"])
+    own_delta = np.asarray(own["under_steered"]) - np.asarray(own["under_baseline"])
+    steered_strings = own["strings"]
+    count = max(len(baseline_strings), len(steered_strings))
+    figure = go.Figure()
+    figure.add_trace(
         go.Bar(
-            x=list(range(len(pairs))),
-            y=[s["logprob"] - b["logprob"] for b, s in pairs],
-            customdata=[[_label(b["token"]), _label(s["token"])] for b, s in pairs],
-            hovertemplate=(
-                "#%{x}: baseline %{customdata[0]}, steered %{customdata[1]}"
-                "<br>Δ logprob %{y:.3f}<extra></extra>"
-            ),
-            marker_color=[
-                "#1a9850" if s["logprob"] >= b["logprob"] else "#d7301f" for b, s in pairs
+            x=list(range(len(base_delta))),
+            y=base_delta.tolist(),
+            name="on the baseline's tokens",
+            marker_color="#1f5fbf",
+            customdata=[
+                [_label(token), b, s]
+                for token, b, s in zip(
+                    baseline_strings, base["under_baseline"], base["under_steered"], strict=True
+                )
             ],
+            hovertemplate=(
+                "baseline's token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
+                " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
+            ),
         )
     )
-    figure.update_xaxes(title="generated position", **_integer_ticks(range(len(pairs))))
-    figure.update_yaxes(title="Δ logprob (steered − baseline)")
-    return _layout(figure, "Per-token logprob difference")
-
-
-def mean_logprob(response: dict) -> float | None:
-    values = [
-        p["logprob"]
-        for p in completion_positions(response["choices"][0].get("logprobs"))
-        if p["logprob"] is not None
-    ]
-    return sum(values) / len(values) if values else None
+    figure.add_trace(
+        go.Bar(
+            x=list(range(len(own_delta))),
+            y=own_delta.tolist(),
+            name="on the steered run's tokens",
+            marker_color="#e08214",
+            customdata=[
+                [_label(token), b, s]
+                for token, b, s in zip(
+                    steered_strings, own["under_baseline"], own["under_steered"], strict=True
+                )
+            ],
+            hovertemplate=(
+                "steered token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
+                " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
+            ),
+        )
+    )
+    if base["kl"] is not None:
+        figure.add_trace(
+            go.Scatter(
+                x=list(range(len(base["kl"]))),
+                y=base["kl"],
+                name="KL(baseline ‖ steered), right axis",
+                mode="lines+markers",
+                yaxis="y2",
+                line={"color": "#333333"},
+                hovertemplate="position %{x}: KL %{y:.3f} nats<extra></extra>",
+            )
+        )
+        figure.update_layout(
+            yaxis2={
+                "title": {"text": KL_AXIS},
+                "overlaying": "y",
+                "side": "right",
+                "rangemode": "tozero",
+                "showgrid": False,
+            }
+        )
+    positions = list(range(count))
+    padded_base = [*baseline_strings, *[None] * (count - len(baseline_strings))]
+    padded_own = [*steered_strings, *[None] * (count - len(steered_strings))]
+    figure.update_xaxes(
+        title="generated position j (baseline's token / steered token)",
+        tickmode="array",
+        tickvals=positions,
+        ticktext=[
+            _pair_label(j, b, o) for j, b, o in zip(positions, padded_base, padded_own, strict=True)
+        ],
+        tickangle=-45,
+        range=[-0.5, count - 0.5],
+    )
+    figure.update_yaxes(title=DELTA_AXIS, zeroline=True, zerolinecolor="#888888")
+    figure.update_layout(barmode="group", legend={"orientation": "h", "y": -0.45})
+    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 440)
+    return figure.update_layout(margin={"r": 60 if base["kl"] is not None else 20, "b": 140})
 
 
 def _scored_target(response: dict, target: str) -> tuple[float | None, str]:
@@ -715,27 +802,42 @@ def target_logprob(response: dict, target: str) -> tuple[float | None, str]:
     return None, f"the target is outside the top-{len(positions[0]['top'])} returned"
 
 
-def sweep_points(runs: list[tuple[float, dict]], target: str) -> list[dict]:
+def sweep_points(
+    runs: list[tuple[float, dict]], target: str, compared: dict[float, dict] | None = None
+) -> list[dict]:
     """From `(scale, response)` pairs (one with scale 0, the baseline): per scale the
-    target token's logprob (None, with `missing` saying why, when unknown) and the mean
-    logprob shift against the baseline."""
-    baseline = next((response for scale, response in runs if scale == 0), None)
-    base_mean = mean_logprob(baseline) if baseline else None
+    target token's logprob (None, with `missing` saying why, when unknown), and from the
+    same-token comparison of that scale (`compared`: scale → entry of
+    `SteeringScore.results["runs"]`) the mean Δ logprob on the baseline's tokens and the
+    mean KL(baseline ‖ steered), both 0 at scale 0 (the baseline against itself) and None
+    where no comparison is known."""
+    compared = compared or {}
     points = []
     for scale, response in sorted(runs, key=lambda pair: pair[0]):
-        mean = mean_logprob(response)
-        shift = None if mean is None or base_mean is None else mean - base_mean
         logprob, missing = target_logprob(response, target) if target else (None, "")
+        if scale == 0:
+            summary = {"delta_baseline_tokens": 0.0, "kl": 0.0}
+        elif scale in compared:
+            summary = same_token_summary(compared[scale])
+        else:
+            summary = {"delta_baseline_tokens": None, "kl": None}
         points.append(
-            {"scale": scale, "target_logprob": logprob, "missing": missing, "mean_shift": shift}
+            {
+                "scale": scale,
+                "target_logprob": logprob,
+                "missing": missing,
+                "mean_shift": summary["delta_baseline_tokens"],
+                "mean_kl": summary["kl"],
+            }
         )
     return points
 
 
 def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> go.Figure:
-    """Target-token logprob and mean logprob shift against the steering scale (in `unit`,
-    as entered). Scales where the target's logprob is unknown are named in a note."""
-    scales = [p["scale"] for p in points]
+    """Against the steering scale (in `unit`, as entered): the target token's logprob (left
+    axis), and on the right axis the mean Δ logprob of the baseline's tokens (steered −
+    baseline) and the mean KL(baseline ‖ steered), both in nats per token on the same
+    tokens. Scales where the target's logprob is unknown are named in a note."""
     figure = go.Figure()
     known = [p for p in points if p["target_logprob"] is not None]
     if known:
@@ -744,28 +846,48 @@ def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> 
                 x=[p["scale"] for p in known],
                 y=[p["target_logprob"] for p in known],
                 mode="lines+markers",
-                name=f"logprob of {_label(target)}",
+                name=f"logprob of {_label(target)} (left)",
             )
         )
-    figure.add_trace(
-        go.Scatter(
-            x=scales,
-            y=[p["mean_shift"] for p in points],
-            mode="lines+markers",
-            name="mean logprob shift",
-            yaxis="y2",
+    shifts = [p for p in points if p["mean_shift"] is not None]
+    # (Scale 0 alone is the baseline against itself: nothing was compared.)
+    if len(shifts) > 1:
+        figure.add_trace(
+            go.Scatter(
+                x=[p["scale"] for p in shifts],
+                y=[p["mean_shift"] for p in shifts],
+                mode="lines+markers",
+                name="mean Δ logprob, baseline's tokens (right)",
+                yaxis="y2",
+            )
         )
-    )
+    divergences = [p for p in points if p.get("mean_kl") is not None]
+    if len(divergences) > 1:
+        figure.add_trace(
+            go.Scatter(
+                x=[p["scale"] for p in divergences],
+                y=[p["mean_kl"] for p in divergences],
+                mode="lines+markers",
+                name="mean KL(baseline ‖ steered) (right)",
+                yaxis="y2",
+                line={"dash": "dot"},
+            )
+        )
     figure.update_layout(
         xaxis={"title": {"text": unit}, "tickformat": "~g"},
-        yaxis={"title": {"text": "target logprob"}},
-        yaxis2={"title": {"text": "mean shift"}, "overlaying": "y", "side": "right"},
+        yaxis={"title": {"text": "target logprob (nats)"}},
+        yaxis2={
+            "title": {"text": "nats per token, same tokens"},
+            "overlaying": "y",
+            "side": "right",
+            "zeroline": True,
+        },
         legend={"orientation": "h", "y": -0.25},
     )
     missing = [p for p in points if p["target_logprob"] is None]
     note = ""
     if not target:
-        note = "No target token given: only the mean shift is plotted."
+        note = "No target token given: only the same-token comparison is plotted."
     elif missing:
         where = "any scale" if not known else ", ".join(f"{p['scale']:g}" for p in missing)
         note = f"No logprob of {_label(target)} at {where}: {_text(missing[0]['missing'])}."

@@ -133,6 +133,35 @@ class Run(models.Model):
         return (self.finished_at - self.queued_at).total_seconds() * 1000
 
 
+class SteeringScore(models.Model):
+    """The same-token comparison of a steering comparison or sweep (`group`): once its runs
+    have finished, a worker sends teacher-forced requests through /v1 with the user's
+    playground key (metered and budget-checked like runs; see `scoring`) and keeps, per
+    steered run, the logprobs of the baseline's tokens and of the steered run's tokens under
+    both models, and the KL divergence where the full distribution was affordable.
+    Status moves queued → running → succeeded | failed."""
+
+    group = models.UUIDField(unique=True)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="steering_scores"
+    )
+    status = models.CharField(
+        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
+    results = models.JSONField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"steering score {self.group} ({self.status})"
+
+    @property
+    def is_finished(self):
+        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+
+
 class VectorMethod(models.TextChoices):
     CONTRAST_LAST = "contrast_last", "Contrast prompts, last-token difference"
     CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"

@@ -25,7 +25,7 @@ from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send
 from acs_portal.redis import redis_sync
 
-from . import streams
+from . import scoring, streams
 from .models import (
     JobKind,
     JobSubmission,
@@ -33,6 +33,7 @@ from .models import (
     Run,
     RunKind,
     RunStatus,
+    SteeringScore,
     SteeringVector,
     VectorMethod,
 )
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 # The tasks that execute a run and send a job submission (`tasks.py`), enqueued by name.
 RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"
 JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
+STEERING_SCORE_TASK = "playground.tasks.steering_score_execute_task"
 
 PLAYGROUND_KEY_NAME = "Playground"
 
@@ -214,17 +216,19 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
         message = error.message
         if retryable and final_attempt:
             message = f"Gave up after {run.attempts} attempts. {message}"
-        return run_fail(run=run, code=error.code, message=message, request_id=error.request_id)
+        return _run_failed(run, code=error.code, message=message, request_id=error.request_id)
     except Exception:
         logger.exception("playground run %s failed", run.id)
-        return run_fail(
-            run=run,
+        return _run_failed(
+            run,
             code="playground_error",
             message="The playground worker could not process the answer; see the worker log.",
         )
     run = _run_succeed(run=run, **result)
     if run.kind == RunKind.CONTRAST:
         steering_vector_from_contrast(group=run.group)
+    if run.kind in STEERING_KINDS:
+        steering_score_queue(group=run.group)
     return run
 
 
@@ -323,6 +327,14 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
     )
     streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
     run.refresh_from_db()
+    return run
+
+
+def _run_failed(run: Run, **error) -> Run:
+    run = run_fail(run=run, **error)
+    if run.kind in STEERING_KINDS:
+        # The other runs may all be done: compare the ones that succeeded.
+        steering_score_queue(group=run.group)
     return run
 
 
@@ -578,6 +590,189 @@ def with_target_scored(request: dict, target: str) -> dict:
     however unlikely the target is (a top-k list would often leave it out)."""
     prompt = request["prompt"]
     return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}
+
+
+# ---------------------------------------------------------------------------------------
+# Steering compared on the same tokens (teacher-forced requests; see `scoring`)
+
+STEERING_KINDS = (RunKind.STEERING_BASELINE, RunKind.STEERING_STEERED, RunKind.SWEEP)
+# The full next-token distribution (for the KL divergence) is asked for only while prompt +
+# completion is at most this many tokens: every position is a vocabulary-sized JSON object
+# (about 4 MB for SmolLM2's 49,152 tokens), which the worker parses whole. The API allows 256.
+KL_MAX_TOKENS = 64
+
+
+class ScoreUnavailable(Exception):
+    """The runs cannot be compared on the same tokens; the message says why."""
+
+
+def steering_score_queue(*, group) -> SteeringScore | None:
+    """Queue the same-token comparison of a steering comparison or sweep once all its runs
+    have finished, if the baseline and at least one steered run succeeded. Idempotent: the
+    group's score is unique, so the last two runs finishing at once queue it once."""
+    runs = list(Run.objects.filter(group=group).only("status", "scale", "user_id"))
+    if not runs or not all(run.is_finished for run in runs):
+        return None
+    succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
+    if not any(run.scale == 0 for run in succeeded) or all(run.scale == 0 for run in succeeded):
+        return None
+    try:
+        with transaction.atomic():
+            score = SteeringScore.objects.create(group=group, user_id=runs[0].user_id)
+            transaction.on_commit(lambda: task_send(STEERING_SCORE_TASK, str(score.pk)))
+    except IntegrityError:
+        return SteeringScore.objects.get(group=group)
+    return score
+
+
+def steering_score_execute(*, score_id) -> SteeringScore | None:
+    """Claim a queued score, send its teacher-forced requests to /v1 with the user's
+    playground key and store the per-token logprobs and KL divergences (see
+    `_steering_compare`); an error fails it with a message a person can read. Returns None
+    if it could not be claimed."""
+    claimed = SteeringScore.objects.filter(pk=score_id, status=RunStatus.QUEUED).update(
+        status=RunStatus.RUNNING
+    )
+    if not claimed:
+        return None
+    score = SteeringScore.objects.select_related("user").get(pk=score_id)
+    runs = Run.objects.filter(group=score.group, status=RunStatus.SUCCEEDED).order_by("scale")
+    baseline = next(run for run in runs if run.scale == 0)
+    steered = [run for run in runs if run.scale != 0]
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(score.user))
+    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
+    try:
+        fields.update(results=_steering_compare(client, baseline, steered))
+        fields["status"] = RunStatus.SUCCEEDED
+    except AcsApiError as error:
+        fields.update(error_code=error.code, error_message=error.message)
+    except ScoreUnavailable as reason:
+        fields.update(error_code="not_comparable", error_message=str(reason))
+    except Exception:
+        logger.exception("steering score %s failed", score.pk)
+        fields.update(
+            error_code="playground_error",
+            error_message="The playground worker could not compare the runs; see its log.",
+        )
+    SteeringScore.objects.filter(pk=score.pk).update(**fields)
+    score.refresh_from_db()
+    return score
+
+
+def _run_token_ids(run: Run) -> tuple[list[int], list[int], list[str]]:
+    """The prompt's token ids, and the completion's ids and strings, of a run's first choice."""
+    tokens = run.tokens or {}
+    prompt = (tokens.get("prompts") or [None])[0]
+    completion = (tokens.get("completions") or [None])[0]
+    if not prompt or not completion or None in completion["ids"]:
+        raise ScoreUnavailable(
+            f"The tokens of the run at scale {run.scale_label or 0} are not all known, so "
+            "they cannot be scored under the other model."
+        )
+    return prompt["ids"], completion["ids"], completion["strings"]
+
+
+def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> dict:
+    """Score the baseline's tokens under every steered model and each steered run's tokens
+    under the baseline (and under its own model, so both sides of each Δ come from the same
+    teacher-forced computation), with full distributions for the KL divergence on the
+    baseline's tokens where prompt + completion is at most KL_MAX_TOKENS."""
+    sent = []
+
+    def send(purpose: str, body: dict) -> dict:
+        completion = client.completions(body)
+        sent.append({"purpose": purpose, "request_id": completion.request_id})
+        return completion.body
+
+    prompt_ids, base_ids, base_strings = _run_token_ids(baseline)
+    first = len(prompt_ids)
+    full = first + len(base_ids) <= KL_MAX_TOKENS
+    answer = send(
+        "baseline model, baseline's tokens",
+        scoring.teacher_forced_request(
+            baseline.request, prompt_ids + base_ids, full_vocabulary=full, steered=False
+        ),
+    )
+    logprobs = answer["choices"][0]["prompt_logprobs"]
+    base_under_base = scoring.scored_logprobs(logprobs, base_ids, first)
+    base_distributions = (
+        scoring.full_distributions(logprobs, first, len(base_ids)) if full else None
+    )
+    del answer, logprobs
+    own = {run.pk: _run_token_ids(run) for run in steered}
+    body = scoring.teacher_forced_request(
+        baseline.request, prompt_ids, full_vocabulary=False, steered=False
+    )
+    body["prompt"] = [own[run.pk][0] + own[run.pk][1] for run in steered]
+    under_baseline = send("baseline model, each steered run's tokens", body)["choices"]
+    results = []
+    for index, run in enumerate(steered):
+        run_prompt, ids, strings = own[run.pk]
+        answer = send(
+            f"steered model (scale {run.scale_label}), baseline's tokens",
+            scoring.teacher_forced_request(
+                run.request, prompt_ids + base_ids, full_vocabulary=full, steered=True
+            ),
+        )
+        logprobs = answer["choices"][0]["prompt_logprobs"]
+        kl = None
+        if full:
+            steered_distributions = scoring.full_distributions(logprobs, first, len(base_ids))
+            kl = scoring.kl_divergence(base_distributions, steered_distributions).tolist()
+        base_under_steered = scoring.scored_logprobs(logprobs, base_ids, first)
+        del answer, logprobs
+        own_answer = send(
+            f"steered model (scale {run.scale_label}), its own tokens",
+            scoring.teacher_forced_request(
+                run.request, run_prompt + ids, full_vocabulary=False, steered=True
+            ),
+        )
+        own_first = len(run_prompt)
+        results.append(
+            {
+                "run": str(run.pk),
+                "scale": run.scale,
+                "scale_entered": run.scale_entered,
+                "label": run.scale_label,
+                "baseline_tokens": {
+                    "under_baseline": base_under_base.tolist(),
+                    "under_steered": base_under_steered.tolist(),
+                    "kl": kl,
+                },
+                "steered_tokens": {
+                    "strings": strings,
+                    "ids": ids,
+                    "under_baseline": scoring.scored_logprobs(
+                        under_baseline[index]["prompt_logprobs"], ids, own_first
+                    ).tolist(),
+                    "under_steered": scoring.scored_logprobs(
+                        own_answer["choices"][0]["prompt_logprobs"], ids, own_first
+                    ).tolist(),
+                },
+            }
+        )
+    return {
+        "baseline": {"run": str(baseline.pk), "strings": base_strings, "ids": base_ids},
+        "prompt_tokens": first,
+        "full_vocabulary": full,
+        "kl_max_tokens": KL_MAX_TOKENS,
+        "runs": results,
+        "requests": sent,
+    }
+
+
+def steering_scores_fail_stuck(*, now=None) -> int:
+    """Fail scores still queued or running after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker
+    died, or none took them), so their pages stop waiting. Returns how many."""
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return SteeringScore.objects.filter(
+        status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
+    ).update(
+        status=RunStatus.FAILED,
+        error_code="worker_lost",
+        error_message="The comparison on the same tokens did not finish; re-run the comparison.",
+        finished_at=now or timezone.now(),
+    )
 
 
 # ---------------------------------------------------------------------------------------

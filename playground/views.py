@@ -563,19 +563,40 @@ def _group_context(runs: list[Run]) -> dict:
     baseline = next((run for run in succeeded if run.scale == 0), None)
     context["baseline"] = baseline
     context["steered"] = [run for run in runs if run.scale != 0]
-    if baseline is None:
-        return context
-    for run in succeeded:
-        if run.scale == 0:
-            continue
-        figure = figures.steering_difference_figure(baseline.response, run.response)
-        title = f"Per-token logprob difference, scale {run.scale_label}"
-        figure.update_layout(title={"text": title})
-        context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
-    if len(runs) > 2 and context["finished"]:
+    context["steering_vector"] = runs[0].vector
+    score = selectors.steering_score_for_group(group=runs[0].group)
+    context["score"] = score
+    compared = {}
+    if score is not None and score.status == RunStatus.SUCCEEDED:
+        compared = {entry["run"]: entry for entry in score.results["runs"]}
+    context["arms"] = [
+        {
+            **selectors.steering_arm(run),
+            "summary": (
+                figures.same_token_summary(compared[str(run.pk)])
+                if str(run.pk) in compared
+                else None
+            ),
+        }
+        for run in runs
+    ]
+    # The comparison on the same tokens comes once the runs are done: keep polling until it
+    # is there whenever there is something to compare.
+    expects_score = baseline is not None and len(succeeded) > 1
+    context["finished"] = context["finished"] and (
+        not expects_score or (score is not None and score.is_finished)
+    )
+    for run in context["steered"]:
+        if str(run.pk) in compared:
+            figure = figures.same_token_figure(
+                score.results["baseline"]["strings"], compared[str(run.pk)]
+            )
+            context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
+    if len(runs) > 2 and context["finished"] and baseline is not None:
         target = runs[0].meta.get("target_token", "")
+        by_scale = {entry["scale_entered"]: entry for entry in compared.values()}
         points = figures.sweep_points(
-            [(run.scale_entered, run.response) for run in succeeded], target
+            [(run.scale_entered, run.response) for run in succeeded], target, by_scale
         )
         typical = runs[0].meta.get("scale_unit") == "typical"
         unit = "scale (× layer's typical norm)" if typical else "scale"

@@ -183,25 +183,42 @@ def test_pca_figure_places_every_position(captured):
     assert len(scatter.x) == 5 and list(scatter.text) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
 
 
-def test_steering_difference_is_steered_minus_baseline_per_position():
-    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    bar = figures.steering_difference_figure(baseline, steered).data[0]
-    base = baseline["choices"][0]["logprobs"]["token_logprobs"]
-    other = steered["choices"][0]["logprobs"]["token_logprobs"]
-    assert list(bar.y) == pytest.approx([s - b for b, s in zip(base, other, strict=True)])
-    assert bar.customdata[0][0] == "'s"
+COMPARED = {
+    "run": "r", "scale": 4.0, "scale_entered": 4.0, "label": "4",
+    "baseline_tokens": {"under_baseline": [-1.0, -2.0], "under_steered": [-1.5, -1.0],
+                        "kl": [0.25, 0.75]},
+    "steered_tokens": {"strings": ["c", "d<"], "ids": [3, 4],
+                       "under_baseline": [-4.0, -3.0], "under_steered": [-1.0, -1.0]},
+}  # fmt: skip
+
+
+def test_same_token_figure_plots_steered_minus_baseline_on_each_text():
+    figure = figures.same_token_figure(["a", " b"], COMPARED)
+    base, own, kl = figure.data
+    assert list(base.y) == [-0.5, 1.0] and list(own.y) == [3.0, 2.0]
+    assert list(kl.y) == [0.25, 0.75] and kl.yaxis == "y2"
+    assert list(figure.layout.xaxis.ticktext) == ["0 a/c", "1 ·b/d&lt;"]
+    assert "nats" in figure.layout.yaxis.title.text
+    assert figures.same_token_summary(COMPARED) == {
+        "delta_baseline_tokens": 0.25, "delta_steered_tokens": 2.5, "kl": 0.5,
+    }  # fmt: skip
 
 
 def test_sweep_points_report_target_logprob_and_mean_shift():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    points = figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s")
+    points = figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s", {4.0: COMPARED})
     assert [p["scale"] for p in points] == [0.0, 4.0]
-    assert points[0]["mean_shift"] == 0
+    assert points[0]["mean_shift"] == 0 and points[1]["mean_shift"] == 0.25
+    assert points[1]["mean_kl"] == 0.5
     assert points[0]["target_logprob"] == pytest.approx(-0.79675, abs=1e-4)
     assert points[1]["target_logprob"] is None  # not in the steered top-5
     assert points[1]["missing"] == "the target is outside the top-5 returned"
     figure = figures.scale_sweep_figure(points, "'s")
-    assert [trace.name for trace in figure.data] == ["logprob of 's", "mean logprob shift"]
+    assert [trace.name for trace in figure.data] == [
+        "logprob of 's (left)",
+        "mean Δ logprob, baseline's tokens (right)",
+        "mean KL(baseline ‖ steered) (right)",
+    ]
     assert json.loads(figure.to_json())["data"][1]["yaxis"] == "y2"
     # The scale without it is named, with the reason, instead of a silent gap.
     note = figure.layout.annotations[0].text
@@ -282,10 +299,8 @@ def _whole_number_ticks(axis, values) -> bool:
 
 
 def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
-    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
     for figure in (
         figures.prompt_surprisal_figure(positions),
-        figures.steering_difference_figure(baseline, steered),
         figures.activation_norm_by_layer(captured, 0),
     ):
         x = figure.data[0].x
@@ -350,9 +365,9 @@ def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
     points = figures.sweep_points([(0.0, baseline), (-1.5, steered), (3.0, steered)], " zebra")
     figure = figures.scale_sweep_figure(points, " zebra", "scale (× layer's typical norm)")
-    assert [trace.name for trace in figure.data] == ["mean logprob shift"]
+    # Nothing compared on the same tokens either: no line at all, and the note says why.
+    assert list(figure.data) == []
     assert figure.layout.annotations[0].text == (
         "No logprob of ·zebra at any scale: the target is outside the top-5 returned."
     )
     assert figure.layout.xaxis.title.text == "scale (× layer's typical norm)"
-    assert list(figure.data[0].x) == [-1.5, 0.0, 3.0]

@@ -14,7 +14,7 @@ from django.urls import reverse
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from playground import selectors, services, streams
-from playground.models import Run, RunKind, RunStatus, SteeringVector
+from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
 
 from .conftest import recorded
 
@@ -567,26 +567,63 @@ def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
     assert response["HX-Retarget"] == "#steering-box"
 
 
+def score_of(user, group, runs) -> SteeringScore:
+    """A finished same-token comparison of `runs` (made-up logprobs: each steered model
+    finds the baseline's tokens 0.5 nats less likely)."""
+    baseline = next(run for run in runs if run.scale == 0)
+    strings = ["a", "b"]
+
+    def entry(run):
+        return {
+            "run": str(run.pk), "scale": run.scale, "scale_entered": run.scale_entered,
+            "label": run.scale_label,
+            "baseline_tokens": {"under_baseline": [-1.0, -2.0], "under_steered": [-1.5, -2.5],
+                                "kl": [0.25, 0.5]},
+            "steered_tokens": {"strings": ["c", "d"], "ids": [3, 4],
+                               "under_baseline": [-4.0, -3.0], "under_steered": [-1.0, -1.0]},
+        }  # fmt: skip
+
+    results = {
+        "baseline": {"run": str(baseline.pk), "strings": strings, "ids": [1, 2]},
+        "prompt_tokens": 2, "full_vocabulary": True, "kl_max_tokens": 64,
+        "runs": [entry(run) for run in runs if run.scale != 0],
+        "requests": [{"purpose": "baseline model, baseline's tokens", "request_id": "req-1"}],
+    }  # fmt: skip
+    return SteeringScore.objects.create(
+        user=user, group=group, status=RunStatus.SUCCEEDED, results=results
+    )
+
+
 def test_comparison_page_shows_both_texts_and_the_difference(user_client, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000001"
-    for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json")):
+    runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
                      kind=RunKind.STEERING_BASELINE if scale == 0 else RunKind.STEERING_STEERED,
-                     meta={"target_token": "'s"})  # fmt: skip
+                     meta={"target_token": "'s"})
+        for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json"))
+    ]  # fmt: skip
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    # Until the runs are compared on the same tokens, the panel keeps polling.
+    assert 'data-finished="false"' in body and 'data-plot="diff-4"' not in body
+    score_of(approved_user, group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert "Baseline (scale 0)" in body and "Steered, scale 4" in body
     assert "&#x27;s a great idea." in body
-    assert 'data-plot="diff-4"' in body
+    assert 'data-plot="diff-4"' in body and 'data-finished="true"' in body
+    assert "-0.500 nats/token" in body and "0.375 nats/token" in body
     partial = user_client.get(reverse("playground:group_detail", args=[group]), **HTMX)
     assert "<html" not in partial.content.decode()
 
 
 def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000002"
-    for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
-                        (4.0, "steer_steered.json")):  # fmt: skip
+    runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
-                     kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
+                     kind=RunKind.SWEEP, meta={"target_token": "'s"})
+        for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
+                            (4.0, "steer_steered.json"))
+    ]  # fmt: skip
+    score_of(approved_user, group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'data-plot="sweep"' in body
 
@@ -707,11 +744,13 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     assert all(r.request["prompt"] == ["I feel", "I feel happy"] for r in runs)
     assert all(r.request["prompt_logprobs"] == 0 for r in runs)
     Run.objects.update(status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json"))
+    runs = sorted(Run.objects.all(), key=lambda r: r.scale)
+    score_of(approved_user, runs[0].group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[runs[0].group])).content
     body = body.decode()
     assert "Steered, scale -1.5 × typical norm" in body and "scale -3" not in body
     diff = json.loads(_figure_json(body, "diff-1.5"))["layout"]["title"]["text"]
-    assert diff == "Per-token logprob difference, scale 0.75 × typical norm"
+    assert diff == "Same tokens under both models, scale 0.75 × typical norm"
     sweep = json.loads(_figure_json(body, "sweep"))
     assert sweep["data"][0]["x"] == [-1.5, 0, 0.75]
     assert sweep["layout"]["xaxis"]["title"]["text"] == "scale (× layer's typical norm)"
