@@ -471,6 +471,22 @@ class PositionWindow:
         return text + (" (first token excluded)" if self.exclude_first and rows[0] == 1 else "")
 
 
+TYPICAL_NORM_DEFINITION = (
+    "the median ‖h‖ over every position but the first of the reference prompts' captures "
+    "at this layer"
+)
+
+
+def typical_norm(captures: list[np.ndarray]) -> tuple[float, int]:
+    """A layer's typical residual norm from `[tokens, hidden]` captures of reference prompts
+    at that layer: the median L2 norm over all their positions but the first (the first
+    token's norm, an attention sink, is often a hundred times the others'), and how many
+    positions that is. A capture of one token counts that token."""
+    rows = [capture[1:] if capture.shape[0] > 1 else capture for capture in captures]
+    norms = np.linalg.norm(np.concatenate(rows, axis=0), axis=-1)
+    return float(np.median(norms)), int(norms.size)
+
+
 # How the norm heatmap's colours follow ‖h‖: the first position's norm is often many times
 # the others', which leaves everything else one colour on a linear scale.
 NORM_COLOUR_SCALES = {

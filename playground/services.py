@@ -25,7 +25,7 @@ from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send
 from acs_portal.redis import redis_sync
 
-from . import scoring, streams
+from . import figures, scoring, streams
 from .models import (
     JobKind,
     JobSubmission,
@@ -435,6 +435,16 @@ def steering_vector_create(
     )
 
 
+# The fixed reference prompts whose residual norms define a layer's typical norm: ordinary
+# sentences of different kinds, so the median describes ordinary tokens at that layer.
+REFERENCE_PROMPTS = (
+    "The museum opens at nine in the morning and closes at five.",
+    "She poured the coffee, sat down by the window and read the letter again.",
+    "Rainfall in the valley was lower than usual this spring.",
+    "To install the package, run the command below and restart the server.",
+)
+
+
 def contrast_runs_create(
     *,
     user: User,
@@ -446,12 +456,23 @@ def contrast_runs_create(
     negative: str,
     submit_token: uuid.UUID | None = None,
 ) -> uuid.UUID:
-    """Queue the two capture runs of a contrast vector; the vector is saved when both have
-    succeeded (`steering_vector_from_contrast`). Returns the pair's group id (that of the
+    """Queue the two capture runs of a contrast vector and the captures of the reference
+    prompts at the same layer (for the layer's typical norm); the vector is saved when they
+    have finished (`steering_vector_from_contrast`). Returns the pair's group id (that of the
     first pair, when `submit_token` was submitted before)."""
+
+    def capture(prompt: str) -> dict:
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "output_residual_stream": [layer],
+        }
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
+        meta = {"vector_name": name, "layer": layer, "method": method}
         with transaction.atomic():
             for role, prompt in (("positive", positive), ("negative", negative)):
                 _run_create(
@@ -460,15 +481,20 @@ def contrast_runs_create(
                     group=group,
                     scale=None,
                     vector=None,
-                    request={
-                        "model": model,
-                        "prompt": prompt,
-                        "max_tokens": 1,
-                        "temperature": 0,
-                        "output_residual_stream": [layer],
-                    },
-                    meta={"role": role, "vector_name": name, "layer": layer, "method": method},
+                    request=capture(prompt),
+                    meta={"role": role, **meta},
                     submit_token=submit_token if role == "positive" else None,
+                )
+            for index, prompt in enumerate(REFERENCE_PROMPTS):
+                _run_create(
+                    user=user,
+                    kind=RunKind.CONTRAST,
+                    group=group,
+                    scale=None,
+                    vector=None,
+                    request=capture(prompt),
+                    meta={"role": "reference", "reference": index, **meta},
+                    submit_token=None,
                 )
         return group
 
@@ -485,13 +511,19 @@ def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: s
 
 
 def steering_vector_from_contrast(*, group) -> SteeringVector | None:
-    """Build and save the vector of a contrast pair once both captures have succeeded;
-    idempotent (the pair's `group` is unique among vectors)."""
-    runs = {run.meta.get("role"): run for run in Run.objects.filter(group=group)}
-    positive, negative = runs.get("positive"), runs.get("negative")
+    """Build and save the vector of a contrast pair once both captures have succeeded and
+    the reference captures have finished; idempotent (the pair's `group` is unique among
+    vectors). Its typical layer norm comes from the reference captures that succeeded
+    (None if none did)."""
+    runs = list(Run.objects.filter(group=group))
+    by_role = {run.meta.get("role"): run for run in runs}
+    positive, negative = by_role.get("positive"), by_role.get("negative")
+    references = [run for run in runs if run.meta.get("role") == "reference"]
     if not positive or not negative:
         return None
     if positive.status != RunStatus.SUCCEEDED or negative.status != RunStatus.SUCCEEDED:
+        return None
+    if not all(run.is_finished for run in references):
         return None
     existing = SteeringVector.objects.filter(source_group=group).first()
     if existing:
@@ -501,7 +533,24 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     ]
     meta = positive.meta
     vector = contrast_difference(*captures, method=meta["method"])
-    typical_norm = float(np.mean([np.linalg.norm(c, axis=-1).mean() for c in captures]))
+    measured = [run for run in references if run.status == RunStatus.SUCCEEDED]
+    typical = None
+    details = {
+        "positive": positive.request["prompt"],
+        "negative": negative.request["prompt"],
+        "runs": [str(positive.id), str(negative.id)],
+    }
+    if measured:
+        typical, positions = figures.typical_norm(
+            [decode(run.response["activations"]["residual_stream"])[0] for run in measured]
+        )
+        details["typical_norm"] = {
+            "definition": figures.TYPICAL_NORM_DEFINITION,
+            "layer": meta["layer"],
+            "prompts": [run.request["prompt"] for run in measured],
+            "positions": positions,
+            "runs": [str(run.id) for run in measured],
+        }
     try:
         with transaction.atomic():
             created = steering_vector_create(
@@ -511,16 +560,12 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
                 layer=meta["layer"],
                 method=meta["method"],
                 vector=vector,
-                details={
-                    "positive": positive.request["prompt"],
-                    "negative": negative.request["prompt"],
-                    "runs": [str(positive.id), str(negative.id)],
-                },
-                layer_typical_norm=typical_norm,
+                details=details,
+                layer_typical_norm=typical,
                 source_group=group,
             )
     except IntegrityError:
-        # The other capture's worker saved it first.
+        # Another capture's worker saved it first.
         return SteeringVector.objects.get(source_group=group)
     Run.objects.filter(group=group).update(vector=created)
     return created

@@ -63,6 +63,8 @@ def _page_context(request, **overrides):
         "capabilities": capabilities,
         "runs": selectors.runs_for_user(user=request.user),
         "vectors": selectors.vectors_for_user(user=request.user),
+        "typical_norm_definition": figures.TYPICAL_NORM_DEFINITION,
+        "reference_prompt_count": len(services.REFERENCE_PROMPTS),
     }
     context.update(_forms(request, capabilities, models, initial=overrides.pop("initial", None)))
     context.update(overrides)
@@ -598,8 +600,15 @@ def _group_context(runs: list[Run]) -> dict:
         points = figures.sweep_points(
             [(run.scale_entered, run.response) for run in succeeded], target, by_scale
         )
-        typical = runs[0].meta.get("scale_unit") == "typical"
-        unit = "scale (× layer's typical norm)" if typical else "scale"
+        unit = "scale"
+        if runs[0].meta.get("scale_unit") == "typical":
+            vector = runs[0].vector
+            unit = "scale (× layer's typical norm)"
+            if vector is not None and vector.layer_typical_norm:
+                unit = (
+                    f"scale (× layer {vector.layer}'s typical norm, "
+                    f"‖h‖ = {vector.layer_typical_norm:.2f})"
+                )
         figure = figures.scale_sweep_figure(points, target, unit)
         context["figures"].insert(0, _figure("sweep", figure))
     return context

@@ -488,8 +488,11 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
         **HTMX,
     )  # fmt: skip
     runs = Run.objects.filter(kind=RunKind.CONTRAST)
-    assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"]
+    # The pair, and the reference prompts that measure the layer's typical norm.
+    assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"] + ["reference"] * 4
     assert all(r.request["output_residual_stream"] == [12] for r in runs)
+    references = [r.request["prompt"] for r in runs if r.meta["role"] == "reference"]
+    assert sorted(references) == sorted(services.REFERENCE_PROMPTS)
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
 
 
@@ -530,7 +533,7 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
             "steer-temperature": 0,
             "steer-seed": 11,
             "steer-logprobs": 2,
-            "steer-layers": "3, 5",
+            "steer-layers": "3",
         },
         **HTMX,
     )
@@ -539,9 +542,42 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
     assert {r.request["seed"] for r in runs} == {11}
     steering = [r.request["apply_steering_vectors"][0] for r in runs]
     assert [s["scale"] for s in steering] == [0.0, pytest.approx(0.5 * 96 / 48)]
-    assert steering[1]["layer_indices"] == [3, 5]
-    assert steering[1]["activations"]["shape"] == [2, 576]
+    assert steering[1]["layer_indices"] == [3]
+    assert steering[1]["activations"]["shape"] == [1, 576]
     assert runs[0].group == runs[1].group
+
+
+def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_enqueue):
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
+        vector=np.full(576, 2.0, dtype=np.float32),
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
+         "steer-scales": "2", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 11,
+         "steer-logprobs": 2, "steer-layers": "3, 5"},
+        **HTMX,
+    )  # fmt: skip
+    steered = Run.objects.get(scale=2.0).request["apply_steering_vectors"][0]
+    assert steered["layer_indices"] == [3, 5] and steered["activations"]["shape"] == [2, 576]
+
+
+def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, approved_user):
+    # The typical norm was measured at the vector's layer; another layer's can differ a lot.
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
+    )  # fmt: skip
+    response = user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I", "steer-scale_unit": "typical",
+         "steer-scales": "1", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 1,
+         "steer-logprobs": 2, "steer-layers": "3, 5"},
+        **HTMX,
+    )  # fmt: skip
+    assert "× typical norm is layer 3&#x27;s typical norm" in response.content.decode()
+    assert not Run.objects.exists()
 
 
 def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
@@ -753,4 +789,6 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     assert diff == "Same tokens under both models, scale 0.75 × typical norm"
     sweep = json.loads(_figure_json(body, "sweep"))
     assert sweep["data"][0]["x"] == [-1.5, 0, 0.75]
-    assert sweep["layout"]["xaxis"]["title"]["text"] == "scale (× layer's typical norm)"
+    assert sweep["layout"]["xaxis"]["title"]["text"] == (
+        "scale (× layer 3's typical norm, ‖h‖ = 96.00)"
+    )
