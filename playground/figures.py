@@ -219,6 +219,14 @@ def token_positions(
                 {**position, "source": "prompt"}
                 for position in completion_positions(logprobs, k=k)[:echoed]
             ]
+    if not prompt_part and prompt_tokens and prompt_tokens.get("strings"):
+        # No logprobs for the prompt, but its tokens are known: show them (unscored), so
+        # that positions count from the prompt's first token everywhere on the page.
+        prompt_part = [
+            {"source": "prompt", "token": token, "token_id": token_id, "logprob": None,
+             "rank": None, "top": [], "top_k": 0}
+            for token, token_id in zip(prompt_tokens["strings"], prompt_tokens["ids"], strict=True)
+        ]  # fmt: skip
     positions = prompt_part + completion_positions(logprobs, skip=echoed, k=k)
     for index, position in enumerate(positions):
         position["position"] = index
@@ -779,7 +787,10 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
         tickangle=-45,
         range=[-0.5, count - 0.5],
     )
-    figure.update_yaxes(title=DELTA_AXIS, zeroline=True, zerolinecolor="#888888")
+    # (update_yaxes would retitle the KL axis too.)
+    figure.update_layout(
+        yaxis={"title": {"text": DELTA_AXIS}, "zeroline": True, "zerolinecolor": "#888888"}
+    )
     figure.update_layout(barmode="group", legend={"orientation": "h", "y": -0.45})
     _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 440)
     return figure.update_layout(margin={"r": 60 if base["kl"] is not None else 20, "b": 140})

@@ -704,17 +704,52 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     return score
 
 
-def _run_token_ids(run: Run) -> tuple[list[int], list[int], list[str]]:
-    """The prompt's token ids, and the completion's ids and strings, of a run's first choice."""
+# Alternatives asked for when finding which of several same-looking tokens a run sampled.
+RESOLVE_TOP_K = 20
+
+
+def _run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
+    """The prompt's token ids, and the completion's ids and strings, of a run's first choice.
+
+    A completion token whose string several tokens decode to (a piece of a character, shown
+    as U+FFFD) has no id in `run.tokens`: it is found by one teacher-forced request under the
+    run's own model, on the prompt and the tokens before it plus a placeholder, whose last
+    prompt_logprobs entry lists the likeliest tokens there: the one sampled has that string
+    and, of those, the logprob closest to the one the run reported (`send(purpose, body)`
+    sends a request)."""
     tokens = run.tokens or {}
     prompt = (tokens.get("prompts") or [None])[0]
     completion = (tokens.get("completions") or [None])[0]
-    if not prompt or not completion or None in completion["ids"]:
+    if not prompt or not completion:
         raise ScoreUnavailable(
-            f"The tokens of the run at scale {run.scale_label or 0} are not all known, so "
-            "they cannot be scored under the other model."
+            f"The tokens of the run at scale {run.scale_label or 0} are unknown, so they "
+            "cannot be scored under the other model."
         )
-    return prompt["ids"], completion["ids"], completion["strings"]
+    ids, strings = list(completion["ids"]), completion["strings"]
+    reported = run.response["choices"][0]["logprobs"]["token_logprobs"]
+    for index, token_id in enumerate(ids):
+        if token_id is not None:
+            continue
+        body = scoring.teacher_forced_request(
+            run.request, prompt["ids"] + ids[:index] + [0], full_vocabulary=False,
+            steered=run.scale != 0,
+        )  # fmt: skip
+        body["prompt_logprobs"] = RESOLVE_TOP_K
+        answer = send(f"which token the run at scale {run.scale_label} sampled at {index}", body)
+        entry = answer["choices"][0]["prompt_logprobs"][-1]
+        candidates = [
+            (abs(item["logprob"] - reported[index]), int(candidate))
+            for candidate, item in entry.items()
+            if item["decoded_token"] == strings[index]
+        ]
+        if not candidates:
+            raise ScoreUnavailable(
+                f"Which token the run at scale {run.scale_label or 0} sampled at generated "
+                f"position {index} ({strings[index]!r}) could not be told apart from others "
+                "that look the same."
+            )
+        ids[index] = min(candidates)[1]
+    return prompt["ids"], ids, strings
 
 
 def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> dict:
@@ -729,7 +764,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         sent.append({"purpose": purpose, "request_id": completion.request_id})
         return completion.body
 
-    prompt_ids, base_ids, base_strings = _run_token_ids(baseline)
+    prompt_ids, base_ids, base_strings = _run_token_ids(baseline, send)
     first = len(prompt_ids)
     full = first + len(base_ids) <= KL_MAX_TOKENS
     answer = send(
@@ -744,7 +779,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         scoring.full_distributions(logprobs, first, len(base_ids)) if full else None
     )
     del answer, logprobs
-    own = {run.pk: _run_token_ids(run) for run in steered}
+    own = {run.pk: _run_token_ids(run, send) for run in steered}
     body = scoring.teacher_forced_request(
         baseline.request, prompt_ids, full_vocabulary=False, steered=False
     )
