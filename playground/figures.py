@@ -165,13 +165,15 @@ def completion_positions(logprobs: dict | None, *, skip: int = 0, k: int = 0) ->
         alternatives = tops[index] if index < len(tops) and tops[index] else {}
         top = _top_list(alternatives.items(), token)
         higher = [item for item in top if logprob is not None and item["logprob"] > logprob]
-        in_top = any(item["is_actual"] for item in top)
+        # Its rank is known only within the k asked for; beyond them, tokens that were not
+        # returned may come between.
+        known = logprob is not None and len(higher) < k
         positions.append(
             {
                 "source": "completion",
                 "token": token,
                 "logprob": logprob,
-                "rank": len(higher) + 1 if in_top else None,
+                "rank": len(higher) + 1 if known else None,
                 "top": top,
                 "top_k": k,
             }

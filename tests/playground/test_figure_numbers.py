@@ -13,6 +13,8 @@ import functools
 import html
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -22,6 +24,7 @@ from django.urls import reverse
 from tokenizers import Tokenizer
 
 from acs_client.client import AcsClient
+from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
@@ -468,3 +471,43 @@ def test_typical_norm_is_the_median_over_reference_positions_after_the_first(
     page = page_client.get(reverse("playground:page")).content.decode()
     assert f"{expected:.2f}</td>" in page  # the library
     assert f"mood (layer 12): {expected:.2f}" in page  # next to the scales
+
+
+# ---------------------------------------------------------------------------------------
+# The run's download
+
+
+def test_run_download_holds_the_capture_with_its_tokens_for_the_loader(
+    science, approved_user, page_client, tmp_path
+):
+    recorder, tokenizer = science
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+               "output_residual_stream": [3, 17]}  # fmt: skip
+    run = run_through(approved_user, request)
+    raw = recorder.answer_to(request)
+    prompt_ids, prompt_texts = prompt_pieces(tokenizer, PROMPT)
+    # No logprobs were asked for: the generated tokens are the returned text's.
+    generated = tokenizer.encode(raw["choices"][0]["text"], add_special_tokens=False)
+    download = page_client.get(reverse("playground:run_activations", args=[run.id]))
+    assert download["Content-Disposition"].endswith('-activations.safetensors"')
+    path = tmp_path / "run.safetensors"
+    path.write_bytes(download.content)
+    loaded = load_activations(path)
+    assert (loaded.model, loaded.layers, loaded.metadata["kind"]) == (MODEL, [3, 17], "run")
+    assert loaded.metadata["capture"] == "output of decoder block k, before the final norm"
+    assert loaded.metadata["run_id"] == str(run.id) and loaded.steering == []
+    [capture] = loaded.captures
+    assert np.array_equal(capture.activations, residual_stream(raw).astype(np.float32))
+    assert capture.request_id == run.request_id != ""
+    assert capture.prompt_length == 9 and capture.is_prompt.tolist() == [True] * 9 + [False] * 3
+    assert capture.token_ids.tolist() == prompt_ids + generated.ids[:3]
+    assert capture.token_strings == prompt_texts + [
+        raw["choices"][0]["text"][start:end] for start, end in generated.offsets[:3]
+    ]
+    assert np.array_equal(capture.layer(17), capture.activations[1])
+    printed = subprocess.run(
+        [sys.executable, "-m", "acs_client.downloads", str(path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert f"run of {MODEL}, layers [3, 17]" in printed and "0='The' 1=' quick'" in printed
+    assert "9*=" in printed  # the first generated position is marked

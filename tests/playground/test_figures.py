@@ -371,3 +371,17 @@ def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
         "No logprob of ·zebra at any scale: the target is outside the top-5 returned."
     )
     assert figure.layout.xaxis.title.text == "scale (× layer's typical norm)"
+
+
+def test_top_k_title_counts_the_alternatives_asked_for_not_those_returned():
+    # logprobs: 4 and a sampled token outside the top 4: the API returns 5 entries.
+    request = {"prompt": "ab", "logprobs": 4}
+    top = {"x": -0.1, "y": -2.0, "z": -3.0, "w": -4.0, "v": -6.0}
+    response = {"choices": [{"text": "v", "logprobs": {
+        "tokens": ["v"], "token_logprobs": [-6.0], "top_logprobs": [top], "text_offset": [2],
+    }}]}  # fmt: skip
+    position = figures.token_positions(request, response)[0]
+    figure = figures.top_k_figure(position)
+    assert figure.layout.title.text == "Top-4 at position 0 (v), and the token itself (below them)"
+    assert list(figure.data[0].y) == ["x", "y", "z", "w", "v"]
+    assert list(figure.data[0].marker.color) == ["#9db3d6"] * 4 + ["#1f5fbf"]

@@ -5,6 +5,7 @@ import ast
 import asyncio
 import io
 import json
+import re
 import uuid
 
 import numpy as np
@@ -791,4 +792,86 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     assert sweep["data"][0]["x"] == [-1.5, 0, 0.75]
     assert sweep["layout"]["xaxis"]["title"]["text"] == (
         "scale (× layer 3's typical norm, ‖h‖ = 96.00)"
+    )
+
+
+def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no_enqueue):
+    vector = services.steering_vector_create(
+        user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
+        vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
+         "steer-scales": "6", "steer-max_tokens": 7, "steer-temperature": 0.5, "steer-seed": 13,
+         "steer-logprobs": 3, "steer-layers": "4, 9"},
+        **HTMX,
+    )  # fmt: skip
+    group = Run.objects.first().group
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    assert "Vector <strong>calm</strong> (‖v‖ = 12.00, built for layer 4)" in body
+    assert "uploaded as <code>calm.npy</code>" in body
+    rows = re.findall(r"<tr><td><a [^>]+>(baseline|steered)</a></td>(.*?)</tr>", body, re.S)
+    cells = {arm: re.findall(r"<td[^>]*>(.*?)</td>", row) for arm, row in rows}
+    # prompt, layers, scale as entered, scale sent, norm_match, seed, temperature, max_tokens
+    assert cells["baseline"][:8] == [
+        "<code>I think</code>",
+        "4, 9",
+        "0",
+        "0",
+        "no",
+        "13",
+        "0.5",
+        "7",
+    ]
+    assert cells["steered"][:8] == [
+        "<code>I think</code>",
+        "4, 9",
+        "6",
+        "6",
+        "no",
+        "13",
+        "0.5",
+        "7",
+    ]
+
+
+def test_position_lists_show_tokens_as_the_figures_do(user_client, approved_user):
+    response = recorded("completion_logprobs.json")
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 6,
+                 "logprobs": 5, "prompt_logprobs": 3},
+        response=response,
+    )  # fmt: skip
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    # The newlines of " Paris.\n\nThe answer" are ⏎ in the list, as on the charts.
+    assert '<option value="7" >7 ⏎</option>' in body and "7: \n" not in body
+    assert '<option value="1" >1 ·capital</option>' in body
+
+
+def test_run_download_names_the_steering_applied_and_its_vector(user_client, approved_user):
+    vector = services.steering_vector_create(
+        user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
+        vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
+    )  # fmt: skip
+    steering = {"activations": vector.data, "layer_indices": [4], "scale": 2.5,
+                "norm_match": True}  # fmt: skip
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
+                 "output_residual_stream": [0, 4, 8], "apply_steering_vectors": [steering]},
+        response=recorded("capture.json"), vector=vector, request_id="req-77",
+    )  # fmt: skip
+    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    loaded = load_activations(download.content)
+    [applied] = loaded.steering
+    assert (applied["layer_indices"], applied["scale"], applied["norm_match"]) == ([4], 2.5, True)
+    assert applied["vector"]["name"] == "calm" and applied["vector"]["norm"] == 12.0
+    assert applied["vector"]["details"] == {"filename": "calm.npy"}
+    assert "data" not in json.dumps(applied)
+    assert loaded.captures[0].request_id == "req-77"
+    # Stored before runs kept their tokens: the prompt's 5 rows are known from the usage.
+    assert (
+        loaded.captures[0].prompt_length == 5 and loaded.captures[0].token_ids.tolist() == [-1] * 5
     )
