@@ -693,7 +693,7 @@ def same_token_summary(compared: dict) -> dict:
     }
 
 
-DELTA_AXIS = "Δ logprob = log p_steered − log p_baseline (nats)"
+DELTA_AXIS = "Δ logprob, steered − baseline (nats)"
 KL_AXIS = "KL(baseline ‖ steered) (nats)"
 
 
@@ -767,12 +767,15 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
                 hovertemplate="position %{x}: KL %{y:.3f} nats<extra></extra>",
             )
         )
+        top = max(max(base["kl"]), 1e-6)
         figure.update_layout(
             yaxis2={
                 "title": {"text": KL_AXIS},
                 "overlaying": "y",
                 "side": "right",
-                "rangemode": "tozero",
+                # Its own ticks from 0: plotly would otherwise align them with the Δ axis.
+                "range": [0, top * 1.1],
+                "tickmode": "auto",
                 "showgrid": False,
             }
         )
@@ -793,9 +796,14 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
     figure.update_layout(
         yaxis={"title": {"text": DELTA_AXIS}, "zeroline": True, "zerolinecolor": "#888888"}
     )
-    figure.update_layout(barmode="group", legend={"orientation": "h", "y": -0.45})
-    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 440)
-    return figure.update_layout(margin={"r": 60 if base["kl"] is not None else 20, "b": 140})
+    figure.update_layout(
+        barmode="group",
+        legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
+    )
+    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 460)
+    return figure.update_layout(
+        margin={"r": 70 if base["kl"] is not None else 20, "t": 80, "b": 120}
+    )
 
 
 def _scored_target(response: dict, target: str) -> tuple[float | None, str]:
@@ -910,6 +918,9 @@ def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> 
             "overlaying": "y",
             "side": "right",
             "zeroline": True,
+            # Its own round ticks: plotly would otherwise align them with the left axis's.
+            "tickmode": "auto",
+            "showgrid": False,
         },
         legend={"orientation": "h", "y": -0.25},
     )

@@ -158,14 +158,18 @@ def pca(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # A capture run without echo or prompt_logprobs
 
 
-def test_capture_run_page_numbers_match_numpy_from_the_raw_response(
-    science, approved_user, page_client
-):
+CAPTURE = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 4,
+           "output_residual_stream": True}  # fmt: skip
+
+
+@pytest.fixture
+def capture(science, approved_user):
+    """A capture run of every layer, its raw answer, the capture decoded by hand, and the
+    label every position must have: "index token", from the engine's tokenizer for the
+    prompt and from the answer's logprobs for the generated tokens fed back."""
     recorder, tokenizer = science
-    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
-               "logprobs": 4, "output_residual_stream": True}  # fmt: skip
-    run = run_through(approved_user, request)
-    raw = recorder.answer_to(request)
+    run = run_through(approved_user, CAPTURE)
+    raw = recorder.answer_to(CAPTURE)
     tensor = residual_stream(raw)
     prompt_ids, prompt_texts = prompt_pieces(tokenizer, PROMPT)
     generated = raw["choices"][0]["logprobs"]["tokens"]
@@ -173,75 +177,107 @@ def test_capture_run_page_numbers_match_numpy_from_the_raw_response(
     # Rows: the 9 prompt tokens, then the generated tokens fed back but the last.
     assert tensor.shape[1] == 9 + 5 - 1
     labels = [f"{row} {shown(token)}" for row, token in enumerate(prompt_texts + generated[:-1])]
+    return run, raw, tensor, labels
+
+
+def test_capture_positions_are_labelled_with_their_tokens_without_echo(capture, page_client):
+    run, _, _, labels = capture
+    url = reverse("playground:run_figure", args=[run.id, "heatmap"])
+    everything = figure_of(page_client.get(url + "?first=include"))
+    assert everything["layout"]["xaxis"]["ticktext"] == labels
     page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     figures = embedded(page)
+    assert figures["heatmap"]["layout"]["xaxis"]["ticktext"] == labels[1:]
+    assert figures["cosine"]["layout"]["yaxis"]["ticktext"] == labels[1:]
+    assert figures["pca"]["data"][0]["text"] == labels[1:]
+    assert figures["norm_by_layer"]["layout"]["title"]["text"].endswith(labels[-1])
+    # The position lists show the same labels as the figures.
+    for label in labels:
+        assert f">{label}</option>" in page
+
+
+def test_norm_heatmap_numbers_match_numpy(capture, page_client):
+    run, _, tensor, _ = capture
     norms = np.linalg.norm(tensor, axis=-1)
-
-    # Norm heatmap, linear, by default without the first token (position 0).
-    heatmap = figures["heatmap"]
-    trace = heatmap["data"][0]
-    assert trace["x"] == list(range(1, 13))
-    assert heatmap["layout"]["xaxis"]["ticktext"] == labels[1:]
-    assert close(trace["z"], norms[:, 1:])
-    assert "zmin" not in trace and "zmax" not in trace
     url = reverse("playground:run_figure", args=[run.id, "heatmap"])
-    log = figure_of(page_client.get(url + "?colour=log"))["data"][0]
-    assert close(log["z"], np.log10(norms[:, 1:]))
-    clip = figure_of(page_client.get(url + "?colour=clip"))["data"][0]
-    assert close(
-        [clip["zmin"], clip["zmax"]], [norms[:, 1:].min(), np.percentile(norms[:, 1:], 95)]
-    )
+    # Clipped at the 95th percentile: both ends of the colour range are set (plotly ignores
+    # a zmax without a zmin).
     everything = figure_of(page_client.get(url + "?colour=clip&first=include"))["data"][0]
-    assert close(everything["z"], norms) and close(everything["zmax"], np.percentile(norms, 95))
-    window = figure_of(page_client.get(url + "?start=3&end=9"))
-    assert window["data"][0]["x"] == list(range(3, 10))
-    assert window["layout"]["xaxis"]["ticktext"] == labels[3:10]
-
+    assert close(everything["z"], norms)
+    assert close([everything["zmin"], everything["zmax"]], [norms.min(), np.percentile(norms, 95)])
+    shown_norms = norms[:, 1:]
+    clip = figure_of(page_client.get(url + "?colour=clip"))["data"][0]
+    assert close([clip["zmin"], clip["zmax"]], [shown_norms.min(), np.percentile(shown_norms, 95)])
+    log = figure_of(page_client.get(url + "?colour=log"))["data"][0]
+    assert close(log["z"], np.log10(shown_norms))
+    linear = figure_of(page_client.get(url))["data"][0]
+    assert close(linear["z"], shown_norms) and "zmin" not in linear and "zmax" not in linear
+    # Hover shows the norm itself whatever the colours.
+    assert close([[cell[0] for cell in line] for line in log["customdata"]], shown_norms)
     # Norm by layer at the last position (the default), and at the first.
-    line = figures["norm_by_layer"]["data"][0]
+    page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    line = embedded(page)["norm_by_layer"]["data"][0]
     assert line["x"] == list(range(30)) and close(line["y"], norms[:, -1])
     url = reverse("playground:run_figure", args=[run.id, "norm_by_layer"])
     first = figure_of(page_client.get(url + "?norm_position=0"))
     assert close(first["data"][0]["y"], norms[:, 0])
-    assert first["layout"]["title"]["text"] == f"Norm by layer at position {labels[0]}"
 
-    # Cosine similarity at layer 0 (the default) and 20, positions 1–12.
+
+def test_activation_views_leave_out_the_first_token_by_default(capture, page_client):
+    run, _, tensor, labels = capture
+    page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    figures = embedded(page)
+    assert figures["heatmap"]["data"][0]["x"] == list(range(1, 13))
+    assert "positions 1–12 (first token excluded)" in figures["heatmap"]["layout"]["title"]["text"]
+    assert "leave out position 0" in page
+    url = reverse("playground:run_figure", args=[run.id, "heatmap"])
+    window = figure_of(page_client.get(url + "?start=3&end=9"))
+    assert window["data"][0]["x"] == list(range(3, 10))
+    assert window["layout"]["xaxis"]["ticktext"] == labels[3:10]
+
     def cosine(rows):
         unit = rows / np.linalg.norm(rows, axis=-1, keepdims=True)
         return unit @ unit.T
 
     assert close(figures["cosine"]["data"][0]["z"], cosine(tensor[0, 1:]), 1e-3)
-    assert figures["cosine"]["layout"]["yaxis"]["ticktext"] == labels[1:]
     url = reverse("playground:run_figure", args=[run.id, "cosine"])
-    layer_20 = figure_of(page_client.get(url + "?cosine_row=20"))["data"][0]
-    assert close(layer_20["z"], cosine(tensor[20, 1:]), 1e-3)
+    layer_20 = figure_of(page_client.get(url + "?cosine_row=20&first=include"))["data"][0]
+    assert close(layer_20["z"], cosine(tensor[20]), 1e-3)
 
-    # PCA at layer 24, without and with the first token.
     url = reverse("playground:run_figure", args=[run.id, "pca"])
-    for query, rows in (("", tensor[24, 1:]), ("&first=include", tensor[24])):
+    for query, rows, texts in (
+        ("", tensor[24, 1:], labels[1:]),
+        ("&first=include", tensor[24], labels),
+    ):
         figure = figure_of(page_client.get(url + "?pca_row=24" + query))
         coordinates, share = pca(rows)
-        shown_coordinates = np.column_stack([figure["data"][0]["x"], figure["data"][0]["y"]])
+        drawn = np.column_stack([figure["data"][0]["x"], figure["data"][0]["y"]])
         # Principal components are defined up to their sign.
-        assert close(np.abs(shown_coordinates), np.abs(coordinates), 1e-3)
+        assert close(np.abs(drawn), np.abs(coordinates), 1e-3)
         assert figure["layout"]["xaxis"]["title"]["text"].startswith(f"PC1 ({share[0]:.0%}")
         assert figure["layout"]["yaxis"]["title"]["text"].startswith(f"PC2 ({share[1]:.0%}")
-        assert figure["data"][0]["text"] == labels[1:] if not query else labels
+        assert figure["data"][0]["text"] == texts
     # With the first token, it alone is the first component (an attention sink).
     assert pca(tensor[24])[1][0] > 0.9 > pca(tensor[24, 1:])[1][0]
 
-    # Token view: the generated tokens coloured by probability.
-    # Token view: the prompt's tokens (unscored: no prompt_logprobs were asked for), then the
-    # generated tokens coloured by probability; positions count from the prompt's first.
+
+def test_token_view_and_top_k_numbers_match_numpy(capture, page_client, science):
+    run, raw, _, _ = capture
+    _, tokenizer = science
+    _, prompt_texts = prompt_pieces(tokenizer, PROMPT)
+    figures = embedded(
+        page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    )
+    generated = raw["choices"][0]["logprobs"]["tokens"]
+    logprobs = raw["choices"][0]["logprobs"]["token_logprobs"]
+    # The prompt's tokens (unscored: no prompt_logprobs were asked for), then the generated
+    # tokens coloured by probability; positions count from the prompt's first token.
     strip = figures["tokens"]
-    rows = strip["layout"]["yaxis"]["ticktext"]
-    assert rows == ["prompt #0–8", "completion #9–13"]
+    assert strip["layout"]["yaxis"]["ticktext"] == ["prompt #0–8", "completion #9–13"]
     assert strip["data"][0]["text"][0][:9] == [shown(text) for text in prompt_texts]
     assert strip["data"][0]["z"][0][:9] == [None] * 9
-    logprobs = raw["choices"][0]["logprobs"]["token_logprobs"]
     assert close(strip["data"][0]["z"][1][:5], np.exp(logprobs))
     assert strip["data"][0]["text"][1][:5] == [shown(token) for token in generated]
-
     # Top-k at the last position: the 4 asked for, then the token itself when not among them.
     top = raw["choices"][0]["logprobs"]["top_logprobs"][-1]
     best = sorted(top.items(), key=lambda item: -item[1])[:4]
@@ -253,10 +289,6 @@ def test_capture_run_page_numbers_match_numpy_from_the_raw_response(
     assert figures["topk"]["layout"]["title"]["text"].startswith(
         f"Top-4 at position 13 ({shown(generated[-1])})"
     )
-
-    # The position lists show the same labels as the figures.
-    for label in labels:
-        assert f">{label}</option>" in page
 
 
 def test_prompt_logprobs_page_numbers_match_numpy(science, approved_user, page_client):
