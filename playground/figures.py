@@ -555,23 +555,19 @@ def activation_norm_heatmap(
     norms = np.linalg.norm(capture.tensor[:, rows, :], axis=-1)
     shown, zmin, zmax = norm_colour_range(norms, colour)
     titles = {"linear": "‖h‖", "log": "log₁₀ ‖h‖", "clip": "‖h‖ (clipped)"}
-    labels = [_text(capture.labels[row]) for row in rows]
     figure = go.Figure(
         go.Heatmap(
             z=shown.tolist(),
-            customdata=[[[norm, label] for norm, label in zip(line, labels, strict=True)]
-                        for line in norms.tolist()],
+            customdata=norms.tolist(),
             y=[str(layer) for layer in capture.layers],
             x=rows,
             zmin=zmin,
             zmax=zmax,
             colorscale="Viridis",
-            hovertemplate=(
-                "layer %{y}, position %{customdata[1]}: ‖h‖=%{customdata[0]:.2f}<extra></extra>"
-            ),
+            hovertemplate="layer %{y}, position %{x}: ‖h‖=%{customdata:.2f}<extra></extra>",
             colorbar={"title": {"text": titles[colour]}},
         )
-    )  # fmt: skip
+    )
     _position_axis(figure, capture, rows, tickangle=-45)
     _prompt_end_line(figure, capture, rows)
     figure.update_yaxes(title="layer", type="category")
@@ -604,18 +600,16 @@ def activation_cosine_figure(
     """Cosine similarity between the positions shown, at one captured layer."""
     rows = window.rows(capture.tensor.shape[1])
     similarity = cosine_similarity_matrix(capture.tensor[capture.layers.index(layer)][rows])
-    labels = [_text(capture.labels[row]) for row in rows]
     figure = go.Figure(
         go.Heatmap(
             z=similarity.tolist(),
             x=rows,
             y=rows,
-            customdata=[[[a, b] for b in labels] for a in labels],
             zmin=-1,
             zmax=1,
             colorscale="RdBu",
             colorbar={"title": {"text": "cos"}},
-            hovertemplate="%{customdata[0]} · %{customdata[1]}: %{z:.3f}<extra></extra>",
+            hovertemplate="positions %{y} · %{x}: %{z:.3f}<extra></extra>",
         )
     )
     _position_axis(figure, capture, rows, "y", autorange="reversed")

@@ -69,4 +69,8 @@ def run_tokens(request: dict, response: dict) -> dict | None:
         return async_to_sync(_run_tokens)(request, response)
     except ApiError as error:
         logger.warning("run tokens unavailable: %s %s", error.code, error.message)
-        return None
+    except Exception:
+        # The answer is stored all the same: without its tokens the page names positions
+        # by their index.
+        logger.exception("run tokens could not be computed")
+    return None

@@ -108,7 +108,7 @@ def test_steering_comparison_page(user_page):
     page.fill("#id_steer-max_tokens", "6")
     page.click("#steering-form button[type=submit]")
     # (Not the panel of an earlier sweep of this user, until the new one replaces it.)
-    group = page.locator("#steering-area .group-panel[data-group-kind=steering_steered]")
+    group = page.locator("#steering-area .group-panel[data-group-kind^=steering]")
     expect(group).to_have_attribute("data-finished", "true", timeout=120_000)
     page.goto(group.get_by_role("link", name="permalink").get_attribute("href"))
     expect(page.locator("[data-plot='diff-16'] .main-svg").first).to_be_visible()

@@ -213,7 +213,7 @@ def test_norm_heatmap_numbers_match_numpy(capture, page_client):
     linear = figure_of(page_client.get(url))["data"][0]
     assert close(linear["z"], shown_norms) and "zmin" not in linear and "zmax" not in linear
     # Hover shows the norm itself whatever the colours.
-    assert close([[cell[0] for cell in line] for line in log["customdata"]], shown_norms)
+    assert close(log["customdata"], shown_norms)
     # Norm by layer at the last position (the default), and at the first.
     page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     line = embedded(page)["norm_by_layer"]["data"][0]
