@@ -777,7 +777,7 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
     padded_base = [*baseline_strings, *[None] * (count - len(baseline_strings))]
     padded_own = [*steered_strings, *[None] * (count - len(steered_strings))]
     figure.update_xaxes(
-        title="generated position j (baseline's token / steered token)",
+        title="generated position (baseline / steered token)",
         tickmode="array",
         tickvals=positions,
         ticktext=[
@@ -794,9 +794,12 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
         barmode="group",
         legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
     )
-    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 460)
+    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 480)
+    # The title at the very top, the legend under it: on a narrow screen the legend wraps
+    # to three lines, which the top margin leaves room for.
+    figure.update_layout(title={"y": 0.99, "yanchor": "top", "yref": "container"})
     return figure.update_layout(
-        margin={"r": 70 if base["kl"] is not None else 20, "t": 80, "b": 120}
+        margin={"r": 70 if base["kl"] is not None else 20, "t": 110, "b": 120}
     )
 
 
