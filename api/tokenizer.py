@@ -13,6 +13,7 @@ import hashlib
 import logging
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
@@ -128,6 +129,22 @@ def _write_file(path: Path, content: bytes) -> None:
         logger.warning("could not cache the tokenizer at %s", path, exc_info=True)
 
 
+async def _encode(tokenizer: Tokenizer, texts: list[str], *, add_special_tokens: bool):
+    """The token ids of each text: the one encoding that counts prompts and lists their
+    tokens, so both always agree."""
+    if sum(len(text) for text in texts) > _INLINE_CHARS:
+        encodings = await asyncio.to_thread(
+            tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens
+        )
+    else:
+        # One by one: encode_batch hands short texts to its thread pool and waits for a
+        # thread to be scheduled, which on a busy machine cost more than the encoding itself.
+        encodings = [
+            tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts
+        ]
+    return [encoding.ids for encoding in encodings]
+
+
 async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool) -> list[int]:
     """The token count of each prompt (a string or a token-id list) for `model`."""
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
@@ -135,18 +152,8 @@ async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool)
     if texts:
         tokenizer = await load_tokenizer(model)
         if tokenizer is not None:
-            if sum(len(text) for text in texts) > _INLINE_CHARS:
-                encodings = await asyncio.to_thread(
-                    tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens
-                )
-            else:
-                # One by one: encode_batch hands short texts to its thread pool and waits
-                # for a thread to be scheduled, which on a busy machine cost more than the
-                # encoding itself.
-                encodings = [
-                    tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts
-                ]
-            counts = [len(encoding.ids) for encoding in encodings]
+            id_lists = await _encode(tokenizer, texts, add_special_tokens=add_special_tokens)
+            counts = [len(ids) for ids in id_lists]
         else:
             url = (await upstream.pick_target(model.upstream_urls)).url
             counts = await asyncio.gather(
@@ -169,3 +176,74 @@ async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool)
         else:
             result.append(len(prompt))
     return result
+
+
+@dataclass
+class PromptTokens:
+    """A prompt's tokens as the gateway counts them: the ids and, where the model's tokenizer
+    is at hand, each token decoded on its own (as the API's logprobs show tokens); None where
+    only the upstream's POST /tokenize could be asked."""
+
+    ids: list[int]
+    strings: list[str] | None
+
+
+def _strings(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    # Special tokens included: the API's logprobs name them too (e.g. "<|im_end|>").
+    return [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in ids]
+
+
+async def prompt_tokens(
+    model, prompt: str | list[int], *, add_special_tokens: bool
+) -> PromptTokens:
+    """The tokens of one prompt (a string or a token-id list) for `model`, from the same
+    tokenizer and encoding as `count_prompt_tokens`; without a local tokenizer the ids come
+    from the activation upstream's POST /tokenize (raises ApiError when it fails)."""
+    tokenizer = await load_tokenizer(model)
+    if isinstance(prompt, list):
+        ids = [int(token) for token in prompt]
+    elif tokenizer is not None:
+        ids = (await _encode(tokenizer, [prompt], add_special_tokens=add_special_tokens))[0]
+    else:
+        ids = await upstream.upstream_tokenize(
+            model, prompt=prompt, add_special_tokens=add_special_tokens
+        )
+    return PromptTokens(ids=ids, strings=_strings(tokenizer, ids) if tokenizer else None)
+
+
+async def token_strings(model, id_lists: list[list[int]]) -> list[list[str] | None]:
+    """Each token of each list decoded on its own (as `PromptTokens.strings`); None for
+    every list without a local tokenizer."""
+    tokenizer = await load_tokenizer(model)
+    return [_strings(tokenizer, ids) if tokenizer else None for ids in id_lists]
+
+
+async def text_tokens(model, text: str) -> PromptTokens | None:
+    """The tokens of generated `text` (no special tokens added), or None without a local
+    tokenizer."""
+    tokenizer = await load_tokenizer(model)
+    if tokenizer is None:
+        return None
+    ids = (await _encode(tokenizer, [text], add_special_tokens=False))[0]
+    return PromptTokens(ids=ids, strings=_strings(tokenizer, ids))
+
+
+_ids_by_string: dict[int, dict[str, int | None]] = {}
+
+
+async def token_ids_of_strings(model, strings: list[str]) -> list[int | None] | None:
+    """The id of each token given as the API's logprobs show it (the token decoded alone),
+    None for a string that several tokens decode to (pieces of a character, shown as
+    U+FFFD); None altogether without a local tokenizer."""
+    tokenizer = await load_tokenizer(model)
+    if tokenizer is None:
+        return None
+    table = _ids_by_string.get(id(tokenizer))
+    if table is None:
+        table = {}
+        for token_id in range(tokenizer.get_vocab_size()):
+            string = tokenizer.decode([token_id], skip_special_tokens=False)
+            table[string] = None if string in table else token_id
+        # Tokenizers stay cached for the process, so their id() is never reused.
+        _ids_by_string[id(tokenizer)] = table
+    return [table.get(string) for string in strings]

@@ -9,6 +9,7 @@ import html
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
@@ -85,8 +86,13 @@ def _actual_prompt_entry(entry: dict, remaining: str, k: int) -> tuple[str, dict
     return min(items, key=lambda pair: pair[1]["rank"])
 
 
-def _top_list(pairs, actual: str, top_k: int) -> list[dict]:
-    ordered = sorted(pairs, key=lambda pair: -pair[1])[:top_k]
+# The alternatives shown per prompt position when the whole vocabulary came back.
+FULL_VOCAB_TOP_SHOWN = 20
+
+
+def _top_list(pairs, actual: str, limit: int | None = None) -> list[dict]:
+    """The alternatives `(token, logprob)` from the most likely down (the first `limit`)."""
+    ordered = sorted(pairs, key=lambda pair: -pair[1])[:limit]
     return [
         {"token": token, "logprob": logprob, "is_actual": token == actual}
         for token, logprob in ordered
@@ -94,39 +100,60 @@ def _top_list(pairs, actual: str, top_k: int) -> list[dict]:
 
 
 def prompt_positions(
-    prompt: str, prompt_logprobs: list | None, k: int, top_k: int = 20
+    prompt: str, prompt_logprobs: list | None, k: int, prompt_tokens: dict | None = None
 ) -> list[dict]:
-    """Per prompt token: {source, token, logprob, rank, top}, from prompt_logprobs requested
-    with `k` alternatives (−1: full vocabulary). The first token has no logprob; its text is
-    what the others leave of the prompt."""
+    """Per prompt token: {source, token, token_id, logprob, rank, top, top_k}, from
+    prompt_logprobs requested with `k` alternatives (−1: the full vocabulary, of which the
+    first FULL_VOCAB_TOP_SHOWN are kept). The actual token of each entry is the run's own
+    prompt token where its ids are known (`prompt_tokens`, see run_tokens), else found from
+    the prompt text. The first token has no logprob."""
     if not prompt_logprobs:
         return []
+    ids = (prompt_tokens or {}).get("ids")
+    strings = (prompt_tokens or {}).get("strings")
+    if ids is not None and len(ids) != len(prompt_logprobs):
+        ids = strings = None
+    top_k = FULL_VOCAB_TOP_SHOWN if k < 0 else k
     remaining = prompt
     reversed_positions = []
-    for entry in reversed(prompt_logprobs[1:]):
-        token_id, actual = _actual_prompt_entry(entry, remaining, k)
+    for offset, entry in enumerate(reversed(prompt_logprobs[1:])):
+        index = len(prompt_logprobs) - 1 - offset
+        if ids is not None and str(ids[index]) in entry:
+            token_id, actual = str(ids[index]), entry[str(ids[index])]
+        else:
+            token_id, actual = _actual_prompt_entry(entry, remaining, k)
         token = actual["decoded_token"]
         if remaining.endswith(token):
             remaining = remaining[: len(remaining) - len(token)]
-        top = _top_list(
-            [(item["decoded_token"], item["logprob"]) for item in entry.values()], token, top_k
-        )
+        pairs = [(item["decoded_token"], item["logprob"]) for item in entry.values()]
         reversed_positions.append(
             {
                 "source": "prompt",
                 "token": token,
-                "token_id": token_id,
+                "token_id": int(token_id),
                 "logprob": actual["logprob"],
                 "rank": actual["rank"],
-                "top": top,
+                "top": _top_list(pairs, token, FULL_VOCAB_TOP_SHOWN if k < 0 else None),
+                "top_k": top_k,
+                "full_vocabulary": k < 0,
             }
         )
-    first = {"source": "prompt", "token": remaining, "logprob": None, "rank": None, "top": []}
+    first = {
+        "source": "prompt",
+        "token": strings[0] if strings else remaining,
+        "token_id": ids[0] if ids else None,
+        "logprob": None,
+        "rank": None,
+        "top": [],
+        "top_k": top_k,
+    }
     return [first, *reversed(reversed_positions)]
 
 
-def completion_positions(logprobs: dict | None, *, skip: int = 0) -> list[dict]:
-    """Per generated token from the legacy `logprobs` object (positions after `skip`)."""
+def completion_positions(logprobs: dict | None, *, skip: int = 0, k: int = 0) -> list[dict]:
+    """Per generated token from the legacy `logprobs` object (positions after `skip`),
+    requested with `k` alternatives (the API adds the sampled token when it is not among
+    them)."""
     if not logprobs:
         return []
     positions = []
@@ -136,16 +163,19 @@ def completion_positions(logprobs: dict | None, *, skip: int = 0) -> list[dict]:
             continue
         logprob = logprobs["token_logprobs"][index]
         alternatives = tops[index] if index < len(tops) and tops[index] else {}
-        top = _top_list(alternatives.items(), token, len(alternatives))
+        top = _top_list(alternatives.items(), token)
         higher = [item for item in top if logprob is not None and item["logprob"] > logprob]
-        in_top = any(item["is_actual"] for item in top)
+        # Its rank is known only within the k asked for; beyond them, tokens that were not
+        # returned may come between.
+        known = logprob is not None and len(higher) < k
         positions.append(
             {
                 "source": "completion",
                 "token": token,
                 "logprob": logprob,
-                "rank": len(higher) + 1 if in_top else None,
+                "rank": len(higher) + 1 if known else None,
                 "top": top,
+                "top_k": k,
             }
         )
     return positions
@@ -158,19 +188,30 @@ def _prompt_text(request: dict, prompt_index: int) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def token_positions(request: dict, response: dict, choice_index: int = 0) -> list[dict]:
-    """Prompt then completion tokens of one choice, each with `position` and `probability`.
+def token_positions(
+    request: dict, response: dict, choice_index: int = 0, tokens: dict | None = None
+) -> list[dict]:
+    """Prompt then completion tokens of one choice, each with `position`, `probability` and
+    `label` (the token as every figure and list shows it).
 
     With `echo` the legacy logprobs start with the prompt tokens; those are taken as the
-    prompt part unless prompt_logprobs is present.
+    prompt part unless prompt_logprobs is present. `tokens` are the run's stored tokens
+    (`Run.tokens`), which name each prompt_logprobs entry's actual token exactly.
     """
     choice = response["choices"][choice_index]
     n = request.get("n") or 1
     prompt = _prompt_text(request, choice_index // n)
+    prompt_tokens = None
+    if tokens and len(tokens.get("prompts") or []) > choice_index // n:
+        prompt_tokens = tokens["prompts"][choice_index // n]
     prompt_part = prompt_positions(
-        prompt, choice.get("prompt_logprobs"), request.get("prompt_logprobs") or 0
+        prompt,
+        choice.get("prompt_logprobs"),
+        request.get("prompt_logprobs") or 0,
+        prompt_tokens,
     )
     logprobs = choice.get("logprobs")
+    k = request.get("logprobs") or 0
     echoed = 0
     if request.get("echo") and logprobs:
         offsets = logprobs.get("text_offset") or []
@@ -178,11 +219,20 @@ def token_positions(request: dict, response: dict, choice_index: int = 0) -> lis
         if not prompt_part:
             prompt_part = [
                 {**position, "source": "prompt"}
-                for position in completion_positions(logprobs)[:echoed]
+                for position in completion_positions(logprobs, k=k)[:echoed]
             ]
-    positions = prompt_part + completion_positions(logprobs, skip=echoed)
+    if not prompt_part and prompt_tokens and prompt_tokens.get("strings"):
+        # No logprobs for the prompt, but its tokens are known: show them (unscored), so
+        # that positions count from the prompt's first token everywhere on the page.
+        prompt_part = [
+            {"source": "prompt", "token": token, "token_id": token_id, "logprob": None,
+             "rank": None, "top": [], "top_k": 0}
+            for token, token_id in zip(prompt_tokens["strings"], prompt_tokens["ids"], strict=True)
+        ]  # fmt: skip
+    positions = prompt_part + completion_positions(logprobs, skip=echoed, k=k)
     for index, position in enumerate(positions):
         position["position"] = index
+        position["label"] = visible_token(position["token"])
         logprob = position["logprob"]
         position["probability"] = None if logprob is None else math.exp(logprob)
     return positions
@@ -243,9 +293,20 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
     return _layout(figure, "Tokens by probability", height=max(160, 48 * len(names) + 80))
 
 
+def top_k_shown(position: dict) -> tuple[list[dict], bool]:
+    """The bars of a top-k chart: the `top_k` most likely alternatives the request asked for,
+    then the position's own token when it is not among them (the API always returns it), and
+    whether it was added."""
+    top = position["top"][: position["top_k"]]
+    if any(item["is_actual"] for item in top) or position["logprob"] is None:
+        return top, False
+    actual = {"token": position["token"], "logprob": position["logprob"], "is_actual": True}
+    return [*top, actual], True
+
+
 def top_k_figure(position: dict) -> go.Figure:
     """Bar chart of the alternatives at one position, the actual token highlighted."""
-    top = position["top"]
+    top, added = top_k_shown(position)
     figure = go.Figure(
         go.Bar(
             x=[math.exp(item["logprob"]) for item in top],
@@ -257,7 +318,14 @@ def top_k_figure(position: dict) -> go.Figure:
     )
     figure.update_yaxes(autorange="reversed")
     figure.update_xaxes(title="probability")
-    title = f"Top-{len(top)} at position {position['position']} ({_label(position['token'])})"
+    k = position["top_k"]
+    what = f"Top-{k}" if k else "The token itself"
+    if position.get("full_vocabulary"):
+        what = f"Top-{k} of the whole vocabulary"
+    title = f"{what} at position {position['position']} ({_label(position['token'])})"
+    if added and k:
+        rank = position["rank"]
+        title += f", and the token itself ({f'rank {rank}' if rank else 'below them'})"
     return _layout(figure, title, height=max(200, 24 * len(top) + 80))
 
 
@@ -303,25 +371,130 @@ def prompt_distribution_figure(prompt_logprobs: list, position: int, limit: int 
 # Activations
 
 
-def activations(request: dict, response: dict) -> tuple[np.ndarray, list[int]]:
-    """The captured residual stream `[layers, tokens, hidden]` (float32) and the layer
-    index of each row."""
+@dataclass
+class CapturedRow:
+    """One row of a capture: rows 0..P-1 are the prompt's tokens, P.. the generated tokens
+    fed back (the last generated token is never fed back, so it has no row). `token` is None
+    where the run does not say which token it was."""
+
+    row: int
+    part: str  # "prompt" or "generated"
+    token: str | None
+    token_id: int | None
+
+    @property
+    def label(self) -> str:
+        """ "index token" as plain text (whitespace made visible), the index alone when the
+        token is unknown."""
+        return str(self.row) if self.token is None else f"{self.row} {visible_token(self.token)}"
+
+
+@dataclass
+class Capture:
+    """A run's captured residual stream `[layers, tokens, hidden]` (float32, the output of
+    decoder block k before the final norm), the layer index of each of its rows, and what
+    each position is."""
+
+    tensor: np.ndarray
+    layers: list[int]
+    rows: list[CapturedRow]
+
+    @property
+    def labels(self) -> list[str]:
+        return [row.label for row in self.rows]
+
+    @property
+    def prompt_length(self) -> int:
+        return sum(1 for row in self.rows if row.part == "prompt")
+
+
+def _known_prompt_tokens(request: dict, response: dict) -> list[str] | None:
+    """The prompt's token strings from the response itself (prompt_logprobs or echo)."""
+    positions = token_positions(request, response)
+    prompt = [p["token"] for p in positions if p["source"] == "prompt"]
+    return prompt or None
+
+
+def capture_rows(request: dict, response: dict, tokens: dict | None, count: int):
+    """What each of the `count` captured positions is, from the run's stored tokens
+    (`Run.tokens`: the prompt as the gateway's tokenizer counts it, and the generated
+    tokens), else from what the response itself shows (usage's prompt count, prompt_logprobs
+    or echo, logprobs)."""
+    if tokens and tokens.get("prompts"):
+        prompt_ids = tokens["prompts"][0]["ids"]
+        prompt_strings = tokens["prompts"][0]["strings"] or _known_prompt_tokens(request, response)
+        completion = (tokens.get("completions") or [None])[0] or {}
+        generated_ids = completion.get("ids") or []
+        generated_strings = completion.get("strings") or []
+    else:
+        prompt_strings = _known_prompt_tokens(request, response)
+        prompt_count = (response.get("usage") or {}).get("prompt_tokens")
+        prompt_ids = [None] * (
+            prompt_count if prompt_count is not None else len(prompt_strings or [])
+        )
+        generated = [p for p in token_positions(request, response) if p["source"] == "completion"]
+        generated_strings = [p["token"] for p in generated]
+        generated_ids = []
+    if prompt_strings is not None and len(prompt_strings) != len(prompt_ids):
+        prompt_strings = None  # not the same tokenization: better no label than a wrong one
+    rows = []
+    for row in range(count):
+        if row < len(prompt_ids):
+            token = prompt_strings[row] if prompt_strings else None
+            rows.append(CapturedRow(row, "prompt", token, prompt_ids[row]))
+        else:
+            index = row - len(prompt_ids)
+            token = generated_strings[index] if index < len(generated_strings) else None
+            token_id = generated_ids[index] if index < len(generated_ids) else None
+            rows.append(CapturedRow(row, "generated", token, token_id))
+    return rows
+
+
+def activations(request: dict, response: dict, tokens: dict | None = None) -> Capture:
+    """The run's capture, its positions named by `capture_rows`."""
     tensor = decode(response["activations"]["residual_stream"])
     wanted = request.get("output_residual_stream")
     layers = list(wanted) if isinstance(wanted, list) else list(range(tensor.shape[0]))
-    return tensor, layers
+    return Capture(tensor, layers, capture_rows(request, response, tokens, tensor.shape[1]))
 
 
-def position_labels(request: dict, response: dict, count: int) -> list[str]:
-    """Labels of `count` captured positions as plain text: "index token" where the run
-    returned the token (prompt logprobs or echo), the index alone otherwise."""
-    positions = token_positions(request, response) if response.get("choices") else []
-    return [
-        f"{index} {visible_token(positions[index]['token'])}"
-        if index < len(positions)
-        else str(index)
-        for index in range(count)
-    ]
+@dataclass(frozen=True)
+class PositionWindow:
+    """The positions an activation view shows: `start` to `end` (inclusive; None: the
+    last), without position 0 when `exclude_first`. The default leaves out only the first
+    token: its residual stream (an attention sink) is often a hundred times the norm of the
+    others and would dominate every colour scale, cosine and principal component."""
+
+    start: int = 0
+    end: int | None = None
+    exclude_first: bool = True
+
+    def rows(self, count: int) -> list[int]:
+        """The positions shown out of `count`; never empty (at least one position)."""
+        end = count - 1 if self.end is None else min(self.end, count - 1)
+        start = min(max(self.start, 1 if self.exclude_first else 0), end)
+        return list(range(max(start, 0), end + 1))
+
+    def describe(self, count: int) -> str:
+        rows = self.rows(count)
+        text = f"positions {rows[0]}–{rows[-1]}" if len(rows) > 1 else f"position {rows[0]}"
+        return text + (" (first token excluded)" if self.exclude_first and rows[0] == 1 else "")
+
+
+TYPICAL_NORM_DEFINITION = (
+    "the median ‖h‖ over every position but the first of the reference prompts' captures "
+    "at this layer"
+)
+
+
+def typical_norm(captures: list[np.ndarray]) -> tuple[float, int]:
+    """A layer's typical residual norm from `[tokens, hidden]` captures of reference prompts
+    at that layer: the median L2 norm over all their positions but the first (the first
+    token's norm, an attention sink, is often a hundred times the others'), and how many
+    positions that is. A capture of one token counts that token."""
+    rows = [capture[1:] if capture.shape[0] > 1 else capture for capture in captures]
+    norms = np.linalg.norm(np.concatenate(rows, axis=0), axis=-1)
+    return float(np.median(norms)), int(norms.size)
 
 
 # How the norm heatmap's colours follow ‖h‖: the first position's norm is often many times
@@ -333,56 +506,85 @@ NORM_COLOUR_SCALES = {
 }
 
 
-def _position_axis(figure: go.Figure, labels: list[str], axis: str = "x", **extra) -> None:
+def _position_axis(figure: go.Figure, capture: Capture, rows: list[int], axis="x", **extra):
     update = figure.update_xaxes if axis == "x" else figure.update_yaxes
+    labels = capture.labels
+    # At most ~40 labelled ticks: every position's label would overlap on a long capture.
+    step = max(1, math.ceil(len(rows) / 40))
     update(
         tickmode="array",
-        tickvals=list(range(len(labels))),
-        ticktext=[_text(label) for label in labels],
-        title="position",
+        tickvals=rows[::step],
+        ticktext=[_text(labels[row]) for row in rows[::step]],
+        title="position (token)",
         **extra,
     )
 
 
+def _prompt_end_line(figure: go.Figure, capture: Capture, rows: list[int], axes="x") -> None:
+    """A dashed line between the prompt's last position and the first generated one, when
+    both are shown."""
+    boundary = capture.prompt_length - 0.5
+    if not rows or not rows[0] < boundary < rows[-1]:
+        return
+    line = {"color": "#444444", "width": 1, "dash": "dash"}
+    if "x" in axes:
+        figure.add_vline(x=boundary, line=line)
+    if "y" in axes:
+        figure.add_hline(y=boundary, line=line)
+
+
+def norm_colour_range(
+    norms: np.ndarray, colour: str
+) -> tuple[np.ndarray, float | None, float | None]:
+    """The values a norm heatmap colours (‖h‖, or log₁₀ ‖h‖) and its colour range: None
+    (automatic) except when clipped, where it runs from the smallest norm shown to the 95th
+    percentile of the norms shown (plotly ignores a zmax given without a zmin)."""
+    if colour == "log":
+        return np.log10(np.maximum(norms, 1e-6)), None, None
+    if colour == "clip":
+        return norms, float(norms.min()), float(np.percentile(norms, 95))
+    return norms, None, None
+
+
 def activation_norm_heatmap(
-    tensor: np.ndarray, layers: list[int], labels: list[str], colour: str = "linear"
+    capture: Capture, window: PositionWindow = PositionWindow(), colour: str = "linear"
 ) -> go.Figure:
     """‖residual‖ by layer × position, coloured linearly, by log₁₀ or clipped (see
     NORM_COLOUR_SCALES); hover always shows the norm itself."""
-    norms = np.linalg.norm(tensor, axis=-1)
-    shown = norms
-    zmax = None
-    if colour == "log":
-        shown = np.log10(np.maximum(norms, 1e-6))
-    elif colour == "clip":
-        zmax = float(np.percentile(norms, 95))
+    rows = window.rows(capture.tensor.shape[1])
+    norms = np.linalg.norm(capture.tensor[:, rows, :], axis=-1)
+    shown, zmin, zmax = norm_colour_range(norms, colour)
+    titles = {"linear": "‖h‖", "log": "log₁₀ ‖h‖", "clip": "‖h‖ (clipped)"}
     figure = go.Figure(
         go.Heatmap(
             z=shown.tolist(),
             customdata=norms.tolist(),
-            y=[str(layer) for layer in layers],
-            x=list(range(tensor.shape[1])),
+            y=[str(layer) for layer in capture.layers],
+            x=rows,
+            zmin=zmin,
             zmax=zmax,
             colorscale="Viridis",
             hovertemplate="layer %{y}, position %{x}: ‖h‖=%{customdata:.2f}<extra></extra>",
-            colorbar={"title": {"text": "log₁₀ ‖h‖" if colour == "log" else "‖h‖"}},
+            colorbar={"title": {"text": titles[colour]}},
         )
     )
-    _position_axis(figure, labels, tickangle=-45)
+    _position_axis(figure, capture, rows, tickangle=-45)
+    _prompt_end_line(figure, capture, rows)
     figure.update_yaxes(title="layer", type="category")
-    title = f"Residual-stream norm by layer × position ({NORM_COLOUR_SCALES[colour]})"
+    title = (
+        f"Residual-stream norm ‖h‖ by layer × position ({NORM_COLOUR_SCALES[colour]}), "
+        f"{window.describe(capture.tensor.shape[1])}"
+    )
     return _layout(figure, title, height=460)
 
 
-def activation_norm_by_layer(
-    tensor: np.ndarray, layers: list[int], position: int, labels: list[str]
-) -> go.Figure:
+def activation_norm_by_layer(capture: Capture, position: int) -> go.Figure:
     """‖residual‖ at one position for each captured layer."""
-    norms = np.linalg.norm(tensor[:, position, :], axis=-1)
-    figure = go.Figure(go.Scatter(x=layers, y=norms.tolist(), mode="lines+markers"))
-    figure.update_xaxes(title="layer", **_integer_ticks(layers))
-    figure.update_yaxes(title="‖h‖")
-    return _layout(figure, f"Norm by layer at position {_text(labels[position])}")
+    norms = np.linalg.norm(capture.tensor[:, position, :], axis=-1)
+    figure = go.Figure(go.Scatter(x=capture.layers, y=norms.tolist(), mode="lines+markers"))
+    figure.update_xaxes(title="layer", **_integer_ticks(capture.layers))
+    figure.update_yaxes(title="‖h‖ (L2 norm)")
+    return _layout(figure, f"Norm by layer at position {_text(capture.labels[position])}")
 
 
 def cosine_similarity_matrix(rows: np.ndarray) -> np.ndarray:
@@ -393,22 +595,31 @@ def cosine_similarity_matrix(rows: np.ndarray) -> np.ndarray:
 
 
 def activation_cosine_figure(
-    tensor: np.ndarray, layers: list[int], layer: int, labels: list[str]
+    capture: Capture, layer: int, window: PositionWindow = PositionWindow()
 ) -> go.Figure:
-    """Cosine similarity between positions at one captured layer."""
-    similarity = cosine_similarity_matrix(tensor[layers.index(layer)])
+    """Cosine similarity between the positions shown, at one captured layer."""
+    rows = window.rows(capture.tensor.shape[1])
+    similarity = cosine_similarity_matrix(capture.tensor[capture.layers.index(layer)][rows])
     figure = go.Figure(
         go.Heatmap(
             z=similarity.tolist(),
+            x=rows,
+            y=rows,
             zmin=-1,
             zmax=1,
             colorscale="RdBu",
+            colorbar={"title": {"text": "cos"}},
             hovertemplate="positions %{y} · %{x}: %{z:.3f}<extra></extra>",
         )
     )
-    _position_axis(figure, labels, "y", autorange="reversed")
-    _position_axis(figure, labels, tickangle=-45)
-    return _layout(figure, f"Cosine similarity between positions, layer {layer}", height=460)
+    _position_axis(figure, capture, rows, "y", autorange="reversed")
+    _position_axis(figure, capture, rows, tickangle=-45)
+    _prompt_end_line(figure, capture, rows, axes="xy")
+    title = (
+        f"Cosine similarity between positions, layer {layer}, "
+        f"{window.describe(capture.tensor.shape[1])}"
+    )
+    return _layout(figure, title, height=460)
 
 
 def pca_projection(rows: np.ndarray, components: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -426,63 +637,170 @@ def pca_projection(rows: np.ndarray, components: int = 2) -> tuple[np.ndarray, n
 
 
 def activation_pca_figure(
-    tensor: np.ndarray, layers: list[int], layer: int, labels: list[str]
+    capture: Capture, layer: int, window: PositionWindow = PositionWindow()
 ) -> go.Figure:
-    """Positions at one captured layer projected on their first two principal components,
-    each marked with its label."""
-    coordinates, share = pca_projection(tensor[layers.index(layer)])
-    positions = list(range(coordinates.shape[0]))
+    """The positions shown, at one captured layer, projected on their first two principal
+    components (of those positions only), each marked with its label."""
+    rows = window.rows(capture.tensor.shape[1])
+    coordinates, share = pca_projection(capture.tensor[capture.layers.index(layer)][rows])
     figure = go.Figure(
         go.Scatter(
             x=coordinates[:, 0].tolist(),
             y=coordinates[:, 1].tolist(),
-            text=[_text(label) for label in labels],
+            text=[_text(capture.labels[row]) for row in rows],
             mode="markers+text",
             textposition="top center",
-            marker={"color": positions, "colorscale": "Viridis", "size": 9},
+            marker={
+                "color": rows,
+                "colorscale": "Viridis",
+                "size": 9,
+                "colorbar": {"title": {"text": "position"}},
+            },
             hovertemplate="position %{text}<extra></extra>",
         )
     )
-    figure.update_xaxes(title=f"PC1 ({share[0]:.0%})")
+    figure.update_xaxes(title=f"PC1 ({share[0]:.0%} of the variance)")
     figure.update_yaxes(title=f"PC2 ({share[1]:.0%})")
-    return _layout(figure, f"PCA of positions, layer {layer}", height=420)
+    title = f"PCA of positions, layer {layer}, {window.describe(capture.tensor.shape[1])}"
+    return _layout(figure, title, height=420)
 
 
 # ---------------------------------------------------------------------------------------
 # Steering
 
 
-def steering_difference_figure(baseline: dict, steered: dict) -> go.Figure:
-    """Per generated position: steered minus baseline logprob of the sampled token."""
-    base = completion_positions(baseline["choices"][0].get("logprobs"))
-    other = completion_positions(steered["choices"][0].get("logprobs"))
-    pairs = list(zip(base, other, strict=False))
-    figure = go.Figure(
+def same_token_summary(compared: dict) -> dict:
+    """The means of one steered run's same-token comparison (an entry of
+    `SteeringScore.results["runs"]`), in nats per token: Δ logprob (steered − baseline) on
+    the baseline's tokens and on the steered run's tokens, and KL(baseline ‖ steered) on the
+    baseline's tokens (None without full distributions)."""
+
+    def mean_delta(part: dict) -> float | None:
+        deltas = np.asarray(part["under_steered"]) - np.asarray(part["under_baseline"])
+        return float(deltas.mean()) if deltas.size else None
+
+    kl = compared["baseline_tokens"]["kl"]
+    return {
+        "delta_baseline_tokens": mean_delta(compared["baseline_tokens"]),
+        "delta_steered_tokens": mean_delta(compared["steered_tokens"]),
+        "kl": float(np.mean(kl)) if kl else None,
+    }
+
+
+DELTA_AXIS = "Δ logprob, steered − baseline (nats)"
+KL_AXIS = "KL(baseline ‖ steered) (nats)"
+
+
+def _pair_label(position: int, base: str | None, steered: str | None) -> str:
+    if base == steered or steered is None:
+        return (
+            f"{position} {_label(base)}" if base is not None else f"{position} –/{_label(steered)}"
+        )
+    if base is None:
+        return f"{position} –/{_label(steered)}"
+    return f"{position} {_label(base)}/{_label(steered)}"
+
+
+def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
+    """Per generated position j, the Δ logprob (steered − baseline, nats) of the baseline's
+    token j and of the steered run's token j, each scored under both models on the same
+    tokens (teacher-forced), and KL(baseline ‖ steered) at the baseline's positions where
+    the full distributions were available. Ticks name the baseline's / steered token."""
+    base = compared["baseline_tokens"]
+    own = compared["steered_tokens"]
+    base_delta = np.asarray(base["under_steered"]) - np.asarray(base["under_baseline"])
+    own_delta = np.asarray(own["under_steered"]) - np.asarray(own["under_baseline"])
+    steered_strings = own["strings"]
+    count = max(len(baseline_strings), len(steered_strings))
+    figure = go.Figure()
+    figure.add_trace(
         go.Bar(
-            x=list(range(len(pairs))),
-            y=[s["logprob"] - b["logprob"] for b, s in pairs],
-            customdata=[[_label(b["token"]), _label(s["token"])] for b, s in pairs],
-            hovertemplate=(
-                "#%{x}: baseline %{customdata[0]}, steered %{customdata[1]}"
-                "<br>Δ logprob %{y:.3f}<extra></extra>"
-            ),
-            marker_color=[
-                "#1a9850" if s["logprob"] >= b["logprob"] else "#d7301f" for b, s in pairs
+            x=list(range(len(base_delta))),
+            y=base_delta.tolist(),
+            name="on the baseline's tokens",
+            marker_color="#1f5fbf",
+            customdata=[
+                [_label(token), b, s]
+                for token, b, s in zip(
+                    baseline_strings, base["under_baseline"], base["under_steered"], strict=True
+                )
             ],
+            hovertemplate=(
+                "baseline's token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
+                " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
+            ),
         )
     )
-    figure.update_xaxes(title="generated position", **_integer_ticks(range(len(pairs))))
-    figure.update_yaxes(title="Δ logprob (steered − baseline)")
-    return _layout(figure, "Per-token logprob difference")
-
-
-def mean_logprob(response: dict) -> float | None:
-    values = [
-        p["logprob"]
-        for p in completion_positions(response["choices"][0].get("logprobs"))
-        if p["logprob"] is not None
-    ]
-    return sum(values) / len(values) if values else None
+    figure.add_trace(
+        go.Bar(
+            x=list(range(len(own_delta))),
+            y=own_delta.tolist(),
+            name="on the steered run's tokens",
+            marker_color="#e08214",
+            customdata=[
+                [_label(token), b, s]
+                for token, b, s in zip(
+                    steered_strings, own["under_baseline"], own["under_steered"], strict=True
+                )
+            ],
+            hovertemplate=(
+                "steered token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
+                " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
+            ),
+        )
+    )
+    if base["kl"] is not None:
+        figure.add_trace(
+            go.Scatter(
+                x=list(range(len(base["kl"]))),
+                y=base["kl"],
+                name="KL(baseline ‖ steered), right axis",
+                mode="lines+markers",
+                yaxis="y2",
+                line={"color": "#333333"},
+                hovertemplate="position %{x}: KL %{y:.3f} nats<extra></extra>",
+            )
+        )
+        top = max(max(base["kl"]), 1e-6)
+        figure.update_layout(
+            yaxis2={
+                "title": {"text": KL_AXIS},
+                "overlaying": "y",
+                "side": "right",
+                # Its own ticks from 0: plotly would otherwise align them with the Δ axis.
+                "range": [0, top * 1.1],
+                "tickmode": "auto",
+                "showgrid": False,
+            }
+        )
+    positions = list(range(count))
+    padded_base = [*baseline_strings, *[None] * (count - len(baseline_strings))]
+    padded_own = [*steered_strings, *[None] * (count - len(steered_strings))]
+    figure.update_xaxes(
+        title="generated position (baseline / steered token)",
+        tickmode="array",
+        tickvals=positions,
+        ticktext=[
+            _pair_label(j, b, o) for j, b, o in zip(positions, padded_base, padded_own, strict=True)
+        ],
+        tickangle=-45,
+        range=[-0.5, count - 0.5],
+    )
+    # (update_yaxes would retitle the KL axis too.)
+    figure.update_layout(
+        yaxis={"title": {"text": DELTA_AXIS}, "zeroline": True, "zerolinecolor": "#888888"}
+    )
+    figure.update_layout(
+        barmode="group",
+        legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
+    )
+    _layout(figure, f"Same tokens under both models, scale {_text(compared['label'])}", 480)
+    # The title at the very top, the legend under it: on a narrow screen the legend wraps
+    # to three lines, which the top margin leaves room for.
+    figure.update_layout(title={"y": 0.99, "yanchor": "top", "yref": "container"})
+    return figure.update_layout(
+        margin={"r": 70 if base["kl"] is not None else 20, "t": 110, "b": 120}
+    )
 
 
 def _scored_target(response: dict, target: str) -> tuple[float | None, str]:
@@ -518,27 +836,42 @@ def target_logprob(response: dict, target: str) -> tuple[float | None, str]:
     return None, f"the target is outside the top-{len(positions[0]['top'])} returned"
 
 
-def sweep_points(runs: list[tuple[float, dict]], target: str) -> list[dict]:
+def sweep_points(
+    runs: list[tuple[float, dict]], target: str, compared: dict[float, dict] | None = None
+) -> list[dict]:
     """From `(scale, response)` pairs (one with scale 0, the baseline): per scale the
-    target token's logprob (None, with `missing` saying why, when unknown) and the mean
-    logprob shift against the baseline."""
-    baseline = next((response for scale, response in runs if scale == 0), None)
-    base_mean = mean_logprob(baseline) if baseline else None
+    target token's logprob (None, with `missing` saying why, when unknown), and from the
+    same-token comparison of that scale (`compared`: scale → entry of
+    `SteeringScore.results["runs"]`) the mean Δ logprob on the baseline's tokens and the
+    mean KL(baseline ‖ steered), both 0 at scale 0 (the baseline against itself) and None
+    where no comparison is known."""
+    compared = compared or {}
     points = []
     for scale, response in sorted(runs, key=lambda pair: pair[0]):
-        mean = mean_logprob(response)
-        shift = None if mean is None or base_mean is None else mean - base_mean
         logprob, missing = target_logprob(response, target) if target else (None, "")
+        if scale == 0:
+            summary = {"delta_baseline_tokens": 0.0, "kl": 0.0}
+        elif scale in compared:
+            summary = same_token_summary(compared[scale])
+        else:
+            summary = {"delta_baseline_tokens": None, "kl": None}
         points.append(
-            {"scale": scale, "target_logprob": logprob, "missing": missing, "mean_shift": shift}
+            {
+                "scale": scale,
+                "target_logprob": logprob,
+                "missing": missing,
+                "mean_shift": summary["delta_baseline_tokens"],
+                "mean_kl": summary["kl"],
+            }
         )
     return points
 
 
 def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> go.Figure:
-    """Target-token logprob and mean logprob shift against the steering scale (in `unit`,
-    as entered). Scales where the target's logprob is unknown are named in a note."""
-    scales = [p["scale"] for p in points]
+    """Against the steering scale (in `unit`, as entered): the target token's logprob (left
+    axis), and on the right axis the mean Δ logprob of the baseline's tokens (steered −
+    baseline) and the mean KL(baseline ‖ steered), both in nats per token on the same
+    tokens. Scales where the target's logprob is unknown are named in a note."""
     figure = go.Figure()
     known = [p for p in points if p["target_logprob"] is not None]
     if known:
@@ -547,28 +880,51 @@ def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> 
                 x=[p["scale"] for p in known],
                 y=[p["target_logprob"] for p in known],
                 mode="lines+markers",
-                name=f"logprob of {_label(target)}",
+                name=f"logprob of {_label(target)} (left)",
             )
         )
-    figure.add_trace(
-        go.Scatter(
-            x=scales,
-            y=[p["mean_shift"] for p in points],
-            mode="lines+markers",
-            name="mean logprob shift",
-            yaxis="y2",
+    shifts = [p for p in points if p["mean_shift"] is not None]
+    # (Scale 0 alone is the baseline against itself: nothing was compared.)
+    if len(shifts) > 1:
+        figure.add_trace(
+            go.Scatter(
+                x=[p["scale"] for p in shifts],
+                y=[p["mean_shift"] for p in shifts],
+                mode="lines+markers",
+                name="mean Δ logprob, baseline's tokens (right)",
+                yaxis="y2",
+            )
         )
-    )
+    divergences = [p for p in points if p.get("mean_kl") is not None]
+    if len(divergences) > 1:
+        figure.add_trace(
+            go.Scatter(
+                x=[p["scale"] for p in divergences],
+                y=[p["mean_kl"] for p in divergences],
+                mode="lines+markers",
+                name="mean KL(baseline ‖ steered) (right)",
+                yaxis="y2",
+                line={"dash": "dot"},
+            )
+        )
     figure.update_layout(
         xaxis={"title": {"text": unit}, "tickformat": "~g"},
-        yaxis={"title": {"text": "target logprob"}},
-        yaxis2={"title": {"text": "mean shift"}, "overlaying": "y", "side": "right"},
+        yaxis={"title": {"text": "target logprob (nats)"}},
+        yaxis2={
+            "title": {"text": "nats per token, same tokens"},
+            "overlaying": "y",
+            "side": "right",
+            "zeroline": True,
+            # Its own round ticks: plotly would otherwise align them with the left axis's.
+            "tickmode": "auto",
+            "showgrid": False,
+        },
         legend={"orientation": "h", "y": -0.25},
     )
     missing = [p for p in points if p["target_logprob"] is None]
     note = ""
     if not target:
-        note = "No target token given: only the mean shift is plotted."
+        note = "No target token given: only the same-token comparison is plotted."
     elif missing:
         where = "any scale" if not known else ", ".join(f"{p['scale']:g}" for p in missing)
         note = f"No logprob of {_label(target)} at {where}: {_text(missing[0]['missing'])}."

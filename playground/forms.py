@@ -19,6 +19,7 @@ from acs_client.protocol import (
     quartile_layers,
 )
 
+from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
 from .services import VectorError, vector_from_upload
 
@@ -401,9 +402,19 @@ class SteeringForm(SubmitOnceForm):
     def __init__(self, *args, user, capabilities: ModelCapabilities, **kwargs):
         super().__init__(*args, **kwargs)
         self.capabilities = capabilities
-        self.fields["vector"].queryset = SteeringVector.objects.filter(user=user)
+        vectors = SteeringVector.objects.filter(user=user)
+        self.fields["vector"].queryset = vectors
         if capabilities.n_layers:
             self.fields["layers"].help_text += f" 0–{capabilities.n_layers - 1}."
+        measured = [
+            f"{vector.name} (layer {vector.layer}): {vector.layer_typical_norm:.2f}"
+            for vector in vectors.exclude(layer_typical_norm=None).defer("data")[:6]
+        ]
+        self.fields["scale_unit"].help_text = (
+            f"× typical norm: a multiple of the typical norm of the vector's layer, "
+            f"{TYPICAL_NORM_DEFINITION} (contrast vectors measure it when built)"
+            + (f". Typical norms: {'; '.join(measured)}." if measured else ".")
+        )
 
     def clean(self):
         data = super().clean()
@@ -438,8 +449,15 @@ class SteeringForm(SubmitOnceForm):
             if not vector.layer_typical_norm or not vector.norm:
                 self.add_error(
                     "scale_unit",
-                    "This vector has no typical layer norm (only contrast vectors do); "
-                    "use an absolute scale.",
+                    "This vector has no typical layer norm (contrast vectors measure it when "
+                    "built); use an absolute scale.",
+                )
+                return data
+            if data.get("layer_list") != [vector.layer]:
+                self.add_error(
+                    "layers",
+                    f"× typical norm is layer {vector.layer}'s typical norm (the vector's "
+                    f"layer): steer at layer {vector.layer} only, or give an absolute scale.",
                 )
                 return data
             # A multiple m adds a vector whose norm is m × the layer's typical norm.

@@ -63,6 +63,9 @@ class Run(models.Model):
     # Time to first token as the worker, a client of /v1, saw it (streamed runs).
     api_ttft_ms = models.FloatField(null=True, blank=True)
     usage = models.JSONField(null=True, blank=True)
+    # The prompts' and choices' token ids and strings (`run_tokens`), set when the run
+    # succeeds: the labels of every position, whatever the request asked for.
+    tokens = models.JSONField(null=True, blank=True)
     # The one-time token of the form submission that created this run (the first run of a
     # group): the same token submitted again returns this run instead of creating more.
     submit_token = models.UUIDField(null=True, blank=True)
@@ -128,6 +131,35 @@ class Run(models.Model):
         if self.finished_at is None:
             return None
         return (self.finished_at - self.queued_at).total_seconds() * 1000
+
+
+class SteeringScore(models.Model):
+    """The same-token comparison of a steering comparison or sweep (`group`): once its runs
+    have finished, a worker sends teacher-forced requests through /v1 with the user's
+    playground key (metered and budget-checked like runs; see `scoring`) and keeps, per
+    steered run, the logprobs of the baseline's tokens and of the steered run's tokens under
+    both models, and the KL divergence where the full distribution was affordable.
+    Status moves queued → running → succeeded | failed."""
+
+    group = models.UUIDField(unique=True)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="steering_scores"
+    )
+    status = models.CharField(
+        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
+    results = models.JSONField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"steering score {self.group} ({self.status})"
+
+    @property
+    def is_finished(self):
+        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
 
 
 class VectorMethod(models.TextChoices):

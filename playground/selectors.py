@@ -9,7 +9,7 @@ import shlex
 from django.http import Http404
 from django.utils import timezone
 
-from .models import JobSubmission, JobSubmissionStatus, Run, SteeringVector
+from .models import JobSubmission, JobSubmissionStatus, Run, SteeringScore, SteeringVector
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -51,6 +51,31 @@ def group_runs_for_user(*, user, group) -> list[Run]:
     if not runs:
         raise Http404("No such comparison.")
     return runs
+
+
+def steering_score_for_group(*, group) -> SteeringScore | None:
+    """The same-token comparison of a steering comparison or sweep, if one was queued."""
+    return SteeringScore.objects.filter(group=group).first()
+
+
+def steering_arm(run: Run) -> dict:
+    """What one arm of a steering comparison sent: its prompt, the steering applied (layers,
+    scale as entered and as sent, norm_match) and the sampling settings."""
+    request = run.request
+    prompt = request.get("prompt", "")
+    steering = (request.get("apply_steering_vectors") or [{}])[0]
+    return {
+        "run": run,
+        "prompt": prompt[0] if isinstance(prompt, list) else prompt,
+        "layers": steering.get("layer_indices") or [],
+        "scale_sent": steering.get("scale", 1.0),
+        "scale_entered": run.scale_label or "0",
+        "norm_match": bool(steering.get("norm_match", False)),
+        "seed": request.get("seed"),
+        "temperature": request.get("temperature", 1.0),
+        "max_tokens": request.get("max_tokens"),
+        "logprobs": request.get("logprobs"),
+    }
 
 
 def vectors_for_user(*, user) -> list[SteeringVector]:

@@ -25,7 +25,7 @@ from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send
 from acs_portal.redis import redis_sync
 
-from . import streams
+from . import figures, scoring, streams
 from .models import (
     JobKind,
     JobSubmission,
@@ -33,15 +33,18 @@ from .models import (
     Run,
     RunKind,
     RunStatus,
+    SteeringScore,
     SteeringVector,
     VectorMethod,
 )
+from .run_tokens import run_tokens
 
 logger = logging.getLogger(__name__)
 
 # The tasks that execute a run and send a job submission (`tasks.py`), enqueued by name.
 RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"
 JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
+STEERING_SCORE_TASK = "playground.tasks.steering_score_execute_task"
 
 PLAYGROUND_KEY_NAME = "Playground"
 
@@ -213,17 +216,19 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
         message = error.message
         if retryable and final_attempt:
             message = f"Gave up after {run.attempts} attempts. {message}"
-        return run_fail(run=run, code=error.code, message=message, request_id=error.request_id)
+        return _run_failed(run, code=error.code, message=message, request_id=error.request_id)
     except Exception:
         logger.exception("playground run %s failed", run.id)
-        return run_fail(
-            run=run,
+        return _run_failed(
+            run,
             code="playground_error",
             message="The playground worker could not process the answer; see the worker log.",
         )
     run = _run_succeed(run=run, **result)
     if run.kind == RunKind.CONTRAST:
         steering_vector_from_contrast(group=run.group)
+    if run.kind in STEERING_KINDS:
+        steering_score_queue(group=run.group)
     return run
 
 
@@ -307,10 +312,13 @@ def merge_stream_frames(frames: list[dict]) -> dict:
 
 
 def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
+    # Tokenized after the answer, off the path to the first token.
+    tokens = run_tokens(run.request, response)
     now = timezone.now()
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.SUCCEEDED,
         response=response,
+        tokens=tokens,
         usage=response.get("usage"),
         request_id=request_id,
         gateway_ms=timing.get("gateway"),
@@ -319,6 +327,14 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
     )
     streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
     run.refresh_from_db()
+    return run
+
+
+def _run_failed(run: Run, **error) -> Run:
+    run = run_fail(run=run, **error)
+    if run.kind in STEERING_KINDS:
+        # The other runs may all be done: compare the ones that succeeded.
+        steering_score_queue(group=run.group)
     return run
 
 
@@ -419,6 +435,16 @@ def steering_vector_create(
     )
 
 
+# The fixed reference prompts whose residual norms define a layer's typical norm: ordinary
+# sentences of different kinds, so the median describes ordinary tokens at that layer.
+REFERENCE_PROMPTS = (
+    "The museum opens at nine in the morning and closes at five.",
+    "She poured the coffee, sat down by the window and read the letter again.",
+    "Rainfall in the valley was lower than usual this spring.",
+    "To install the package, run the command below and restart the server.",
+)
+
+
 def contrast_runs_create(
     *,
     user: User,
@@ -430,12 +456,23 @@ def contrast_runs_create(
     negative: str,
     submit_token: uuid.UUID | None = None,
 ) -> uuid.UUID:
-    """Queue the two capture runs of a contrast vector; the vector is saved when both have
-    succeeded (`steering_vector_from_contrast`). Returns the pair's group id (that of the
+    """Queue the two capture runs of a contrast vector and the captures of the reference
+    prompts at the same layer (for the layer's typical norm); the vector is saved when they
+    have finished (`steering_vector_from_contrast`). Returns the pair's group id (that of the
     first pair, when `submit_token` was submitted before)."""
+
+    def capture(prompt: str) -> dict:
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "output_residual_stream": [layer],
+        }
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
+        meta = {"vector_name": name, "layer": layer, "method": method}
         with transaction.atomic():
             for role, prompt in (("positive", positive), ("negative", negative)):
                 _run_create(
@@ -444,15 +481,20 @@ def contrast_runs_create(
                     group=group,
                     scale=None,
                     vector=None,
-                    request={
-                        "model": model,
-                        "prompt": prompt,
-                        "max_tokens": 1,
-                        "temperature": 0,
-                        "output_residual_stream": [layer],
-                    },
-                    meta={"role": role, "vector_name": name, "layer": layer, "method": method},
+                    request=capture(prompt),
+                    meta={"role": role, **meta},
                     submit_token=submit_token if role == "positive" else None,
+                )
+            for index, prompt in enumerate(REFERENCE_PROMPTS):
+                _run_create(
+                    user=user,
+                    kind=RunKind.CONTRAST,
+                    group=group,
+                    scale=None,
+                    vector=None,
+                    request=capture(prompt),
+                    meta={"role": "reference", "reference": index, **meta},
+                    submit_token=None,
                 )
         return group
 
@@ -469,13 +511,19 @@ def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: s
 
 
 def steering_vector_from_contrast(*, group) -> SteeringVector | None:
-    """Build and save the vector of a contrast pair once both captures have succeeded;
-    idempotent (the pair's `group` is unique among vectors)."""
-    runs = {run.meta.get("role"): run for run in Run.objects.filter(group=group)}
-    positive, negative = runs.get("positive"), runs.get("negative")
+    """Build and save the vector of a contrast pair once both captures have succeeded and
+    the reference captures have finished; idempotent (the pair's `group` is unique among
+    vectors). Its typical layer norm comes from the reference captures that succeeded
+    (None if none did)."""
+    runs = list(Run.objects.filter(group=group))
+    by_role = {run.meta.get("role"): run for run in runs}
+    positive, negative = by_role.get("positive"), by_role.get("negative")
+    references = [run for run in runs if run.meta.get("role") == "reference"]
     if not positive or not negative:
         return None
     if positive.status != RunStatus.SUCCEEDED or negative.status != RunStatus.SUCCEEDED:
+        return None
+    if not all(run.is_finished for run in references):
         return None
     existing = SteeringVector.objects.filter(source_group=group).first()
     if existing:
@@ -485,7 +533,24 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     ]
     meta = positive.meta
     vector = contrast_difference(*captures, method=meta["method"])
-    typical_norm = float(np.mean([np.linalg.norm(c, axis=-1).mean() for c in captures]))
+    measured = [run for run in references if run.status == RunStatus.SUCCEEDED]
+    typical = None
+    details = {
+        "positive": positive.request["prompt"],
+        "negative": negative.request["prompt"],
+        "runs": [str(positive.id), str(negative.id)],
+    }
+    if measured:
+        typical, positions = figures.typical_norm(
+            [decode(run.response["activations"]["residual_stream"])[0] for run in measured]
+        )
+        details["typical_norm"] = {
+            "definition": figures.TYPICAL_NORM_DEFINITION,
+            "layer": meta["layer"],
+            "prompts": [run.request["prompt"] for run in measured],
+            "positions": positions,
+            "runs": [str(run.id) for run in measured],
+        }
     try:
         with transaction.atomic():
             created = steering_vector_create(
@@ -495,16 +560,12 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
                 layer=meta["layer"],
                 method=meta["method"],
                 vector=vector,
-                details={
-                    "positive": positive.request["prompt"],
-                    "negative": negative.request["prompt"],
-                    "runs": [str(positive.id), str(negative.id)],
-                },
-                layer_typical_norm=typical_norm,
+                details=details,
+                layer_typical_norm=typical,
                 source_group=group,
             )
     except IntegrityError:
-        # The other capture's worker saved it first.
+        # Another capture's worker saved it first.
         return SteeringVector.objects.get(source_group=group)
     Run.objects.filter(group=group).update(vector=created)
     return created
@@ -574,6 +635,224 @@ def with_target_scored(request: dict, target: str) -> dict:
     however unlikely the target is (a top-k list would often leave it out)."""
     prompt = request["prompt"]
     return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}
+
+
+# ---------------------------------------------------------------------------------------
+# Steering compared on the same tokens (teacher-forced requests; see `scoring`)
+
+STEERING_KINDS = (RunKind.STEERING_BASELINE, RunKind.STEERING_STEERED, RunKind.SWEEP)
+# The full next-token distribution (for the KL divergence) is asked for only while prompt +
+# completion is at most this many tokens: every position is a vocabulary-sized JSON object
+# (about 4 MB for SmolLM2's 49,152 tokens), which the worker parses whole. The API allows 256.
+KL_MAX_TOKENS = 64
+
+
+class ScoreUnavailable(Exception):
+    """The runs cannot be compared on the same tokens; the message says why."""
+
+
+def steering_score_queue(*, group) -> SteeringScore | None:
+    """Queue the same-token comparison of a steering comparison or sweep once all its runs
+    have finished, if the baseline and at least one steered run succeeded. Idempotent: the
+    group's score is unique, so the last two runs finishing at once queue it once."""
+    runs = list(Run.objects.filter(group=group).only("status", "scale", "user_id"))
+    if not runs or not all(run.is_finished for run in runs):
+        return None
+    succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
+    if not any(run.scale == 0 for run in succeeded) or all(run.scale == 0 for run in succeeded):
+        return None
+    try:
+        with transaction.atomic():
+            score = SteeringScore.objects.create(group=group, user_id=runs[0].user_id)
+            transaction.on_commit(lambda: task_send(STEERING_SCORE_TASK, str(score.pk)))
+    except IntegrityError:
+        return SteeringScore.objects.get(group=group)
+    return score
+
+
+def steering_score_execute(*, score_id) -> SteeringScore | None:
+    """Claim a queued score, send its teacher-forced requests to /v1 with the user's
+    playground key and store the per-token logprobs and KL divergences (see
+    `_steering_compare`); an error fails it with a message a person can read. Returns None
+    if it could not be claimed."""
+    claimed = SteeringScore.objects.filter(pk=score_id, status=RunStatus.QUEUED).update(
+        status=RunStatus.RUNNING
+    )
+    if not claimed:
+        return None
+    score = SteeringScore.objects.select_related("user").get(pk=score_id)
+    runs = Run.objects.filter(group=score.group, status=RunStatus.SUCCEEDED).order_by("scale")
+    baseline = next(run for run in runs if run.scale == 0)
+    steered = [run for run in runs if run.scale != 0]
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(score.user))
+    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
+    try:
+        fields.update(results=_steering_compare(client, baseline, steered))
+        fields["status"] = RunStatus.SUCCEEDED
+    except AcsApiError as error:
+        fields.update(error_code=error.code, error_message=error.message)
+    except ScoreUnavailable as reason:
+        fields.update(error_code="not_comparable", error_message=str(reason))
+    except Exception:
+        logger.exception("steering score %s failed", score.pk)
+        fields.update(
+            error_code="playground_error",
+            error_message="The playground worker could not compare the runs; see its log.",
+        )
+    SteeringScore.objects.filter(pk=score.pk).update(**fields)
+    score.refresh_from_db()
+    return score
+
+
+# Alternatives asked for when finding which of several same-looking tokens a run sampled.
+RESOLVE_TOP_K = 20
+
+
+def _run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
+    """The prompt's token ids, and the completion's ids and strings, of a run's first choice.
+
+    A completion token whose string several tokens decode to (a piece of a character, shown
+    as U+FFFD) has no id in `run.tokens`: it is found by one teacher-forced request under the
+    run's own model, on the prompt and the tokens before it plus a placeholder, whose last
+    prompt_logprobs entry lists the likeliest tokens there: the one sampled has that string
+    and, of those, the logprob closest to the one the run reported (`send(purpose, body)`
+    sends a request)."""
+    tokens = run.tokens or {}
+    prompt = (tokens.get("prompts") or [None])[0]
+    completion = (tokens.get("completions") or [None])[0]
+    if not prompt or not completion:
+        raise ScoreUnavailable(
+            f"The tokens of the run at scale {run.scale_label or 0} are unknown, so they "
+            "cannot be scored under the other model."
+        )
+    ids, strings = list(completion["ids"]), completion["strings"]
+    reported = run.response["choices"][0]["logprobs"]["token_logprobs"]
+    for index, token_id in enumerate(ids):
+        if token_id is not None:
+            continue
+        body = scoring.teacher_forced_request(
+            run.request, prompt["ids"] + ids[:index] + [0], full_vocabulary=False,
+            steered=run.scale != 0,
+        )  # fmt: skip
+        body["prompt_logprobs"] = RESOLVE_TOP_K
+        answer = send(f"which token the run at scale {run.scale_label} sampled at {index}", body)
+        entry = answer["choices"][0]["prompt_logprobs"][-1]
+        candidates = [
+            (abs(item["logprob"] - reported[index]), int(candidate))
+            for candidate, item in entry.items()
+            if item["decoded_token"] == strings[index]
+        ]
+        if not candidates:
+            raise ScoreUnavailable(
+                f"Which token the run at scale {run.scale_label or 0} sampled at generated "
+                f"position {index} ({strings[index]!r}) could not be told apart from others "
+                "that look the same."
+            )
+        ids[index] = min(candidates)[1]
+    return prompt["ids"], ids, strings
+
+
+def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> dict:
+    """Score the baseline's tokens under every steered model and each steered run's tokens
+    under the baseline (and under its own model, so both sides of each Δ come from the same
+    teacher-forced computation), with full distributions for the KL divergence on the
+    baseline's tokens where prompt + completion is at most KL_MAX_TOKENS."""
+    sent = []
+
+    def send(purpose: str, body: dict) -> dict:
+        completion = client.completions(body)
+        sent.append({"purpose": purpose, "request_id": completion.request_id})
+        return completion.body
+
+    prompt_ids, base_ids, base_strings = _run_token_ids(baseline, send)
+    first = len(prompt_ids)
+    full = first + len(base_ids) <= KL_MAX_TOKENS
+    answer = send(
+        "baseline model, baseline's tokens",
+        scoring.teacher_forced_request(
+            baseline.request, prompt_ids + base_ids, full_vocabulary=full, steered=False
+        ),
+    )
+    logprobs = answer["choices"][0]["prompt_logprobs"]
+    base_under_base = scoring.scored_logprobs(logprobs, base_ids, first)
+    base_distributions = (
+        scoring.full_distributions(logprobs, first, len(base_ids)) if full else None
+    )
+    del answer, logprobs
+    own = {run.pk: _run_token_ids(run, send) for run in steered}
+    body = scoring.teacher_forced_request(
+        baseline.request, prompt_ids, full_vocabulary=False, steered=False
+    )
+    body["prompt"] = [own[run.pk][0] + own[run.pk][1] for run in steered]
+    under_baseline = send("baseline model, each steered run's tokens", body)["choices"]
+    results = []
+    for index, run in enumerate(steered):
+        run_prompt, ids, strings = own[run.pk]
+        answer = send(
+            f"steered model (scale {run.scale_label}), baseline's tokens",
+            scoring.teacher_forced_request(
+                run.request, prompt_ids + base_ids, full_vocabulary=full, steered=True
+            ),
+        )
+        logprobs = answer["choices"][0]["prompt_logprobs"]
+        kl = None
+        if full:
+            steered_distributions = scoring.full_distributions(logprobs, first, len(base_ids))
+            kl = scoring.kl_divergence(base_distributions, steered_distributions).tolist()
+        base_under_steered = scoring.scored_logprobs(logprobs, base_ids, first)
+        del answer, logprobs
+        own_answer = send(
+            f"steered model (scale {run.scale_label}), its own tokens",
+            scoring.teacher_forced_request(
+                run.request, run_prompt + ids, full_vocabulary=False, steered=True
+            ),
+        )
+        own_first = len(run_prompt)
+        results.append(
+            {
+                "run": str(run.pk),
+                "scale": run.scale,
+                "scale_entered": run.scale_entered,
+                "label": run.scale_label,
+                "baseline_tokens": {
+                    "under_baseline": base_under_base.tolist(),
+                    "under_steered": base_under_steered.tolist(),
+                    "kl": kl,
+                },
+                "steered_tokens": {
+                    "strings": strings,
+                    "ids": ids,
+                    "under_baseline": scoring.scored_logprobs(
+                        under_baseline[index]["prompt_logprobs"], ids, own_first
+                    ).tolist(),
+                    "under_steered": scoring.scored_logprobs(
+                        own_answer["choices"][0]["prompt_logprobs"], ids, own_first
+                    ).tolist(),
+                },
+            }
+        )
+    return {
+        "baseline": {"run": str(baseline.pk), "strings": base_strings, "ids": base_ids},
+        "prompt_tokens": first,
+        "full_vocabulary": full,
+        "kl_max_tokens": KL_MAX_TOKENS,
+        "runs": results,
+        "requests": sent,
+    }
+
+
+def steering_scores_fail_stuck(*, now=None) -> int:
+    """Fail scores still queued or running after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker
+    died, or none took them), so their pages stop waiting. Returns how many."""
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return SteeringScore.objects.filter(
+        status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
+    ).update(
+        status=RunStatus.FAILED,
+        error_code="worker_lost",
+        error_message="The comparison on the same tokens did not finish; re-run the comparison.",
+        finished_at=now or timezone.now(),
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,8 +26,19 @@ def job_submission_send_task(self, submission_id: str) -> None:
         raise self.retry(countdown=retry.countdown) from None
 
 
+@shared_task(acks_late=True)
+def steering_score_execute_task(score_id: str) -> None:
+    """Compare a steering comparison's runs on the same tokens (teacher-forced requests)."""
+    services.steering_score_execute(score_id=score_id)
+
+
 @shared_task
 def runs_sweep_task() -> int:
-    """Fail playground runs, and refuse job submissions, stuck in queued or running (see
-    `services.runs_fail_stuck` and `services.job_submissions_fail_stuck`)."""
-    return services.runs_fail_stuck() + services.job_submissions_fail_stuck()
+    """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
+    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`
+    and `services.job_submissions_fail_stuck`)."""
+    return (
+        services.runs_fail_stuck()
+        + services.steering_scores_fail_stuck()
+        + services.job_submissions_fail_stuck()
+    )

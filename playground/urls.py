@@ -14,7 +14,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/edit/", views.run_edit, name="run_edit"),
     path("runs/<uuid:run_id>/figures/<slug:name>/", views.run_figure, name="run_figure"),
     path(
-        "runs/<uuid:run_id>/activations.<str:fmt>",
+        "runs/<uuid:run_id>/activations.safetensors",
         views.run_activations_download,
         name="run_activations",
     ),

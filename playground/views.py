@@ -4,6 +4,7 @@
 import io
 import json
 import uuid
+from dataclasses import dataclass, field
 
 import numpy as np
 from django.conf import settings
@@ -14,12 +15,12 @@ from django.template.loader import render_to_string
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
-from safetensors.numpy import save as safetensors_save
 
 from accounts.access import approved_required
 from acs_client.codec import decode
 
 from . import figures, selectors, services, streams
+from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
     ContrastVectorForm,
@@ -62,6 +63,8 @@ def _page_context(request, **overrides):
         "capabilities": capabilities,
         "runs": selectors.runs_for_user(user=request.user),
         "vectors": selectors.vectors_for_user(user=request.user),
+        "typical_norm_definition": figures.TYPICAL_NORM_DEFINITION,
+        "reference_prompt_count": len(services.REFERENCE_PROMPTS),
     }
     context.update(_forms(request, capabilities, models, initial=overrides.pop("initial", None)))
     context.update(overrides)
@@ -221,7 +224,7 @@ def _run_context(run: Run, choice: int = 0) -> dict:
     context["choices"] = response.get("choices") or []
     if not context["choices"]:
         return context
-    positions = figures.token_positions(run.request, response, choice)
+    positions = figures.token_positions(run.request, response, choice, run.tokens)
     if any(p["logprob"] is not None for p in positions):
         context["positions"] = positions
         context["figures"].append(_figure("tokens", figures.token_strip_figure(positions)))
@@ -238,20 +241,86 @@ def _run_context(run: Run, choice: int = 0) -> dict:
                 _figure("distribution", figures.prompt_distribution_figure(prompt_logprobs, 1))
             )
     if (response.get("activations") or {}).get("residual_stream"):
-        tensor, layers = figures.activations(run.request, response)
-        labels = figures.position_labels(run.request, response, tensor.shape[1])
-        context["capture"] = {"layers": layers, "positions": labels}
-        context["norm_colour_scales"] = figures.NORM_COLOUR_SCALES
-        last = tensor.shape[1] - 1
-        context["figures"] += [
-            _figure("heatmap", figures.activation_norm_heatmap(tensor, layers, labels)),
-            _figure(
-                "norm_by_layer", figures.activation_norm_by_layer(tensor, layers, last, labels)
-            ),
-            _figure("cosine", figures.activation_cosine_figure(tensor, layers, layers[0], labels)),
-            _figure("pca", figures.activation_pca_figure(tensor, layers, layers[0], labels)),
-        ]
+        context["activations"] = _activations_context(run, ActivationPicks())
     return context
+
+
+@dataclass(frozen=True)
+class ActivationPicks:
+    """What the activation views show: the positions (`window`), the heatmap's colours, the
+    position of the norm-by-layer plot (None: the last) and the rows (index into the captured
+    layers) of the cosine and PCA plots."""
+
+    window: figures.PositionWindow = field(default_factory=figures.PositionWindow)
+    colour: str = "linear"
+    norm_position: int | None = None
+    cosine_row: int = 0
+    pca_row: int = 0
+
+    @classmethod
+    def from_query(cls, request, capture: figures.Capture) -> "ActivationPicks":
+        """The picks of a query string, each checked (404 naming a bad one)."""
+        count, layers = capture.tensor.shape[1], len(capture.layers)
+        colour = request.GET.get("colour", "linear")
+        if colour not in figures.NORM_COLOUR_SCALES:
+            raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
+        first = request.GET.get("first", "exclude")
+        if first not in ("exclude", "include"):
+            raise Http404("first must be exclude or include.")
+
+        def picked(name, upper, default):
+            return _int_param(request, name, upper=upper) if name in request.GET else default
+
+        start = picked("start", count, 0)
+        end = picked("end", count, count - 1)
+        if end < start:
+            raise Http404("end must not come before start.")
+        return cls(
+            window=figures.PositionWindow(start, end, exclude_first=first == "exclude"),
+            colour=colour,
+            norm_position=picked("norm_position", count, None),
+            cosine_row=picked("cosine_row", layers, 0),
+            pca_row=picked("pca_row", layers, 0),
+        )
+
+
+def _activation_figure(name: str, capture: figures.Capture, picks: ActivationPicks) -> dict:
+    if name == "heatmap":
+        figure = figures.activation_norm_heatmap(capture, picks.window, picks.colour)
+    elif name == "norm_by_layer":
+        position = (
+            capture.tensor.shape[1] - 1 if picks.norm_position is None else picks.norm_position
+        )
+        figure = figures.activation_norm_by_layer(capture, position)
+    elif name == "cosine":
+        figure = figures.activation_cosine_figure(
+            capture, capture.layers[picks.cosine_row], picks.window
+        )
+    else:
+        figure = figures.activation_pca_figure(capture, capture.layers[picks.pca_row], picks.window)
+    return _figure(name, figure)
+
+
+ACTIVATION_FIGURES = ("heatmap", "norm_by_layer", "cosine", "pca")
+
+
+def _activations_context(run: Run, picks: ActivationPicks, capture=None) -> dict:
+    """The activation section of a run's page: its figures for `picks`, and the choices of
+    its pickers."""
+    capture = capture or figures.activations(run.request, run.response, run.tokens)
+    count = capture.tensor.shape[1]
+    return {
+        "layers": capture.layers,
+        "positions": list(enumerate(capture.labels)),
+        "prompt_length": capture.prompt_length,
+        "count": count,
+        "picks": picks,
+        "norm_position": count - 1 if picks.norm_position is None else picks.norm_position,
+        "window_rows": picks.window.rows(count),
+        "colour_scales": figures.NORM_COLOUR_SCALES,
+        "figures": {name: _activation_figure(name, capture, picks) for name in ACTIVATION_FIGURES},
+        "tokens_known": any(row.token is not None for row in capture.rows),
+    }
 
 
 def _choice_param(request, run: Run) -> int:
@@ -303,27 +372,19 @@ def run_figure(request, run_id, name):
             raise Http404("This run has no full-vocabulary prompt logprobs.")
         position = _int_param(request, "position", upper=len(prompt_logprobs))
         figure = figures.prompt_distribution_figure(prompt_logprobs, max(position, 1))
-    elif name in ("heatmap", "norm_by_layer", "cosine", "pca"):
+    elif name in (*ACTIVATION_FIGURES, "activations"):
         if not (response.get("activations") or {}).get("residual_stream"):
             raise Http404("This run captured no activations.")
-        tensor, layers = figures.activations(run.request, response)
-        labels = figures.position_labels(run.request, response, tensor.shape[1])
-        if name == "heatmap":
-            colour = request.GET.get("colour", "linear")
-            if colour not in figures.NORM_COLOUR_SCALES:
-                raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
-            figure = figures.activation_norm_heatmap(tensor, layers, labels, colour=colour)
-        elif name == "norm_by_layer":
-            position = _int_param(request, "position", upper=tensor.shape[1])
-            figure = figures.activation_norm_by_layer(tensor, layers, position, labels)
-        else:
-            layer = layers[_int_param(request, "row", upper=len(layers))]
-            build = (
-                figures.activation_cosine_figure
-                if name == "cosine"
-                else figures.activation_pca_figure
-            )
-            figure = build(tensor, layers, layer, labels)
+        capture = figures.activations(run.request, response, run.tokens)
+        picks = ActivationPicks.from_query(request, capture)
+        if name == "activations":
+            context = {"run": run, "activations": _activations_context(run, picks, capture)}
+            return render(request, "playground/run_detail.html#activations", context)
+        return render(
+            request,
+            "playground/_figure.html",
+            {"figure": _activation_figure(name, capture, picks)},
+        )
     else:
         raise Http404("No such figure.")
     return render(request, "playground/_figure.html", {"figure": _figure(name, figure)})
@@ -331,25 +392,14 @@ def run_figure(request, run_id, name):
 
 @approved_required
 @require_GET
-def run_activations_download(request, run_id, fmt):
-    """The captured residual stream as float32 `.npy` or safetensors (`residual_stream`,
-    plus `layers`)."""
-    if fmt not in ("npy", "safetensors"):
-        raise Http404("Download as .npy or .safetensors.")
+def run_activations_download(request, run_id):
+    """The captured residual stream with its metadata, in the harvest shards' safetensors
+    format (read with `acs_client.downloads.load_activations`)."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     if run.status != RunStatus.SUCCEEDED or not (run.response.get("activations") or {}):
         raise Http404("This run captured no activations.")
-    tensor, layers = figures.activations(run.request, run.response)
-    if fmt == "npy":
-        buffer = io.BytesIO()
-        np.save(buffer, tensor)
-        content = buffer.getvalue()
-    else:
-        content = safetensors_save(
-            {"residual_stream": tensor, "layers": np.asarray(layers, dtype=np.int32)}
-        )
-    response = HttpResponse(content, content_type="application/octet-stream")
-    response["Content-Disposition"] = f'attachment; filename="run-{run.id}-activations.{fmt}"'
+    response = HttpResponse(run_activations_bytes(run), content_type="application/octet-stream")
+    response["Content-Disposition"] = f'attachment; filename="run-{run.id}-activations.safetensors"'
     return response
 
 
@@ -515,22 +565,50 @@ def _group_context(runs: list[Run]) -> dict:
     baseline = next((run for run in succeeded if run.scale == 0), None)
     context["baseline"] = baseline
     context["steered"] = [run for run in runs if run.scale != 0]
-    if baseline is None:
-        return context
-    for run in succeeded:
-        if run.scale == 0:
-            continue
-        figure = figures.steering_difference_figure(baseline.response, run.response)
-        title = f"Per-token logprob difference, scale {run.scale_label}"
-        figure.update_layout(title={"text": title})
-        context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
-    if len(runs) > 2 and context["finished"]:
+    context["steering_vector"] = runs[0].vector
+    score = selectors.steering_score_for_group(group=runs[0].group)
+    context["score"] = score
+    compared = {}
+    if score is not None and score.status == RunStatus.SUCCEEDED:
+        compared = {entry["run"]: entry for entry in score.results["runs"]}
+    context["arms"] = [
+        {
+            **selectors.steering_arm(run),
+            "summary": (
+                figures.same_token_summary(compared[str(run.pk)])
+                if str(run.pk) in compared
+                else None
+            ),
+        }
+        for run in runs
+    ]
+    # The comparison on the same tokens comes once the runs are done: keep polling until it
+    # is there whenever there is something to compare.
+    expects_score = baseline is not None and len(succeeded) > 1
+    context["finished"] = context["finished"] and (
+        not expects_score or (score is not None and score.is_finished)
+    )
+    for run in context["steered"]:
+        if str(run.pk) in compared:
+            figure = figures.same_token_figure(
+                score.results["baseline"]["strings"], compared[str(run.pk)]
+            )
+            context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
+    if len(runs) > 2 and context["finished"] and baseline is not None:
         target = runs[0].meta.get("target_token", "")
+        by_scale = {entry["scale_entered"]: entry for entry in compared.values()}
         points = figures.sweep_points(
-            [(run.scale_entered, run.response) for run in succeeded], target
+            [(run.scale_entered, run.response) for run in succeeded], target, by_scale
         )
-        typical = runs[0].meta.get("scale_unit") == "typical"
-        unit = "scale (× layer's typical norm)" if typical else "scale"
+        unit = "scale"
+        if runs[0].meta.get("scale_unit") == "typical":
+            vector = runs[0].vector
+            unit = "scale (× layer's typical norm)"
+            if vector is not None and vector.layer_typical_norm:
+                unit = (
+                    f"scale (× layer {vector.layer}'s typical norm, "
+                    f"‖h‖ = {vector.layer_typical_norm:.2f})"
+                )
         figure = figures.scale_sweep_figure(points, target, unit)
         context["figures"].insert(0, _figure("sweep", figure))
     return context

@@ -17,6 +17,7 @@ from api import selectors as api_selectors
 from metering import selectors as usage_selectors
 from playground.models import Run
 
+from .billing import billed
 from .figures import usage_figures
 from .usage_forms import RequestLogFilterForm, UsageFilterForm, cursor_encode
 
@@ -137,7 +138,7 @@ def request_log(request):
         records, next_row = usage_selectors.request_log_page(
             form.log_filter(user_id=request.user.pk), before=form.cleaned_data["before"]
         )
-        context["records"] = records
+        context["records"] = [(record, billed(record)) for record in records]
         context["next_cursor"] = cursor_encode(*next_row) if next_row else None
         context["is_first_page"] = form.cleaned_data["before"] is None
     template = "usage/requests.html#log" if wants_fragment(request) else "usage/requests.html"
@@ -157,7 +158,7 @@ def request_detail(request, record_id: int):
     return render(
         request,
         "usage/request_detail.html",
-        {"record": record, "playground_run": playground_run},
+        {"record": record, "billed": billed(record), "playground_run": playground_run},
     )
 
 

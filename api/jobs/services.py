@@ -23,11 +23,13 @@ from django.utils import timezone
 from accounts.models import ApiKey, BudgetReservation, UsageRecord
 from accounts.periods import month_start
 from acs_client.codec import bfloat16_bits_to_float32
+from acs_client.downloads import capture_metadata, file_metadata
 from acs_portal.celery import task_send
 from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, metering_refusal
 from api.models import LanguageModel
+from api.tokenizer import token_strings
 from metering.budgets import (
     BudgetExceeded,
     budget_activations_refund_steps,
@@ -460,7 +462,11 @@ def _harvest(job: HarvestJob) -> list[str]:
             refused.prompts_done = output.prompts_written
             refused.files = output.finish() if output.shards else []
             raise
-        output.add_shard(captures, first_index=start)
+        output.add_shard(
+            captures,
+            first_index=start,
+            token_strings=async_to_sync(token_strings)(language_model, token_lists),
+        )
     _harvest_continue(job, output, prompts_done=job.n_prompts)
     return output.finish()
 
@@ -487,7 +493,7 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
     API's code when they cannot cover it), then settled to the upstream's usage, with a usage
     record; a batch that fails is settled to nothing and its activation requests given back."""
     started = time.perf_counter()
-    request_id = f"harvest-{job.pk.hex[:12]}-{first_index}"
+    request_id = batch_request_id(job, first_index)
     if _batch_paid(job, key=key, request_id=request_id):
         # An earlier attempt paid for this batch before its worker died: the new attempt
         # captures it again for its files, at no second charge.
@@ -528,6 +534,12 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         lambda: _batch_settle_steps(hold, held=len(token_lists), captures=captures, record=record)
     )
     return captures
+
+
+def batch_request_id(job: HarvestJob, first_index: int) -> str:
+    """The request id of the batch starting at prompt `first_index`: its usage record's, and
+    its shard's."""
+    return f"harvest-{job.pk.hex[:12]}-{first_index}"
 
 
 def _batch_paid(job: HarvestJob, *, key, request_id: str) -> bool:
@@ -583,16 +595,46 @@ class _HarvestOutput:
                 )
             )
 
-    def add_shard(self, captures: list[Capture], *, first_index: int) -> None:
-        tensors = {}
-        for index, capture in enumerate(captures, start=first_index):
+    def add_shard(
+        self,
+        captures: list[Capture],
+        *,
+        first_index: int,
+        token_strings: list[list[str] | None],
+    ) -> None:
+        """Write one batch's shard: per prompt i its activations (`prompt_i`) and token ids
+        (`tokens_i`), with the metadata `acs_client.downloads` reads (token strings, layers,
+        model, request id)."""
+        tensors, described = {}, []
+        request_id = batch_request_id(self.job, first_index)
+        for index, (capture, strings) in enumerate(
+            zip(captures, token_strings, strict=True), start=first_index
+        ):
             tensors[f"prompt_{index}"] = Tensor.bfloat16(capture.bits)
             tensors[f"tokens_{index}"] = Tensor.from_array(
                 np.asarray(capture.tokens, dtype=np.int32)
             )
+            # A capture generates one token and covers the prompt's positions only.
+            described.append(
+                capture_metadata(
+                    index=index,
+                    token_strings=strings,
+                    prompt_length=len(capture.tokens),
+                    request_id=request_id,
+                )
+            )
             self.stats.add(capture.bits)
         name = f"shard_{len(self.shards):05d}.safetensors"
-        content = safetensors_bytes(tensors)
+        metadata = file_metadata(
+            kind="harvest_shard",
+            model=self.job.model,
+            layers=self.job.layers,
+            captures=described,
+            job_id=str(self.job.pk),
+            hidden_size=self.hidden_size,
+            add_special_tokens=self.job.add_special_tokens,
+        )
+        content = safetensors_bytes(tensors, metadata)
         harvest_file_write(self.job.storage_prefix, name, content)
         self.shards.append({"name": name, "tensors": list(tensors)})
         self.bytes_written += len(content)

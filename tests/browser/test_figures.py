@@ -54,10 +54,8 @@ def test_figures_swapped_in_look_like_the_first_rendered_ones(page):
 
     # Re-pick each figure: a top-k position, a norm position, a cosine layer.
     page.locator(f"{RUN_PANEL} [data-topk-position]").select_option("2")
-    page.locator(f"{RUN_PANEL} form[hx-target='#figure-slot-norm_by_layer'] select").select_option(
-        "0"
-    )
-    page.locator(f"{RUN_PANEL} form[hx-target='#figure-slot-cosine'] select").select_option("3")
+    page.locator(f"{RUN_PANEL} select[name=norm_position]").select_option("0")
+    page.locator(f"{RUN_PANEL} select[name=cosine_row]").select_option("3")
     expect(page.locator(f"{RUN_PANEL} #plot-topk .gtitle")).to_contain_text("position 2")
     expect(page.locator(f"{RUN_PANEL} #plot-norm_by_layer .gtitle")).to_contain_text("position 0")
     expect(page.locator(f"{RUN_PANEL} #plot-cosine .gtitle")).to_contain_text("layer 3")
@@ -116,7 +114,7 @@ def test_sweep_plots_the_target_logprob_even_outside_the_top_k(page, tmp_path):
     sweep(page, vector_label="noise (layer 6)", scale_unit="absolute", scales="-8, 8, 16",
           target=" happy")  # fmt: skip
     traces = sweep_traces(page)
-    target = traces["logprob of ·happy"]
+    target = traces["logprob of ·happy (left)"]
     assert target["x"] == [-8, 0, 8, 16]
     assert len(target["y"]) == 4 and all(isinstance(y, float) and y < 0 for y in target["y"])
 
@@ -139,14 +137,14 @@ def test_sweep_in_typical_norms_shows_the_scales_as_entered(page):
         "Steered, scale 3 × typical norm",
     ]
     traces = sweep_traces(page)
-    assert traces["mean logprob shift"]["x"] == [-1.5, 0, 0.75, 3]
+    assert traces["mean Δ logprob, baseline's tokens (right)"]["x"] == [-1.5, 0, 0.75, 3]
     axis = page.locator("#steering-area [data-plot='sweep'] .xtitle")
-    expect(axis).to_have_text("scale (× layer's typical norm)")
+    expect(axis).to_contain_text("scale (× layer 8's typical norm, ‖h‖ = ")
     ticks = page.locator("#steering-area [data-plot='sweep'] .xtick text").all_text_contents()
     assert all(len(tick.replace("−", "").replace("-", "").replace(".", "")) <= 3 for tick in ticks)
     diff_titles = page.locator("#steering-area [data-plot^='diff-'] .gtitle").all_text_contents()
     assert sorted(diff_titles) == sorted(
-        f"Per-token logprob difference, scale {s} × typical norm" for s in ("-1.5", "0.75", "3")
+        f"Same tokens under both models, scale {s} × typical norm" for s in ("-1.5", "0.75", "3")
     )
 
 
@@ -190,3 +188,29 @@ def strip_cells(page) -> list[str]:
             .flat().filter(cell => cell !== '');
         }"""
     )
+
+
+def test_capture_positions_are_labelled_with_their_tokens_without_echo(page):
+    # Neither echo nor prompt_logprobs: the page still knows the prompt's tokens.
+    panel = submit_completion(
+        page, prompt="The quick brown fox jumps over the lazy dog", max_tokens=5,
+        temperature=0, logprobs=2, stream=False, capture="all",
+    )  # fmt: skip
+    expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=90_000)
+    expect_drawn(page, f"{RUN_PANEL} #plot-heatmap")
+    generated = page.locator(f"{RUN_PANEL} #plot-tokens").evaluate(
+        """div => div.data[0].text[div.layout.yaxis.ticktext.findIndex(
+               name => name.startsWith('completion'))].filter(cell => cell !== '')"""
+    )
+    # Rows 0–8 are the prompt (position 0 left out by default), 9–12 the generated tokens
+    # fed back; the last generated token has no row.
+    ticks = page.locator(f"{RUN_PANEL} #plot-heatmap .xtick text").all_text_contents()
+    assert ticks[:8] == ["1 ·quick", "2 ·brown", "3 ·fox", "4 ·jumps", "5 ·over", "6 ·the",
+                         "7 ·lazy", "8 ·dog"]  # fmt: skip
+    assert ticks[8:] == [f"{9 + index} {token}" for index, token in enumerate(generated[:4])]
+    assert len(ticks) == 12
+    # With the first token included, position 0 is the prompt's first token.
+    page.locator(f"{RUN_PANEL} [data-first-token]").select_option("include")
+    expect(page.locator(f"{RUN_PANEL} #plot-heatmap .xtick text").first).to_have_text("0 The")
+    pca = page.locator(f"{RUN_PANEL} #plot-pca .textpoint text").all_text_contents()
+    assert "0 The" in pca and "9 " + generated[0] in pca

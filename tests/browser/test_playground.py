@@ -73,7 +73,7 @@ def test_capture_shows_the_norm_heatmap(page):
     expect(heatmap.locator(".main-svg").first).to_be_visible()
     expect(heatmap).to_contain_text("Residual-stream norm")
     expect(page.locator(f"{RUN_PANEL} #plot-pca .main-svg").first).to_be_visible()
-    expect(page.get_by_role("link", name="Download .npy")).to_be_visible()
+    expect(page.get_by_role("link", name="Download the capture")).to_be_visible()
 
 
 def test_contrast_vector_steers_against_the_baseline(page):

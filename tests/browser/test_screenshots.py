@@ -97,6 +97,26 @@ def test_sweep_page(user_page):
     assert_fits_the_phone_width(page)
 
 
+def test_steering_comparison_page(user_page):
+    page = user_page
+    page.goto("/playground/")
+    upload_vector(page, "compare")
+    page.goto("/playground/")
+    page.locator("#id_steer-vector").select_option(label="compare (layer 4)")
+    page.fill("#id_steer-prompt", "I feel")
+    page.fill("#id_steer-scales", "16")
+    page.fill("#id_steer-max_tokens", "6")
+    page.click("#steering-form button[type=submit]")
+    # (Not the panel of an earlier sweep of this user, until the new one replaces it.)
+    group = page.locator("#steering-area .group-panel[data-group-kind^=steering]")
+    expect(group).to_have_attribute("data-finished", "true", timeout=120_000)
+    page.goto(group.get_by_role("link", name="permalink").get_attribute("href"))
+    expect(page.locator("[data-plot='diff-16'] .main-svg").first).to_be_visible()
+    expect(page.locator("table.arms")).to_contain_text("I feel")
+    assert_written(save_screenshots(page, "steering"), "steering")
+    assert_fits_the_phone_width(page)
+
+
 def finished(client: httpx.Client, url: str, done: set[str]) -> dict:
     deadline = time.monotonic() + 60
     while (job := client.get(url).json())["status"] not in done:

@@ -2,6 +2,8 @@
 progress, cancellation between batches, retries and the stuck-job sweep."""
 
 import json
+import subprocess
+import sys
 from datetime import timedelta
 
 import httpx
@@ -10,8 +12,10 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 from safetensors import deserialize, safe_open
+from tokenizers import Tokenizer
 
 from acs_client.codec import decode
+from acs_client.downloads import load_activations
 from api.jobs import selectors, services
 from api.jobs.models import HarvestJob, HarvestJobStatus
 
@@ -248,3 +252,38 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "worker_lost"
+
+
+@pytest.mark.django_db
+def test_harvest_shards_carry_their_tokens_and_metadata_for_the_loader(
+    engine_model, engine_url, api_key, settings, redis_client
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 2
+    job = _submit(api_key)
+    services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    tokenizer = Tokenizer.from_str(httpx.get(f"{engine_url}/tokenizer.json").text)
+    path = default_storage.path(job.storage_prefix + "shard_00000.safetensors")
+    shard = load_activations(path)
+    assert shard.model == "smollm2-135m" and shard.layers == LAYERS
+    assert shard.metadata["kind"] == "harvest_shard" and shard.metadata["job_id"] == str(job.pk)
+    assert shard.metadata["capture"] == "output of decoder block k, before the final norm"
+    assert shard.steering == []
+    raw = _tensors(job.storage_prefix + "shard_00000.safetensors")
+    assert [capture.index for capture in shard.captures] == [0, 1]
+    for capture, prompt in zip(shard.captures, PROMPTS, strict=False):
+        encoding = tokenizer.encode(prompt)
+        assert capture.token_ids.tolist() == encoding.ids
+        # Each token's text, cut from the prompt by the tokenizer's offsets.
+        assert capture.token_strings == [prompt[start:end] for start, end in encoding.offsets]
+        assert capture.prompt_length == len(encoding.ids) and capture.is_prompt.all()
+        assert capture.request_id == f"harvest-{job.pk.hex[:12]}-0"
+        assert np.array_equal(capture.activations, raw[f"prompt_{capture.index}"])
+        assert np.array_equal(capture.layer(LAYERS[1]), raw[f"prompt_{capture.index}"][1])
+    # The runnable example of acs_client.downloads prints what the file holds.
+    printed = subprocess.run(
+        [sys.executable, "-m", "acs_client.downloads", path],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert f"harvest_shard of smollm2-135m, layers {LAYERS}" in printed
+    assert f"capture 0: [{len(LAYERS)}, " in printed and "0='The' 1=' quick'" in printed

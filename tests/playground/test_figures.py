@@ -116,38 +116,54 @@ def test_prompt_distribution_plots_probability_by_rank():
     assert line.y[0] >= line.y[-1]
 
 
-LABELS = ["0", "1", "2", "3", "4 <b>"]
+TOKENS = [None, None, None, None, "<b>"]
+
+
+def with_tokens(capture, tokens):
+    """The capture with its positions named `tokens` (all prompt tokens)."""
+    rows = [figures.CapturedRow(row, "prompt", token, None) for row, token in enumerate(tokens)]
+    return figures.Capture(capture.tensor, capture.layers, rows)
 
 
 @pytest.fixture
 def captured():
-    return figures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
+    capture = figures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
+    return with_tokens(capture, TOKENS)
+
+
+ALL_POSITIONS = figures.PositionWindow(exclude_first=False)
 
 
 def test_activation_norm_heatmap_is_layers_by_positions(captured):
-    tensor, layers = captured
-    heatmap = figures.activation_norm_heatmap(tensor, layers, LABELS).data[0]
+    heatmap = figures.activation_norm_heatmap(captured, ALL_POSITIONS).data[0]
     assert np.array(heatmap.z).shape == (3, 5)
     assert list(heatmap.y) == ["0", "4", "8"]
-    assert heatmap.z[1][2] == pytest.approx(float(np.linalg.norm(tensor[1, 2])), rel=1e-5)
+    assert heatmap.z[1][2] == pytest.approx(float(np.linalg.norm(captured.tensor[1, 2])), rel=1e-5)
+
+
+def test_activation_views_leave_out_the_first_token_by_default(captured):
+    heatmap = figures.activation_norm_heatmap(captured).data[0]
+    assert list(heatmap.x) == [1, 2, 3, 4] and np.array(heatmap.z).shape == (3, 4)
+    cosine = figures.activation_cosine_figure(captured, 4).data[0]
+    assert np.array(cosine.z).shape == (4, 4)
+    assert len(figures.activation_pca_figure(captured, 4).data[0].x) == 4
+    window = figures.PositionWindow(start=2, end=3)
+    assert list(figures.activation_norm_heatmap(captured, window).data[0].x) == [2, 3]
 
 
 def test_all_layer_capture_numbers_rows_from_zero():
     response = recorded("capture.json")
-    _, layers = figures.activations({"output_residual_stream": True}, response)
-    assert layers == [0, 1, 2]
+    assert figures.activations({"output_residual_stream": True}, response).layers == [0, 1, 2]
 
 
 def test_norm_by_layer_follows_one_position(captured):
-    tensor, layers = captured
-    line = figures.activation_norm_by_layer(tensor, layers, 3, LABELS).data[0]
+    line = figures.activation_norm_by_layer(captured, 3).data[0]
     assert list(line.x) == [0, 4, 8]
-    assert line.y[2] == pytest.approx(float(np.linalg.norm(tensor[2, 3])), rel=1e-5)
+    assert line.y[2] == pytest.approx(float(np.linalg.norm(captured.tensor[2, 3])), rel=1e-5)
 
 
 def test_cosine_similarity_has_unit_diagonal_and_is_symmetric(captured):
-    tensor, layers = captured
-    z = np.array(figures.activation_cosine_figure(tensor, layers, 4, LABELS).data[0].z)
+    z = np.array(figures.activation_cosine_figure(captured, 4, ALL_POSITIONS).data[0].z)
     assert np.allclose(np.diag(z), 1, atol=1e-5)
     assert np.allclose(z, z.T, atol=1e-6)
 
@@ -163,30 +179,46 @@ def test_pca_recovers_a_planar_point_cloud():
 
 
 def test_pca_figure_places_every_position(captured):
-    tensor, layers = captured
-    scatter = figures.activation_pca_figure(tensor, layers, 8, LABELS).data[0]
+    scatter = figures.activation_pca_figure(captured, 8, ALL_POSITIONS).data[0]
     assert len(scatter.x) == 5 and list(scatter.text) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
 
 
-def test_steering_difference_is_steered_minus_baseline_per_position():
-    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    bar = figures.steering_difference_figure(baseline, steered).data[0]
-    base = baseline["choices"][0]["logprobs"]["token_logprobs"]
-    other = steered["choices"][0]["logprobs"]["token_logprobs"]
-    assert list(bar.y) == pytest.approx([s - b for b, s in zip(base, other, strict=True)])
-    assert bar.customdata[0][0] == "'s"
+COMPARED = {
+    "run": "r", "scale": 4.0, "scale_entered": 4.0, "label": "4",
+    "baseline_tokens": {"under_baseline": [-1.0, -2.0], "under_steered": [-1.5, -1.0],
+                        "kl": [0.25, 0.75]},
+    "steered_tokens": {"strings": ["c", "d<"], "ids": [3, 4],
+                       "under_baseline": [-4.0, -3.0], "under_steered": [-1.0, -1.0]},
+}  # fmt: skip
+
+
+def test_same_token_figure_plots_steered_minus_baseline_on_each_text():
+    figure = figures.same_token_figure(["a", " b"], COMPARED)
+    base, own, kl = figure.data
+    assert list(base.y) == [-0.5, 1.0] and list(own.y) == [3.0, 2.0]
+    assert list(kl.y) == [0.25, 0.75] and kl.yaxis == "y2"
+    assert list(figure.layout.xaxis.ticktext) == ["0 a/c", "1 ·b/d&lt;"]
+    assert "nats" in figure.layout.yaxis.title.text
+    assert figures.same_token_summary(COMPARED) == {
+        "delta_baseline_tokens": 0.25, "delta_steered_tokens": 2.5, "kl": 0.5,
+    }  # fmt: skip
 
 
 def test_sweep_points_report_target_logprob_and_mean_shift():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    points = figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s")
+    points = figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s", {4.0: COMPARED})
     assert [p["scale"] for p in points] == [0.0, 4.0]
-    assert points[0]["mean_shift"] == 0
+    assert points[0]["mean_shift"] == 0 and points[1]["mean_shift"] == 0.25
+    assert points[1]["mean_kl"] == 0.5
     assert points[0]["target_logprob"] == pytest.approx(-0.79675, abs=1e-4)
     assert points[1]["target_logprob"] is None  # not in the steered top-5
     assert points[1]["missing"] == "the target is outside the top-5 returned"
     figure = figures.scale_sweep_figure(points, "'s")
-    assert [trace.name for trace in figure.data] == ["logprob of 's", "mean logprob shift"]
+    assert [trace.name for trace in figure.data] == [
+        "logprob of 's (left)",
+        "mean Δ logprob, baseline's tokens (right)",
+        "mean KL(baseline ‖ steered) (right)",
+    ]
     assert json.loads(figure.to_json())["data"][1]["yaxis"] == "y2"
     # The scale without it is named, with the reason, instead of a silent gap.
     note = figure.layout.annotations[0].text
@@ -224,34 +256,35 @@ def test_token_strip_text_is_dark_on_light_cells_at_a_readable_size():
 
 def test_capture_positions_are_labelled_by_their_tokens():
     response = recorded("completion_logprobs.json")
-    labels = figures.position_labels(COMPLETION_REQUEST, response, 3)
-    assert labels == ["0 The", "1 ·capital", "2 ·of"]
+    rows = figures.capture_rows(COMPLETION_REQUEST, response, None, 7)
+    assert [row.label for row in rows] == [
+        "0 The", "1 ·capital", "2 ·of", "3 ·France", "4 ·is", "5 ·Paris", "6 .",
+    ]  # fmt: skip
+    assert [row.part for row in rows].count("prompt") == 5
     unscored = {**COMPLETION_REQUEST, "prompt_logprobs": None}
     no_tokens = {"choices": [{**response["choices"][0], "prompt_logprobs": None,
-                              "logprobs": None}]}  # fmt: skip
-    assert figures.position_labels(unscored, no_tokens, 2) == ["0", "1"]
+                              "logprobs": None}], "usage": response["usage"]}  # fmt: skip
+    assert [row.label for row in figures.capture_rows(unscored, no_tokens, None, 2)] == ["0", "1"]
 
 
 def test_capture_axes_show_the_position_tokens(captured):
-    tensor, layers = captured
-    heatmap = figures.activation_norm_heatmap(tensor, layers, LABELS)
+    heatmap = figures.activation_norm_heatmap(captured, ALL_POSITIONS)
     assert list(heatmap.layout.xaxis.ticktext) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
-    cosine = figures.activation_cosine_figure(tensor, layers, 4, LABELS)
+    cosine = figures.activation_cosine_figure(captured, 4, ALL_POSITIONS)
     assert list(cosine.layout.yaxis.ticktext) == list(cosine.layout.xaxis.ticktext)
-    norm = figures.activation_norm_by_layer(tensor, layers, 4, LABELS)
+    norm = figures.activation_norm_by_layer(captured, 4)
     assert norm.layout.title.text == "Norm by layer at position 4 &lt;b&gt;"
 
 
 def test_position_labels_keep_quotes_and_escape_markup(captured):
-    tensor, layers = captured
-    labels = ["0 He", '1 ·"', "2 a<b", "3 &", "4 'x'"]
+    capture = with_tokens(captured, ["He", ' "', "a<b", "&", "'x'"])
     shown = ["0 He", '1 ·"', "2 a&lt;b", "3 &amp;", "4 'x'"]
-    heatmap = figures.activation_norm_heatmap(tensor, layers, labels)
+    heatmap = figures.activation_norm_heatmap(capture, ALL_POSITIONS)
     assert list(heatmap.layout.xaxis.ticktext) == shown
-    cosine = figures.activation_cosine_figure(tensor, layers, 4, labels)
+    cosine = figures.activation_cosine_figure(capture, 4, ALL_POSITIONS)
     assert list(cosine.layout.xaxis.ticktext) == shown
-    assert list(figures.activation_pca_figure(tensor, layers, 4, labels).data[0].text) == shown
-    norm = figures.activation_norm_by_layer(tensor, layers, 1, labels)
+    assert list(figures.activation_pca_figure(capture, 4, ALL_POSITIONS).data[0].text) == shown
+    norm = figures.activation_norm_by_layer(capture, 1)
     assert norm.layout.title.text == 'Norm by layer at position 1 ·"'
 
 
@@ -266,12 +299,9 @@ def _whole_number_ticks(axis, values) -> bool:
 
 
 def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
-    tensor, layers = captured
-    baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
     for figure in (
         figures.prompt_surprisal_figure(positions),
-        figures.steering_difference_figure(baseline, steered),
-        figures.activation_norm_by_layer(tensor, layers, 0, LABELS),
+        figures.activation_norm_by_layer(captured, 0),
     ):
         x = figure.data[0].x
         assert _whole_number_ticks(figure.layout.xaxis, x), figure.layout.title.text
@@ -287,14 +317,19 @@ def test_long_position_axes_tick_every_few_whole_numbers():
 def test_norm_heatmap_colours_by_log_or_clipped_norm_keeping_the_norm_on_hover():
     tensor = np.ones((2, 4, 3), dtype=np.float32)
     tensor[:, 0] *= 1000  # the first position dwarfs the others, as in real models
+    tensor[:, 3] *= 2
     norms = np.linalg.norm(tensor, axis=-1)
-    log = figures.activation_norm_heatmap(tensor, [0, 1], ["a", "b", "c", "d"], colour="log")
+    capture = with_tokens(figures.Capture(tensor, [0, 1], []), list("abcd"))
+    log = figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="log")
     assert np.allclose(log.data[0].z, np.log10(norms))
     assert np.allclose(log.data[0].customdata, norms)
-    clipped = figures.activation_norm_heatmap(tensor, [0, 1], list("abcd"), colour="clip")
+    clipped = figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="clip")
+    # Both ends of the colour range are set: plotly ignores a zmax without a zmin.
     assert clipped.data[0].zmax == pytest.approx(float(np.percentile(norms, 95)))
+    assert clipped.data[0].zmin == pytest.approx(float(norms.min()))
     assert "clipped" in clipped.layout.title.text
-    assert figures.activation_norm_heatmap(tensor, [0, 1], list("abcd")).data[0].zmax is None
+    linear = figures.activation_norm_heatmap(capture, ALL_POSITIONS).data[0]
+    assert linear.zmax is None and linear.zmin is None
 
 
 def _scored(prompt_tokens: list[tuple[str, float]], scored_tokens: list[tuple[str, float]]):
@@ -330,9 +365,23 @@ def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
     points = figures.sweep_points([(0.0, baseline), (-1.5, steered), (3.0, steered)], " zebra")
     figure = figures.scale_sweep_figure(points, " zebra", "scale (× layer's typical norm)")
-    assert [trace.name for trace in figure.data] == ["mean logprob shift"]
+    # Nothing compared on the same tokens either: no line at all, and the note says why.
+    assert list(figure.data) == []
     assert figure.layout.annotations[0].text == (
         "No logprob of ·zebra at any scale: the target is outside the top-5 returned."
     )
     assert figure.layout.xaxis.title.text == "scale (× layer's typical norm)"
-    assert list(figure.data[0].x) == [-1.5, 0.0, 3.0]
+
+
+def test_top_k_title_counts_the_alternatives_asked_for_not_those_returned():
+    # logprobs: 4 and a sampled token outside the top 4: the API returns 5 entries.
+    request = {"prompt": "ab", "logprobs": 4}
+    top = {"x": -0.1, "y": -2.0, "z": -3.0, "w": -4.0, "v": -6.0}
+    response = {"choices": [{"text": "v", "logprobs": {
+        "tokens": ["v"], "token_logprobs": [-6.0], "top_logprobs": [top], "text_offset": [2],
+    }}]}  # fmt: skip
+    position = figures.token_positions(request, response)[0]
+    figure = figures.top_k_figure(position)
+    assert figure.layout.title.text == "Top-4 at position 0 (v), and the token itself (below them)"
+    assert list(figure.data[0].y) == ["x", "y", "z", "w", "v"]
+    assert list(figure.data[0].marker.color) == ["#9db3d6"] * 4 + ["#1f5fbf"]

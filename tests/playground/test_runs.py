@@ -4,6 +4,7 @@ on transient errors; the managed playground key."""
 import threading
 
 import httpx
+import numpy as np
 import pytest
 from cryptography.fernet import Fernet
 from django.conf import settings
@@ -11,6 +12,7 @@ from django.db import connection
 
 from accounts.models import ApiKey, AuditLog
 from accounts.services import api_key_authenticate, api_key_revoke
+from acs_client.codec import decode
 from api.auth import access_generation_bump
 from playground import services, tasks
 from playground.models import Run, RunKind, RunStatus
@@ -258,16 +260,24 @@ def test_contrast_pair_builds_one_vector_from_both_captures(
         positive="I love this",
         negative="I hate this",
     )
-    gateway.handler = lambda request: httpx.Response(200, json=recorded("capture.json"))
+    capture = recorded("capture.json")
+    gateway.handler = lambda request: httpx.Response(200, json=capture)
     runs = list(Run.objects.filter(group=group, kind=RunKind.CONTRAST))
     assert {r.request["output_residual_stream"][0] for r in runs} == {4}
-    services.run_execute(run_id=runs[0].id, final_attempt=False)
+    for run in runs[:-1]:
+        services.run_execute(run_id=run.id, final_attempt=False)
     assert not approved_user.steering_vectors.exists()
-    services.run_execute(run_id=runs[1].id, final_attempt=False)
+    services.run_execute(run_id=runs[-1].id, final_attempt=False)
     vector = approved_user.steering_vectors.get()
     assert (vector.name, vector.layer, vector.hidden_size) == ("happy", 4, 576)
     assert vector.norm == 0.0  # both captures are the same recording
-    assert vector.layer_typical_norm > 0
+    # The median norm of the reference captures' positions after the first (the recording
+    # has 5 positions: 4 per reference prompt).
+    rows = decode(capture["activations"]["residual_stream"])[0][1:]
+    assert vector.layer_typical_norm == pytest.approx(
+        float(np.median(np.linalg.norm(rows, axis=1)))
+    )
+    assert vector.details["typical_norm"]["positions"] == 4 * 4
     assert services.steering_vector_from_contrast(group=group).pk == vector.pk
 
 

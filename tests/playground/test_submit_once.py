@@ -167,7 +167,9 @@ def test_contrast_posted_twice_with_one_token_creates_one_pair(user_client, no_e
     token = str(uuid.uuid4())
     contrast(user_client, submit_token=token)
     contrast(user_client, submit_token=token)
-    assert Run.objects.filter(kind=RunKind.CONTRAST).count() == 2
+    # One pair and its reference captures.
+    assert Run.objects.filter(kind=RunKind.CONTRAST).values("group").distinct().count() == 1
+    assert Run.objects.filter(kind=RunKind.CONTRAST, meta__role="positive").count() == 1
 
 
 def test_another_user_with_the_same_token_gets_a_run_of_their_own(

@@ -5,15 +5,17 @@ import ast
 import asyncio
 import io
 import json
+import re
 import uuid
 
 import numpy as np
 import pytest
 from django.urls import reverse
-from safetensors.numpy import load as safetensors_load
 
+from acs_client.codec import decode
+from acs_client.downloads import load_activations
 from playground import selectors, services, streams
-from playground.models import Run, RunKind, RunStatus, SteeringVector
+from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
 
 from .conftest import recorded
 
@@ -182,8 +184,9 @@ def test_another_users_run_is_404_everywhere(user_client, other_user):
     urls = [
         reverse("playground:run_detail", args=[run.id]),
         reverse("playground:run_edit", args=[run.id]),
-        reverse("playground:run_figure", args=[run.id, "cosine"]) + "?row=0",
-        reverse("playground:run_activations", args=[run.id, "npy"]),
+        reverse("playground:run_figure", args=[run.id, "cosine"]) + "?cosine_row=0",
+        reverse("playground:run_figure", args=[run.id, "activations"]),
+        reverse("playground:run_activations", args=[run.id]),
         reverse("playground:group_detail", args=[run.id]),
     ]
     for url in urls:
@@ -298,18 +301,18 @@ def test_capture_run_has_activation_figures_and_downloads(user_client, approved_
     body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     for name in ("heatmap", "norm_by_layer", "cosine", "pca"):
         assert f'data-plot="{name}"' in body
-    npy = user_client.get(reverse("playground:run_activations", args=[run.id, "npy"]))
-    tensor = np.load(io.BytesIO(b"".join([npy.content])))
+    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    loaded = load_activations(download.content)
+    tensor = loaded.captures[0].activations
     assert tensor.shape == (3, 5, 576) and tensor.dtype == np.float32
-    st = user_client.get(reverse("playground:run_activations", args=[run.id, "safetensors"]))
-    loaded = safetensors_load(st.content)
-    assert np.array_equal(loaded["residual_stream"], tensor)
-    assert loaded["layers"].tolist() == [0, 4, 8]
+    captured = decode(recorded("capture.json")["activations"]["residual_stream"])
+    assert np.array_equal(tensor, captured)
+    assert loaded.layers == [0, 4, 8] and loaded.metadata["kind"] == "run"
     figure = user_client.get(
-        reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=2", **HTMX
+        reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=2", **HTMX
     )
     assert "PCA of positions, layer 8" in figure.content.decode()
-    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?row=9")
+    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=9")
     assert bad.status_code == 404
 
 
@@ -486,8 +489,11 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
         **HTMX,
     )  # fmt: skip
     runs = Run.objects.filter(kind=RunKind.CONTRAST)
-    assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"]
+    # The pair, and the reference prompts that measure the layer's typical norm.
+    assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"] + ["reference"] * 4
     assert all(r.request["output_residual_stream"] == [12] for r in runs)
+    references = [r.request["prompt"] for r in runs if r.meta["role"] == "reference"]
+    assert sorted(references) == sorted(services.REFERENCE_PROMPTS)
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
 
 
@@ -528,7 +534,7 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
             "steer-temperature": 0,
             "steer-seed": 11,
             "steer-logprobs": 2,
-            "steer-layers": "3, 5",
+            "steer-layers": "3",
         },
         **HTMX,
     )
@@ -537,9 +543,42 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
     assert {r.request["seed"] for r in runs} == {11}
     steering = [r.request["apply_steering_vectors"][0] for r in runs]
     assert [s["scale"] for s in steering] == [0.0, pytest.approx(0.5 * 96 / 48)]
-    assert steering[1]["layer_indices"] == [3, 5]
-    assert steering[1]["activations"]["shape"] == [2, 576]
+    assert steering[1]["layer_indices"] == [3]
+    assert steering[1]["activations"]["shape"] == [1, 576]
     assert runs[0].group == runs[1].group
+
+
+def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_enqueue):
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
+        vector=np.full(576, 2.0, dtype=np.float32),
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
+         "steer-scales": "2", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 11,
+         "steer-logprobs": 2, "steer-layers": "3, 5"},
+        **HTMX,
+    )  # fmt: skip
+    steered = Run.objects.get(scale=2.0).request["apply_steering_vectors"][0]
+    assert steered["layer_indices"] == [3, 5] and steered["activations"]["shape"] == [2, 576]
+
+
+def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, approved_user):
+    # The typical norm was measured at the vector's layer; another layer's can differ a lot.
+    vector = services.steering_vector_create(
+        user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
+        vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
+    )  # fmt: skip
+    response = user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I", "steer-scale_unit": "typical",
+         "steer-scales": "1", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 1,
+         "steer-logprobs": 2, "steer-layers": "3, 5"},
+        **HTMX,
+    )  # fmt: skip
+    assert "× typical norm is layer 3&#x27;s typical norm" in response.content.decode()
+    assert not Run.objects.exists()
 
 
 def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
@@ -565,26 +604,63 @@ def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
     assert response["HX-Retarget"] == "#steering-box"
 
 
+def score_of(user, group, runs) -> SteeringScore:
+    """A finished same-token comparison of `runs` (made-up logprobs: each steered model
+    finds the baseline's tokens 0.5 nats less likely)."""
+    baseline = next(run for run in runs if run.scale == 0)
+    strings = ["a", "b"]
+
+    def entry(run):
+        return {
+            "run": str(run.pk), "scale": run.scale, "scale_entered": run.scale_entered,
+            "label": run.scale_label,
+            "baseline_tokens": {"under_baseline": [-1.0, -2.0], "under_steered": [-1.5, -2.5],
+                                "kl": [0.25, 0.5]},
+            "steered_tokens": {"strings": ["c", "d"], "ids": [3, 4],
+                               "under_baseline": [-4.0, -3.0], "under_steered": [-1.0, -1.0]},
+        }  # fmt: skip
+
+    results = {
+        "baseline": {"run": str(baseline.pk), "strings": strings, "ids": [1, 2]},
+        "prompt_tokens": 2, "full_vocabulary": True, "kl_max_tokens": 64,
+        "runs": [entry(run) for run in runs if run.scale != 0],
+        "requests": [{"purpose": "baseline model, baseline's tokens", "request_id": "req-1"}],
+    }  # fmt: skip
+    return SteeringScore.objects.create(
+        user=user, group=group, status=RunStatus.SUCCEEDED, results=results
+    )
+
+
 def test_comparison_page_shows_both_texts_and_the_difference(user_client, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000001"
-    for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json")):
+    runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
                      kind=RunKind.STEERING_BASELINE if scale == 0 else RunKind.STEERING_STEERED,
-                     meta={"target_token": "'s"})  # fmt: skip
+                     meta={"target_token": "'s"})
+        for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json"))
+    ]  # fmt: skip
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    # Until the runs are compared on the same tokens, the panel keeps polling.
+    assert 'data-finished="false"' in body and 'data-plot="diff-4"' not in body
+    score_of(approved_user, group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert "Baseline (scale 0)" in body and "Steered, scale 4" in body
     assert "&#x27;s a great idea." in body
-    assert 'data-plot="diff-4"' in body
+    assert 'data-plot="diff-4"' in body and 'data-finished="true"' in body
+    assert "-0.500 nats/token" in body and "0.375 nats/token" in body
     partial = user_client.get(reverse("playground:group_detail", args=[group]), **HTMX)
     assert "<html" not in partial.content.decode()
 
 
 def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000002"
-    for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
-                        (4.0, "steer_steered.json")):  # fmt: skip
+    runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
-                     kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
+                     kind=RunKind.SWEEP, meta={"target_token": "'s"})
+        for scale, name in ((0.0, "steer_baseline.json"), (2.0, "steer_baseline.json"),
+                            (4.0, "steer_steered.json"))
+    ]  # fmt: skip
+    score_of(approved_user, group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'data-plot="sweep"' in body
 
@@ -666,7 +742,10 @@ def test_norm_heatmap_colour_can_be_log_or_clipped(user_client, approved_user):
     for colour, shown in (("log", "log₁₀"), ("clip", "clipped at the 95th percentile")):
         partial = user_client.get(url + f"?colour={colour}", **HTMX).content.decode()
         title = json.loads(_figure_json(partial, "heatmap"))["layout"]["title"]["text"]
-        assert title == f"Residual-stream norm by layer × position ({shown})"
+        assert title == (
+            f"Residual-stream norm ‖h‖ by layer × position ({shown}), "
+            "positions 1–4 (first token excluded)"
+        )
     assert user_client.get(url + "?colour=sepia").status_code == 404
 
 
@@ -702,11 +781,97 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     assert all(r.request["prompt"] == ["I feel", "I feel happy"] for r in runs)
     assert all(r.request["prompt_logprobs"] == 0 for r in runs)
     Run.objects.update(status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json"))
+    runs = sorted(Run.objects.all(), key=lambda r: r.scale)
+    score_of(approved_user, runs[0].group, runs)
     body = user_client.get(reverse("playground:group_detail", args=[runs[0].group])).content
     body = body.decode()
     assert "Steered, scale -1.5 × typical norm" in body and "scale -3" not in body
     diff = json.loads(_figure_json(body, "diff-1.5"))["layout"]["title"]["text"]
-    assert diff == "Per-token logprob difference, scale 0.75 × typical norm"
+    assert diff == "Same tokens under both models, scale 0.75 × typical norm"
     sweep = json.loads(_figure_json(body, "sweep"))
     assert sweep["data"][0]["x"] == [-1.5, 0, 0.75]
-    assert sweep["layout"]["xaxis"]["title"]["text"] == "scale (× layer's typical norm)"
+    assert sweep["layout"]["xaxis"]["title"]["text"] == (
+        "scale (× layer 3's typical norm, ‖h‖ = 96.00)"
+    )
+
+
+def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no_enqueue):
+    vector = services.steering_vector_create(
+        user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
+        vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
+    )  # fmt: skip
+    user_client.post(
+        reverse("playground:steer"),
+        {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
+         "steer-scales": "6", "steer-max_tokens": 7, "steer-temperature": 0.5, "steer-seed": 13,
+         "steer-logprobs": 3, "steer-layers": "4, 9"},
+        **HTMX,
+    )  # fmt: skip
+    group = Run.objects.first().group
+    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    assert "Vector <strong>calm</strong> (‖v‖ = 12.00, built for layer 4)" in body
+    assert "uploaded as <code>calm.npy</code>" in body
+    rows = re.findall(r"<tr><td><a [^>]+>(baseline|steered)</a></td>(.*?)</tr>", body, re.S)
+    cells = {arm: re.findall(r"<td[^>]*>(.*?)</td>", row) for arm, row in rows}
+    # prompt, layers, scale as entered, scale sent, norm_match, seed, temperature, max_tokens
+    assert cells["baseline"][:8] == [
+        "<code>I think</code>",
+        "4, 9",
+        "0",
+        "0",
+        "no",
+        "13",
+        "0.5",
+        "7",
+    ]
+    assert cells["steered"][:8] == [
+        "<code>I think</code>",
+        "4, 9",
+        "6",
+        "6",
+        "no",
+        "13",
+        "0.5",
+        "7",
+    ]
+
+
+def test_position_lists_show_tokens_as_the_figures_do(user_client, approved_user):
+    response = recorded("completion_logprobs.json")
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 6,
+                 "logprobs": 5, "prompt_logprobs": 3},
+        response=response,
+    )  # fmt: skip
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    # The newlines of " Paris.\n\nThe answer" are ⏎ in the list, as on the charts.
+    assert '<option value="7" >7 ⏎</option>' in body and "7: \n" not in body
+    assert '<option value="1" >1 ·capital</option>' in body
+
+
+def test_run_download_names_the_steering_applied_and_its_vector(user_client, approved_user):
+    vector = services.steering_vector_create(
+        user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
+        vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
+    )  # fmt: skip
+    steering = {"activations": vector.data, "layer_indices": [4], "scale": 2.5,
+                "norm_match": True}  # fmt: skip
+    run = finished_run(
+        approved_user,
+        request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
+                 "output_residual_stream": [0, 4, 8], "apply_steering_vectors": [steering]},
+        response=recorded("capture.json"), vector=vector, request_id="req-77",
+    )  # fmt: skip
+    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    loaded = load_activations(download.content)
+    [applied] = loaded.steering
+    assert (applied["layer_indices"], applied["scale"], applied["norm_match"]) == ([4], 2.5, True)
+    assert applied["vector"]["name"] == "calm" and applied["vector"]["norm"] == 12.0
+    assert applied["vector"]["details"] == {"filename": "calm.npy"}
+    assert "data" not in json.dumps(applied)
+    assert loaded.captures[0].request_id == "req-77"
+    # Stored before runs kept their tokens: the prompt's 5 rows are known from the usage.
+    assert (
+        loaded.captures[0].prompt_length == 5 and loaded.captures[0].token_ids.tolist() == [-1] * 5
+    )

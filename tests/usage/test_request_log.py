@@ -171,3 +171,32 @@ def test_request_from_the_playground_links_to_its_run(user_client, record, appro
     assert f'href="/playground/runs/{run.pk}/"' in linked
     assert 'id="playground-rerun"' not in plain
     assert "cannot be re-run from here" in plain
+
+
+def test_a_harvest_batch_shows_what_was_billed_and_why(user_client, record):
+    # One record per harvest batch of 8 prompts: 40 prompt tokens, one generated token each.
+    batch = record(
+        utc(2025, 3, 1, 8),
+        endpoint="harvest",
+        request_id="harvest-0123456789ab-0",
+        prompt_tokens=40,
+        completion_tokens=8,
+        activation_layers=[2, 8],
+    )
+    rows = table_rows(user_client.get("/usage/requests/").content.decode(), "request-log")
+    assert rows[0][12].startswith("48 tokens + 8 activation requests (harvest batch of 8 prompts")
+    assert "1 generated per captured prompt" in rows[0][12]
+    cells = dict(
+        table_rows(
+            user_client.get(f"/usage/requests/{batch.pk}/").content.decode(), "request-metadata"
+        )
+    )
+    assert cells["Billed (as /v1/usage counts)"].startswith(
+        "48 tokens + 8 activation requests: harvest batch of 8 prompts"
+    )
+
+
+def test_an_ordinary_request_is_billed_its_tokens(user_client, record):
+    record(utc(2025, 3, 1, 8), prompt_tokens=7, completion_tokens=3)
+    rows = table_rows(user_client.get("/usage/requests/").content.decode(), "request-log")
+    assert rows[0][12] == "10 tokens"

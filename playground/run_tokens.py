@@ -1,0 +1,76 @@
+"""The tokens of a run: its prompts' token ids and strings, counted with the gateway's own
+tokenizer (`api.tokenizer`), and the tokens each choice generated, kept with the run whatever
+its request asked for, so that every position of every figure can be named by its token.
+
+Stored in `Run.tokens` as
+`{"prompts": [{"ids", "strings"}], "completions": [{"ids", "strings", "source"} | None]}`:
+one entry per prompt of the request and per choice of the response. A completion's strings
+come from the response's logprobs where it has them (`source` "logprobs": exactly the tokens
+sampled; an id is None where several tokens decode to the same string), otherwise from
+tokenizing the returned text (`source` "text": the text's canonical tokens, which sampling
+need not have produced).
+"""
+
+import logging
+
+from asgiref.sync import async_to_sync
+
+from api.errors import ApiError
+from api.selectors import model_get
+from api.tokenizer import prompt_tokens, text_tokens, token_ids_of_strings
+
+logger = logging.getLogger(__name__)
+
+
+def _prompts(request: dict) -> list:
+    """The request's prompts as a list (a single string or token-id list is one prompt)."""
+    prompt = request.get("prompt", "")
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+async def _run_tokens(request: dict, response: dict) -> dict:
+    model = await model_get(request.get("model"))
+    add_special_tokens = request.get("add_special_tokens", True)
+    prompts = []
+    for prompt in _prompts(request):
+        tokens = await prompt_tokens(model, prompt, add_special_tokens=add_special_tokens)
+        prompts.append({"ids": tokens.ids, "strings": tokens.strings})
+    n = request.get("n") or 1
+    completions = []
+    for index, choice in enumerate(response.get("choices") or []):
+        prompt = prompts[min(index // n, len(prompts) - 1)]
+        completions.append(await _completion_tokens(model, request, choice, prompt))
+    return {"prompts": prompts, "completions": completions}
+
+
+async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -> dict | None:
+    logprobs = choice.get("logprobs") or {}
+    echoed = len(prompt["ids"]) if request.get("echo") else 0
+    if logprobs.get("tokens") is not None:
+        strings = logprobs["tokens"][echoed:]
+        ids = await token_ids_of_strings(model, strings)
+        return {"ids": ids or [None] * len(strings), "strings": strings, "source": "logprobs"}
+    text = choice.get("text") or ""
+    if request.get("echo"):
+        prompt_text = request["prompt"] if isinstance(request.get("prompt"), str) else ""
+        text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
+    tokens = await text_tokens(model, text)
+    if tokens is None:
+        return None
+    return {"ids": tokens.ids, "strings": tokens.strings, "source": "text"}
+
+
+def run_tokens(request: dict, response: dict) -> dict | None:
+    """The tokens of a finished run (see the module's docstring), or None when the model or
+    its tokenizer cannot be reached (the run's page then names positions by their index)."""
+    try:
+        return async_to_sync(_run_tokens)(request, response)
+    except ApiError as error:
+        logger.warning("run tokens unavailable: %s %s", error.code, error.message)
+    except Exception:
+        # The answer is stored all the same: without its tokens the page names positions
+        # by their index.
+        logger.exception("run tokens could not be computed")
+    return None
