@@ -312,7 +312,9 @@ MIDDLEWARE = ["api.middleware.RequestIdMiddleware", *MIDDLEWARE]
 ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" / "tokenizers"))
 # Celery's Django fixup closes the database connection before and after every task; reusing
 # it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
-# playground's path to the first token.
+# playground's path to the first token. A reused connection is still checked around every
+# task, as around every request (acs_portal/celery.py), so one that PostgreSQL ended is
+# replaced instead of failing the next tasks.
 CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100, minimum=0)
 
 # --- ASGI split (acs_portal/asgi.py) ---
