@@ -25,7 +25,7 @@ from accounts.services import AuthError, api_key_authenticate, api_key_recheck
 from acs_portal.redis import redis_async, redis_sync
 from metering.sql import run_db
 
-from .errors import ApiError
+from .errors import ApiError, redis_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,10 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
     digest = hashlib.sha256(f"{scope}\n{authorization}".encode()).digest()
     # Read before the database, so a change committed in between leaves the entry stale
     # under an old generation rather than fresh-looking under the new one.
-    generation = await redis_async().get(GENERATION_KEY)
+    try:
+        generation = await redis_async().get(GENERATION_KEY)
+    except redis.RedisError:
+        raise redis_unavailable() from None
     entry = _cache.get(digest)
     if entry and entry.generation == generation and entry.expires_at > time.monotonic():
         return entry.key

@@ -21,7 +21,7 @@ from metering.background import on_server_loop
 from .auth import authenticate_header
 from .bodies import check_declared_length, decode_json
 from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
-from .errors import ApiError
+from .errors import ApiError, unexpected_error
 from .middleware import request_id_from
 from .schemas import MAX_BODY_BYTES
 
@@ -51,9 +51,9 @@ async def completions_app(scope, receive, send) -> None:
         return await reply.result(CompletionResult(error.status, error.body(), error.headers()), "")
     except ClientGone:
         return
-    except Exception:
+    except Exception as failure:
         logger.exception("completion %s failed before its work started", rid)
-        error = ApiError(500, "internal_error", f"Internal error; quote request id {rid}.")
+        error = unexpected_error(failure, rid)
         return await reply.result(CompletionResult(error.status, error.body(), error.headers()), "")
     work = _serve(reply, key, payload, rid, headers)
     await _cancel_on_disconnect(work, receive)

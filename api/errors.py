@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from django.http import JsonResponse
+from redis import RedisError
 
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
@@ -143,6 +144,11 @@ ERROR_CODES = {
     "db_pool_exhausted": ErrorCode(
         503, "Every database connection of the gateway is busy; retry.", retry_after=2
     ),
+    "redis_unavailable": ErrorCode(
+        503,
+        "The gateway cannot reach Redis (admission, access checks); retry.",
+        retry_after=1,
+    ),
     "wrapper_saturated": ErrorCode(
         503, "The upstream is at capacity.", retry_after=2, from_upstream=True
     ),
@@ -201,6 +207,26 @@ def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
     if isinstance(error, DatabaseBusy):
         return ApiError(503, "db_pool_exhausted", str(error))
     return ApiError(429, error.code, error.message)
+
+
+def redis_unavailable() -> ApiError:
+    """The 503 for a request that needs Redis (every authenticated one: the access
+    generation, admission) while Redis is out of reach. Without Redis the per-key limits
+    cannot hold across replicas, so the gateway refuses rather than serve unlimited."""
+    return ApiError(
+        503,
+        "redis_unavailable",
+        "The gateway cannot reach Redis, which admission and access checks need; retry.",
+    )
+
+
+def unexpected_error(error: Exception, request_id: str) -> ApiError:
+    """The answer to an exception no code path expected: 503 redis_unavailable when Redis
+    failed under the request (it went away mid-request), else 500 internal_error quoting
+    the request id."""
+    if isinstance(error, RedisError):
+        return redis_unavailable()
+    return ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:
