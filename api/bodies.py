@@ -1,9 +1,16 @@
 """Request bodies: the 8 MiB cap (checked before parsing) and JSON decoding, for the Django
 views and the completions ASGI app alike. Every /v1 body goes through `decode_json`, which
 also refuses what would break later steps: nesting deeper than `MAX_JSON_DEPTH` (the stdlib
-parser recurses once per level and raises RecursionError near 1000) and strings holding a
+parser recurses once per level and raises RecursionError near 1000), strings holding a
 lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be encoded to UTF-8, so the
-tokenizer, the database and the upstream request would all fail on it)."""
+tokenizer, the database and the upstream request would all fail on it), and strings holding
+NUL (`"\\u0000"`).
+
+NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb cannot store it,
+so a job, a harvest or a playground run carrying it could not be saved, and a body must mean
+the same on /v1/completions as in a completion job. A prompt that needs token 0's byte can
+be sent as token ids. The portal's forms refuse it the same way (Django's text fields do;
+the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
 
 import json
 import re
@@ -23,6 +30,9 @@ _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 # json.loads decodes with "surrogatepass"). Valid escaped pairs match too; `_lone_surrogate_at`
 # then tells them apart.
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# Where a NUL can come from: only its escape (a raw NUL byte in a string is invalid JSON).
+# An escaped backslash before "u0000" matches too; `_text_at` then tells them apart.
+_MAYBE_NUL = re.compile(rb"\\u0000")
 
 
 def too_large() -> ApiError:
@@ -53,13 +63,22 @@ def decode_json(raw: bytes):
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, "bad_json", f"The body is not valid JSON: {error}.") from None
     if _MAYBE_SURROGATE.search(raw):
-        field = _lone_surrogate_at(payload, ())
+        field = _text_at(payload, (), _not_encodable)
         if field is not None:
             raise ApiError(
                 400,
                 "invalid_request",
                 f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (such as "
                 "\\ud800), which is not valid Unicode text.",
+            )
+    if _MAYBE_NUL.search(raw):
+        field = _text_at(payload, (), _holds_nul)
+        if field is not None:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"Invalid value for '{field}': it holds a NUL character (\\u0000), which "
+                "this API does not take in text; send such a prompt as token ids.",
             )
     return payload
 
@@ -79,11 +98,11 @@ def _nested_deeper_than(raw: bytes, limit: int) -> bool:
     return b"[]" in brackets or brackets.count(b"[") > limit
 
 
-def _lone_surrogate_at(value, path: tuple) -> str | None:
-    """The dotted path of the first string (or object key) in `value` that cannot be
-    encoded to UTF-8, or None."""
+def _text_at(value, path: tuple, is_bad) -> str | None:
+    """The dotted path of the first string (or object key) in `value` for which
+    `is_bad(string)`, or None."""
     if isinstance(value, str):
-        return None if _encodable(value) else ".".join(map(str, path)) or "body"
+        return (".".join(map(str, path)) or "body") if is_bad(value) else None
     if isinstance(value, list):
         items = enumerate(value)
     elif isinstance(value, dict):
@@ -91,17 +110,22 @@ def _lone_surrogate_at(value, path: tuple) -> str | None:
     else:
         return None
     for name, item in items:
-        if isinstance(name, str) and not _encodable(name):
-            return ".".join(map(str, (*path, name.encode("utf-8", "backslashreplace").decode())))
-        found = _lone_surrogate_at(item, (*path, name))
+        if isinstance(name, str) and is_bad(name):
+            printable = name.encode("utf-8", "backslashreplace").decode().replace("\0", "\\u0000")
+            return ".".join(map(str, (*path, printable)))
+        found = _text_at(item, (*path, name), is_bad)
         if found is not None:
             return found
     return None
 
 
-def _encodable(text: str) -> bool:
+def _not_encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        return True
+    return False
+
+
+def _holds_nul(text: str) -> bool:
+    return "\0" in text

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from api.bodies import MAX_JSON_DEPTH
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
 
 from .test_errors import BASE, assert_error
 
@@ -128,3 +128,34 @@ def test_a_forged_host_header_does_not_break_the_api_reference(client, settings,
     response = client.get(path, headers={"Host": "attacker.example"})
     assert response.status_code == 200
     assert "attacker.example" not in response.text
+
+
+NUL = "a\u0000b"
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body", "field"),
+    [
+        ("/v1/completions", {}, {**BASE, "prompt": NUL}, "prompt"),
+        ("/v1/completions", {}, {**BASE, "user": NUL}, "user"),
+        ("/v1/completions", {}, {**BASE, "stop": ["ok", NUL]}, "stop.1"),
+        ("/v1/completion-jobs", {"Idempotency-Key": "nul-1"}, {**BASE, "prompt": NUL}, "prompt"),
+        ("/v1/completion-jobs", {"Idempotency-Key": "nul-2"}, {**BASE, "user": NUL}, "user"),
+        ("/v1/harvest", {}, {"model": "stub-model", "prompts": ["ok", NUL]}, "prompts.1"),
+        ("/v1/harvest", {}, {"model": "stub-model", "prompts": ["ok"], "user": NUL}, "user"),
+    ],
+)
+def test_nul_in_any_text_of_any_endpoint_is_400_naming_the_field(
+    client, stub, path, headers, body, field
+):
+    response = client.post(path, json=body, headers=headers)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert f"'{field}'" in error["message"] and "NUL" in error["message"]
+    assert stub.requests == []
+    assert not HarvestJob.objects.exists() and not CompletionJob.objects.exists()
+
+
+def test_an_escaped_backslash_before_u0000_is_ordinary_text(client, stub):
+    body = {**BASE, "prompt": "C strings end in \\u0000"}
+    assert "\\\\u0000" in json.dumps(body)
+    assert client.post("/v1/completions", json=body).status_code == 200

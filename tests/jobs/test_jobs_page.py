@@ -262,6 +262,24 @@ def test_a_harvest_submitted_with_htmx_answers_the_list_and_fresh_forms(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("prompts.txt", b"first prompt\nsecond\x00prompt\n"), ("p.jsonl", b'"ok"\n"a\\u0000b"\n')],
+)
+def test_a_prompts_file_with_a_nul_is_a_field_error_not_a_500(
+    logged_in, approved_user, model_list, name, content, headers
+):
+    upload = SimpleUploadedFile(name, content)
+    response = logged_in.post(
+        "/jobs/harvest/", {**HARVEST_POST, "harvest-prompts_file": upload}, **headers
+    )
+    assert response.status_code == (200 if headers else 400)
+    assert "Line 2 holds a NUL character" in response.content.decode()
+    assert not JobSubmission.objects.filter(user=approved_user).exists()
+
+
+@pytest.mark.django_db
 def test_bad_input_without_js_is_a_400_page_with_the_field_error(
     logged_in, approved_user, model_list
 ):
