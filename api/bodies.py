@@ -12,8 +12,11 @@ the same on /v1/completions as in a completion job. A prompt that needs token 0'
 be sent as token ids. The portal's forms refuse it the same way (Django's text fields do;
 the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
 
+import asyncio
 import json
 import re
+
+from django.conf import settings
 
 from .errors import ApiError
 from .schemas import MAX_BODY_BYTES
@@ -33,6 +36,60 @@ _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 # Where a NUL can come from: only its escape (a raw NUL byte in a string is invalid JSON).
 # An escaped backslash before "u0000" matches too; `_text_at` then tells them apart.
 _MAYBE_NUL = re.compile(rb"\\u0000")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+async def read_body(receive) -> bytes:
+    """The ASGI request body, cut off one byte past the cap (which `decode_json` answers
+    with 413). It must arrive within ACS_REQUEST_BODY_TIMEOUT_SECONDS, else 408
+    request_timeout: a client trickling bytes (or sending none) cannot hold a connection and
+    its buffer open for long. ClientGone when the client disconnects first."""
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                if size <= MAX_BODY_BYTES:
+                    chunks.append(chunk)
+                    size += len(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)[: MAX_BODY_BYTES + 1]
+    except TimeoutError:
+        raise ApiError(
+            408,
+            "request_timeout",
+            f"The request body did not arrive within "
+            f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s.",
+        ) from None
+
+
+def replaying(body: bytes, receive):
+    """An ASGI `receive` that delivers `body` (read by `read_body`) as the request, then
+    passes on what `receive` says (the client's disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+def check_content_type(content_type: str | None) -> None:
+    """415 unsupported_media_type unless the `Content-Type` header value declares JSON (any
+    parameters, such as charset, aside): every /v1 body is JSON and must say so."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Send the body as Content-Type: application/json, not {content_type!r:.100}.",
+        )
 
 
 def too_large() -> ApiError:

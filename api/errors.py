@@ -22,8 +22,10 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -67,6 +69,9 @@ ERROR_CODES = {
         400, "The upstream found the prompt too long.", should_retry=False
     ),
     "vllm_invalid_request": ErrorCode(400, "The upstream refused the request.", should_retry=False),
+    "host_not_allowed": ErrorCode(
+        400, "The Host header names no host this server answers for.", should_retry=False
+    ),
     "deadline_infeasible": ErrorCode(
         400, "Lower max_tokens, or stream the request.", should_retry=False
     ),
@@ -90,7 +95,13 @@ ERROR_CODES = {
     "method_not_allowed": ErrorCode(
         405, "Use the method the Allow header names.", should_retry=False
     ),
+    "request_timeout": ErrorCode(
+        408, "The body did not arrive within the server's time limit; resend it.", retry_after=1
+    ),
     "request_too_large": ErrorCode(413, "The body exceeds 8 MiB.", should_retry=False),
+    "unsupported_media_type": ErrorCode(
+        415, "Send the body as Content-Type: application/json.", should_retry=False
+    ),
     "budget_exceeded": ErrorCode(
         429, "A token budget is spent; no Retry-After.", should_retry=False
     ),
