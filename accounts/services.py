@@ -123,13 +123,18 @@ def api_key_check(key: ApiKey, *, scope: str = Scope.COMPLETIONS) -> None:
         raise AuthError("key_revoked", "This API key has been revoked; create a new one.")
     if key.status == KeyStatus.DISABLED:
         raise AuthError("key_disabled", "This API key is paused; resume it on the API keys page.")
-    user = key.user
+    user_access_check(key.user)
+    if scope not in key.scopes:
+        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
+
+
+def user_access_check(user: User) -> None:
+    """Raise `AuthError` unless `user`'s account may use the API now: account_suspended,
+    account_not_approved (401)."""
     if user.status == UserStatus.SUSPENDED or not user.is_active:
         raise AuthError("account_suspended", "This account is suspended.")
     if user.status != UserStatus.APPROVED:
         raise AuthError("account_not_approved", "This account has not been approved.")
-    if scope not in key.scopes:
-        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
 
 
 def api_key_recheck(*, key_id: int, scope: str = Scope.COMPLETIONS) -> ApiKey:

@@ -239,7 +239,9 @@ def openapi_document() -> dict:
             },
             "/v1/harvest/{job_id}/files/{name}": {
                 "get": {
-                    "summary": "One file of a finished harvest, by its signed URL (no API key)",
+                    "summary": "One file of a finished harvest, by its signed URL (no API key), "
+                    "while the key that read the URL may still use the API (401 with its code "
+                    "once it is revoked or paused, or the account suspended)",
                     "security": [],
                     "parameters": [
                         _JOB_ID,
@@ -247,7 +249,7 @@ def openapi_document() -> dict:
                         {"name": "token", "in": "query", "required": True, "schema": _STRING},
                     ],
                     "responses": {"200": {"description": "The file (safetensors or JSON)"}}
-                    | _error_responses(403, 404),
+                    | _error_responses(401, 403, 404),
                 }
             },
             "/v1/openapi.json": {

@@ -8,7 +8,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
-from api.auth import authenticate
+from api.auth import authenticate, owner_recheck
 from api.completions import CompletionResult
 from api.errors import ApiError, error_response, metering_refusal
 from api.schemas import parse_body
@@ -202,7 +202,8 @@ def _site_url(path: str) -> str:
     return settings.SITE_URL.rstrip("/") + path
 
 
-def harvest_job_body(job: HarvestJob) -> dict:
+def harvest_job_body(job: HarvestJob, *, key_id: int) -> dict:
+    """The job as the API shows it to key `key_id` (its download links work for that key)."""
     body = {
         "job_id": str(job.pk),
         "object": "harvest_job",
@@ -217,7 +218,7 @@ def harvest_job_body(job: HarvestJob) -> dict:
     }
     if job.status == HarvestJobStatus.EXPIRED:
         body["message"] = _expiry_message()
-    links = selectors.harvest_download_links(job=job)
+    links = selectors.harvest_download_links(job=job, key_id=key_id)
     if links is not None:
         body["result"] = {
             "manifest_url": _site_url(links["manifest_url"]),
@@ -300,18 +301,24 @@ async def harvest_job_detail(request, job_id):
         )
     except ApiError as error:
         return error_response(error, rid)
-    return _json(request, harvest_job_body(job))
+    return _json(request, harvest_job_body(job, key_id=key.pk))
 
 
 @allow("GET")
 async def harvest_file(request, job_id, name):
-    """One file of a finished harvest, for anyone holding an unexpired signed URL."""
+    """One file of a finished harvest, for anyone holding an unexpired signed URL whose key
+    (or, for the portal's links, the job's account) may still use the API."""
     rid = request_id(request)
     try:
-        download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
+        key_id = download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
     except DownloadRefused as refusal:
         return error_response(ApiError(403, "download_url_invalid", str(refusal)), rid)
     job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
+    if job is not None:
+        try:
+            await run_db(owner_recheck, user_id=job.user_id, key_id=key_id)
+        except ApiError as refusal:
+            return error_response(refusal, rid)
     if job is not None and job.status == HarvestJobStatus.EXPIRED:
         return error_response(ApiError(404, "not_found", _expiry_message()), rid)
     if job is None or name not in job.files:

@@ -11,9 +11,10 @@ from django.utils import timezone
 from safetensors import deserialize
 
 from accounts.models import Period, UsagePeriod
-from accounts.services import api_key_create
-from api.jobs import services, tasks
+from accounts.services import api_key_create, api_key_disable, api_key_revoke, user_suspend
+from api.jobs import selectors, services, tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.storage import MANIFEST_NAME, harvest_file_write
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -202,3 +203,70 @@ def test_another_users_harvest_job_is_404(api_client, client, engine_model, othe
     assert client.get(f"/v1/harvest/{job_id}", **auth).status_code == 404
     assert client.delete(f"/v1/harvest/{job_id}", **auth).status_code == 404
     assert HarvestJob.objects.get(pk=job_id).status == HarvestJobStatus.PENDING
+
+
+def _finished_job_with_a_manifest(api_key) -> HarvestJob:
+    """A done job whose only file is its manifest (no engine needed)."""
+    job = HarvestJob.objects.create(
+        user=api_key.user,
+        key=api_key,
+        model="smollm2-135m",
+        prompts=["hello"],
+        layers=[1],
+        n_prompts=1,
+        prompts_done=1,
+        status=HarvestJobStatus.DONE,
+        completed_at=timezone.now(),
+        files=[MANIFEST_NAME],
+    )
+    harvest_file_write(job.storage_prefix, MANIFEST_NAME, b'{"shards": []}')
+    return job
+
+
+def _manifest_url_from_the_api(api_client, job) -> str:
+    return urlparse(api_client.get(f"/v1/harvest/{job.pk}").json()["result"]["manifest_url"])
+
+
+def _download(client, url):
+    return client.__class__().get(f"{url.path}?{url.query}")
+
+
+@pytest.mark.parametrize(
+    ("withdraw", "code"),
+    [
+        (lambda key: api_key_revoke(key=key, acting_user=None), "key_revoked"),
+        (lambda key: api_key_disable(key=key, acting_user=None), "key_disabled"),
+        (lambda key: user_suspend(user=key.user, acting_user=None), "account_suspended"),
+    ],
+    ids=["key revoked", "key paused", "account suspended"],
+)
+def test_a_signed_url_stops_working_once_its_owner_may_not_use_the_api(
+    api_client, client, api_key, withdraw, code
+):
+    job = _finished_job_with_a_manifest(api_key)
+    url = _manifest_url_from_the_api(api_client, job)
+    assert _download(client, url).status_code == 200
+    withdraw(api_key)
+    refused = _download(client, url)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == code
+
+
+def test_a_signed_url_keeps_working_when_another_key_of_the_owner_is_revoked(
+    api_client, client, api_key, approved_user
+):
+    job = _finished_job_with_a_manifest(api_key)
+    url = _manifest_url_from_the_api(api_client, job)
+    other, _ = api_key_create(user=approved_user, name="other", acting_user=None)
+    api_key_revoke(key=other, acting_user=None)
+    assert _download(client, url).status_code == 200
+
+
+def test_the_portals_links_stop_working_once_the_account_is_suspended(client, api_key):
+    job = _finished_job_with_a_manifest(api_key)
+    url = urlparse(selectors.harvest_download_links(job=job)["manifest_url"])
+    assert _download(client, url).status_code == 200
+    user_suspend(user=api_key.user, acting_user=None)
+    refused = _download(client, url)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "account_suspended"
