@@ -199,6 +199,13 @@ def openapi_document() -> dict:
             "/v1/harvest": {
                 "post": {
                     "summary": "Capture the residual stream of many prompts into safetensors",
+                    "description": (
+                        "With an Idempotency-Key (optional), the same key and request returns "
+                        "the existing job (200) and the same key with another request is 409 "
+                        "idempotency_key_reused, as for completion jobs. A job whose worker "
+                        "died resumes after the last shard it wrote."
+                    ),
+                    "parameters": [{**_IDEMPOTENCY_KEY, "required": False}],
                     "requestBody": {
                         "required": True,
                         "content": {
@@ -208,9 +215,10 @@ def openapi_document() -> dict:
                         },
                     },
                     "responses": {
-                        "202": {"description": "{job_id, status: pending, model, n_prompts}"}
+                        "202": {"description": "{job_id, status: pending, model, n_prompts}"},
+                        "200": {"description": "The job this Idempotency-Key already names"},
                     }
-                    | _error_responses(400, 401, 403, 408, 413, 415, 429, 503),
+                    | _error_responses(400, 401, 403, 408, 409, 413, 415, 429, 503),
                 }
             },
             "/v1/harvest/{job_id}": {

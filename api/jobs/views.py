@@ -56,9 +56,10 @@ def completion_job_body(job: CompletionJob) -> dict:
     }
 
 
-def _idempotency_key(request) -> str:
+def _idempotency_key(request, *, required: bool) -> str:
+    """The request's Idempotency-Key ("" when it sent none and none is `required`)."""
     value = request.headers.get("Idempotency-Key", "").strip()
-    if not value:
+    if not value and required:
         raise ApiError(
             400,
             "invalid_request",
@@ -82,7 +83,7 @@ async def completion_jobs(request):
     rid = request_id(request)
     try:
         key = await authenticate(request)
-        idempotency_key = _idempotency_key(request)
+        idempotency_key = _idempotency_key(request, required=True)
         payload = read_json_body(request)
         valid = await validate_completion(payload)
         if valid.request.stream:
@@ -100,19 +101,20 @@ async def completion_jobs(request):
                 workload=request.headers.get("X-Acs-Workload", "")[:16],
             )
     except services.IdempotencyKeyReused as conflict:
-        return error_response(
-            ApiError(
-                409,
-                "idempotency_key_reused",
-                f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
-                "different body; use a new key for a new job.",
-                should_retry=False,
-            ),
-            rid,
-        )
+        return error_response(_idempotency_conflict(conflict), rid)
     except ApiError as error:
         return error_response(error, rid)
     return _json(request, completion_job_body(job), status=202 if created else 200)
+
+
+def _idempotency_conflict(conflict: services.IdempotencyKeyReused) -> ApiError:
+    return ApiError(
+        409,
+        "idempotency_key_reused",
+        f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
+        "different body; use a new key for a new job.",
+        should_retry=False,
+    )
 
 
 async def _own_completion_job(request, job_id) -> CompletionJob:
@@ -232,10 +234,13 @@ def harvest_job_body(job: HarvestJob, *, key_id: int) -> dict:
 @csrf_exempt
 @allow("POST")
 async def harvest_jobs(request):
-    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`."""
+    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`.
+    With an Idempotency-Key (optional here), as completion jobs: 200 and the existing job
+    for the same key and request, 409 idempotency_key_reused for another request."""
     rid = request_id(request)
     try:
         key = await authenticate(request)
+        idempotency_key = _idempotency_key(request, required=False)
         harvest = parse_body(HarvestRequest, read_json_body(request))
         model = await model_get(harvest.model)
         if not model.supports_activations:
@@ -248,14 +253,17 @@ async def harvest_jobs(request):
         layers = _harvest_layers(harvest.layers, model)
         await _harvest_size_check(harvest, model, layers)
         async with admission_slot(key.pk):
-            job = await run_db(
+            job, created = await run_db(
                 services.harvest_job_submit,
                 key=key,
                 model=model.name,
                 prompts=harvest.prompts,
                 layers=layers,
                 add_special_tokens=harvest.add_special_tokens,
+                idempotency_key=idempotency_key,
             )
+    except services.IdempotencyKeyReused as conflict:
+        return error_response(_idempotency_conflict(conflict), rid)
     except services.HarvestLimitReached as limit:
         return error_response(
             ApiError(
@@ -278,7 +286,7 @@ async def harvest_jobs(request):
             "model": job.model,
             "n_prompts": job.n_prompts,
         },
-        status=202,
+        status=202 if created else 200,
     )
 
 

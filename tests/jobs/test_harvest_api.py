@@ -2,11 +2,14 @@
 limits, cancel, ownership, and URL tampering and expiry."""
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from unittest import mock
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from safetensors import deserialize
 
@@ -114,6 +117,75 @@ def test_a_key_may_run_two_jobs_at_once_then_gets_429_with_retry_after(
 
     assert api_client.delete(f"/v1/harvest/{first}").status_code == 200
     assert _post(api_client).status_code == 202
+
+
+def test_a_harvest_resent_with_its_idempotency_key_is_the_same_job_counted_once(
+    api_client, api_key, engine_model, sent_tasks
+):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-1")
+    again = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-1")
+    assert (first.status_code, again.status_code) == (202, 200)
+    assert again.json() == first.json()
+    assert HarvestJob.objects.count() == 1
+    assert UsagePeriod.objects.get(key=api_key, period=Period.MONTH).harvest_jobs == 1
+    assert len(sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")) == 1
+    # Without a key, a resend is a new job, as before.
+    assert _post(api_client).status_code == 202
+    assert HarvestJob.objects.count() == 2
+
+
+def test_a_harvest_idempotency_key_reused_for_other_prompts_is_409(api_client, engine_model):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-2").json()["job_id"]
+    other = {**BODY, "prompts": ["Something else."]}
+    response = _post(api_client, other, HTTP_IDEMPOTENCY_KEY="harvest-2")
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "idempotency_key_reused"
+    assert first in response.json()["error"]["message"]
+    assert response["X-Should-Retry"] == "false"
+    assert HarvestJob.objects.count() == 1
+
+
+def test_a_resend_is_the_same_job_even_when_the_key_runs_its_maximum_of_jobs(
+    api_client, engine_model
+):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-3")
+    assert _post(api_client).status_code == 202  # the key now runs two
+    again = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-3")
+    assert again.status_code == 200
+    assert again.json()["job_id"] == first.json()["job_id"]
+
+
+def test_concurrent_harvest_submits_with_one_idempotency_key_create_one_job(
+    approved_user, api_key, sent_tasks
+):
+    keys = [api_key] + [
+        api_key_create(user=approved_user, name=f"key {i}", acting_user=None)[0] for i in range(3)
+    ]
+    start = threading.Barrier(12)
+
+    def submit(index):
+        try:
+            start.wait()
+            job, created = services.harvest_job_submit(
+                key=keys[index % len(keys)],
+                model="smollm2-135m",
+                prompts=["Hello there."],
+                layers=[3],
+                add_special_tokens=True,
+                idempotency_key="race",
+            )
+            return str(job.pk), created
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        outcomes = list(pool.map(submit, range(12)))
+
+    assert HarvestJob.objects.count() == 1
+    assert {job_id for job_id, _ in outcomes} == {str(HarvestJob.objects.get().pk)}
+    assert sum(created for _, created in outcomes) == 1
+    key_months = UsagePeriod.objects.filter(period=Period.MONTH, key__isnull=False)
+    assert sum(row.harvest_jobs for row in key_months) == 1  # one job of the quota
 
 
 def test_cancel_a_pending_job_then_cancelling_again_is_409(api_client, engine_model):

@@ -29,13 +29,14 @@ def logged_in(client, approved_user):
 
 
 def _harvest(api_key, prompts=("Hello there.", "Residual streams.")):
-    return services.harvest_job_submit(
+    job, _ = services.harvest_job_submit(
         key=api_key,
         model="smollm2-135m",
         prompts=list(prompts),
         layers=[2, 4],
         add_special_tokens=True,
     )
+    return job
 
 
 @pytest.mark.django_db
