@@ -35,9 +35,9 @@ def env_bool(name, default=False):
     )
 
 
-def env_int(name, default, *, minimum=None):
+def env_int(name, default, *, minimum=None, why=""):
     """An empty or unset variable is the default; anything but a whole number (at least
-    `minimum`, when given) is refused with the variable's name."""
+    `minimum`, when given) is refused with the variable's name (and `why` the minimum)."""
     value = env(name).strip()
     if not value:
         return default
@@ -46,7 +46,8 @@ def env_int(name, default, *, minimum=None):
     except ValueError:
         raise ImproperlyConfigured(f"{name}={env(name)!r} is not an integer") from None
     if minimum is not None and number < minimum:
-        raise ImproperlyConfigured(f"{name}={number} is below its minimum, {minimum}")
+        reason = f": {why}" if why else ""
+        raise ImproperlyConfigured(f"{name}={number} is below its minimum, {minimum}{reason}")
     return number
 
 
@@ -330,10 +331,19 @@ ACS_REQUEST_BODY_TIMEOUT_SECONDS = env_int("ACS_REQUEST_BODY_TIMEOUT_SECONDS", 3
 PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15, minimum=1)
 
 # --- Deployment (docs/deploy.md) ---
-# The beat sweep frees budget holds and leases not marked alive for this long: a live process
-# marks the holds of its running requests and its leases alive every few minutes, so anything
-# older belongs to a process that died.
-ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60, minimum=1)
+# The beat sweep frees budget holds and leases not marked alive for this long: anything older
+# belongs to a process that died. A running stream marks its hold alive six times in this
+# span (metering.gateway.hold_heartbeat_s); a non-streaming request, completion job or
+# harvest batch does not, and runs for at most 14 minutes (api/upstream.py,
+# NON_STREAMING_TIMEOUT_S). A shorter age would free the hold of a request still running and
+# let other requests spend the same budget: refused.
+ACS_STALE_RESERVATION_MIN_SECONDS = 15 * 60
+ACS_STALE_RESERVATION_SECONDS = env_int(
+    "ACS_STALE_RESERVATION_SECONDS",
+    30 * 60,
+    minimum=ACS_STALE_RESERVATION_MIN_SECONDS,
+    why="a non-streaming request holds its budget for up to 14 minutes without marking it alive",
+)
 
 # --- Engine surface (issue 12.9) ---
 # When set, `python -m engine serve` requires `Authorization: Bearer <this>` and the gateway

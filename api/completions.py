@@ -170,10 +170,10 @@ class _Request:
         return self.reservation.max_tokens_applied
 
     def keep_reservation_alive(self) -> None:
-        """Mark the hold alive once every `gateway.HOLD_HEARTBEAT_S` while the request runs,
-        so that the sweep of stale holds cannot free it under a long stream."""
+        """Mark the hold alive once every `gateway.hold_heartbeat_s()` while the request
+        runs, so that the sweep of stale holds cannot free it under a long stream."""
         now = time.monotonic()
-        if now - self.reservation_alive_at >= gateway.HOLD_HEARTBEAT_S:
+        if now - self.reservation_alive_at >= gateway.hold_heartbeat_s():
             self.reservation_alive_at = now
             gateway.keep_alive(self.reservation)
 

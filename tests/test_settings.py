@@ -192,3 +192,24 @@ def test_manage_py_without_debug_and_secrets_refuses_to_start_naming_them():
     assert result.returncode != 0
     assert "SECRET_KEY is unset" in result.stderr
     assert "API_KEY_HMAC_SECRET is unset" in result.stderr
+
+
+def test_a_stale_hold_age_shorter_than_a_non_streaming_request_is_refused(monkeypatch):
+    """The sweep would free the budget hold of a request still running (a stream marks its
+    hold alive, a non-streaming request does not), and others could spend it again."""
+    monkeypatch.setenv("ACS_STALE_RESERVATION_SECONDS", "299")
+    with pytest.raises(
+        ImproperlyConfigured,
+        match="ACS_STALE_RESERVATION_SECONDS=299 is below its minimum, 900: a non-streaming",
+    ):
+        load_settings(monkeypatch, **production())
+    monkeypatch.setenv("ACS_STALE_RESERVATION_SECONDS", "900")
+    assert load_settings(monkeypatch, **production())["ACS_STALE_RESERVATION_SECONDS"] == 900
+
+
+def test_the_shortest_stale_hold_age_outlasts_every_hold_that_is_not_marked_alive():
+    from api.upstream import NON_STREAMING_TIMEOUT_S
+    from metering.gateway import SETTLE_RETRY_S
+
+    longest_unmarked = NON_STREAMING_TIMEOUT_S + sum(SETTLE_RETRY_S)
+    assert longest_unmarked < settings.ACS_STALE_RESERVATION_MIN_SECONDS
