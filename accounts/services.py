@@ -466,16 +466,23 @@ def user_budget_set(*, user: User, acting_user: User | None, monthly_token_budge
     return user
 
 
-def user_login_lock(*, user, ip: str, failures: int, lockout_seconds: int):
-    """Record that `user`'s sign-ins from `ip` are refused for `lockout_seconds` after
-    `failures` wrong passwords (`accounts.login_throttle` keeps the lock itself)."""
+def login_lock_audit(*, throttle, user, ip: str, failures: int, lockout_seconds: int):
+    """Record that sign-ins of `throttle`'s subject are refused for `lockout_seconds` after
+    `failures` wrong passwords, the last from `ip` (`accounts.login_throttle` keeps the lock
+    itself): `user.login_locked` on the user for a lock of their account (from one address or
+    from all), `login.address_locked` on the throttle for a lock of an address."""
+    after = {
+        "scope": throttle.scope,
+        "ip": ip,
+        "failures": failures,
+        "lockout_seconds": lockout_seconds,
+    }
     with transaction.atomic():
-        return audit_log(
-            actor=None,
-            action="user.login_locked",
-            target=user,
-            after={"ip": ip, "failures": failures, "lockout_seconds": lockout_seconds},
-        )
+        if user is None:
+            return audit_log(
+                actor=None, action="login.address_locked", target=throttle, after=after
+            )
+        return audit_log(actor=None, action="user.login_locked", target=user, after=after)
 
 
 # ---------------------------------------------------------------------------------------

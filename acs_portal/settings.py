@@ -350,11 +350,21 @@ ACS_STALE_RESERVATION_SECONDS = env_int(
 # sends it to every upstream (vLLM's --api-key takes the same header). Same variable for both.
 ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
 
-# --- Login throttling (issue 12.10, accounts/login_throttle.py) ---
-# After this many wrong passwords for one account from one IP address, that pair's sign-ins
-# are refused for ACS_LOGIN_LOCKOUT_SECONDS (other addresses and accounts are unaffected).
+# --- Login throttling (issues 12.10 and 20.7, accounts/login_throttle.py) ---
+# Wrong passwords within ACS_LOGIN_LOCKOUT_SECONDS of the first, counted in PostgreSQL: this
+# many for one account from one IP address lock that pair for ACS_LOGIN_LOCKOUT_SECONDS;
 ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
+# this many for one account from any addresses lock the account everywhere, for the lockout
+# and twice as long at each further lock, up to ACS_LOGIN_LOCKOUT_MAX_SECONDS;
+ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = env_int("ACS_LOGIN_ACCOUNT_FAILURE_LIMIT", 20, minimum=1)
+ACS_LOGIN_LOCKOUT_MAX_SECONDS = env_int("ACS_LOGIN_LOCKOUT_MAX_SECONDS", 24 * 3600, minimum=1)
+# and this many from one address over any accounts lock that address for the lockout.
+ACS_LOGIN_ADDRESS_FAILURE_LIMIT = env_int("ACS_LOGIN_ADDRESS_FAILURE_LIMIT", 50, minimum=1)
+CELERY_BEAT_SCHEDULE["accounts.login_throttles_prune"] = {
+    "task": "accounts.tasks.login_throttles_prune_task",
+    "schedule": 3600.0,
+}
 
 # --- Harvest jobs: retention and size (issue 12.3) ---
 # A harvest job's files are deleted (the job then reads as expired) this long after it ends.
