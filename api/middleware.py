@@ -4,6 +4,7 @@ lean middleware chain has no CommonMiddleware to add it). An exception a /v1 vie
 handle becomes the API's 500 envelope (503 redis_unavailable for Redis), not Django's HTML
 error page. `host_refusal` applies ALLOWED_HOSTS to /v1 (acs_portal.asgi calls it)."""
 
+import functools
 import logging
 import re
 import uuid
@@ -28,13 +29,19 @@ def request_id_for(request) -> str:
     return request_id_from(request.headers.get("X-Request-Id", ""))
 
 
+@functools.lru_cache(maxsize=1024)
+def _host_allowed(host: str, allowed_hosts: tuple[str, ...]) -> bool:
+    # Cached: Django's parsing and matching cost ~30 µs, on every request of the hot path.
+    domain, _ = split_domain_port(host)
+    return bool(domain) and validate_host(domain, allowed_hosts)
+
+
 def host_refusal(host: str) -> ApiError | None:
     """400 host_not_allowed unless the Host header value `host` names one of ALLOWED_HOSTS,
     as Django checks it for the portal's pages. The gateway runs none of Django's host
     checking (its hot path no Django request at all), so a DNS-rebound or misrouted request
     would otherwise be served under any name."""
-    domain, _ = split_domain_port(host)
-    if domain and validate_host(domain, settings.ALLOWED_HOSTS):
+    if _host_allowed(host, tuple(settings.ALLOWED_HOSTS)):
         return None
     return ApiError(
         400, "host_not_allowed", f"This server does not answer for the host {host[:100]!r}."
