@@ -315,6 +315,8 @@ def harvest_job_submit(
             )
             transaction.on_commit(lambda: task_send(HARVEST_JOB_RUN_TASK, str(job.pk)))
     except IntegrityError:
+        if not idempotency_key:
+            raise
         # Another key of the user created the job with this Idempotency-Key meanwhile.
         return _harvest_job_named(key.user_id, idempotency_key, fingerprint), False
     return job, True
