@@ -7,7 +7,7 @@ from django.contrib.auth import password_validation
 from django.contrib.auth.forms import AuthenticationForm
 
 from . import login_throttle
-from .models import ApiKey, User, UserStatus
+from .models import ApiKey, LoginThrottleScope, User, UserStatus
 
 USAGE_RULES = (
     "I will use ACS for research only, will not try to extract the model weights or attack "
@@ -69,30 +69,37 @@ class SignupForm(ApplicationForm):
 
 
 class LoginForm(AuthenticationForm):
-    """Django's login form, refusing an account and IP address pair that is locked after too
-    many wrong passwords (see `accounts.login_throttle`) before it checks the password."""
+    """Django's login form, refusing an attempt whose account, address or pair of both is
+    locked after too many wrong passwords (see `accounts.login_throttle`) before it checks
+    the password."""
+
+    LOCKED_MESSAGES = {
+        LoginThrottleScope.PAIR: "Too many wrong passwords for this account from your address.",
+        LoginThrottleScope.ACCOUNT: "Too many wrong passwords for this account.",
+        LoginThrottleScope.ADDRESS: "Too many wrong passwords from your address.",
+    }
 
     def clean(self):
         username = self.cleaned_data.get("username")
         if not username:
             return super().clean()
         ip = self.request.META.get("REMOTE_ADDR", "")
-        if seconds := login_throttle.locked_seconds(username=username, ip=ip):
-            raise self.locked_error(seconds)
+        if lock := login_throttle.login_lock(username=username, ip=ip):
+            raise self.locked_error(lock)
         try:
             cleaned = super().clean()
         except forms.ValidationError:
-            if seconds := login_throttle.login_failed(username=username, ip=ip):
-                raise self.locked_error(seconds) from None
+            if lock := login_throttle.login_failed(username=username, ip=ip):
+                raise self.locked_error(lock) from None
             raise
         login_throttle.login_succeeded(username=username, ip=ip)
         return cleaned
 
-    @staticmethod
-    def locked_error(seconds: int) -> forms.ValidationError:
-        minutes = math.ceil(seconds / 60)
+    @classmethod
+    def locked_error(cls, lock: login_throttle.Lock) -> forms.ValidationError:
+        minutes = math.ceil(lock.seconds / 60)
         return forms.ValidationError(
-            f"Too many wrong passwords for this account from your address. Try again in "
+            f"{cls.LOCKED_MESSAGES[lock.scope]} Try again in "
             f"{minutes} minute{'s' if minutes != 1 else ''}.",
             code="login_locked",
         )

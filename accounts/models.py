@@ -272,6 +272,36 @@ class ServiceSettings(models.Model):
         return cls.objects.get_or_create(pk=1)[0]
 
 
+class LoginThrottleScope(models.TextChoices):
+    PAIR = "pair", "Account from one address"
+    ACCOUNT = "account", "Account from any address"
+    ADDRESS = "address", "Address, any account"
+
+
+class LoginThrottle(models.Model):
+    """Wrong passwords counted for one subject of login throttling (`accounts.login_throttle`):
+    an account and address pair, an account, or an address. `subject` is a digest of it, so
+    what people type in the e-mail field (sometimes a password) is not stored."""
+
+    scope = models.CharField(max_length=8, choices=LoginThrottleScope.choices)
+    subject = models.CharField(max_length=64)
+    # Wrong passwords since `window_started_at`; the window lasts ACS_LOGIN_LOCKOUT_SECONDS.
+    failures = models.PositiveIntegerField(default=0)
+    window_started_at = models.DateTimeField(default=timezone.now)
+    locked_until = models.DateTimeField(null=True, blank=True)
+    # Locks so far: an account's lockout doubles with each (reset by a successful login).
+    locks = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "subject"], name="login_throttle_subject")
+        ]
+        indexes = [models.Index(fields=["window_started_at"])]
+
+    def __str__(self):
+        return f"{self.get_scope_display()} ({self.subject[:12]})"
+
+
 class AuditLog(models.Model):
     """Who changed access or money, what, and how (before/after)."""
 

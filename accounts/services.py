@@ -123,13 +123,18 @@ def api_key_check(key: ApiKey, *, scope: str = Scope.COMPLETIONS) -> None:
         raise AuthError("key_revoked", "This API key has been revoked; create a new one.")
     if key.status == KeyStatus.DISABLED:
         raise AuthError("key_disabled", "This API key is paused; resume it on the API keys page.")
-    user = key.user
+    user_access_check(key.user)
+    if scope not in key.scopes:
+        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
+
+
+def user_access_check(user: User) -> None:
+    """Raise `AuthError` unless `user`'s account may use the API now: account_suspended,
+    account_not_approved (401)."""
     if user.status == UserStatus.SUSPENDED or not user.is_active:
         raise AuthError("account_suspended", "This account is suspended.")
     if user.status != UserStatus.APPROVED:
         raise AuthError("account_not_approved", "This account has not been approved.")
-    if scope not in key.scopes:
-        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
 
 
 def api_key_recheck(*, key_id: int, scope: str = Scope.COMPLETIONS) -> ApiKey:
@@ -461,16 +466,23 @@ def user_budget_set(*, user: User, acting_user: User | None, monthly_token_budge
     return user
 
 
-def user_login_lock(*, user, ip: str, failures: int, lockout_seconds: int):
-    """Record that `user`'s sign-ins from `ip` are refused for `lockout_seconds` after
-    `failures` wrong passwords (`accounts.login_throttle` keeps the lock itself)."""
+def login_lock_audit(*, throttle, user, ip: str, failures: int, lockout_seconds: int):
+    """Record that sign-ins of `throttle`'s subject are refused for `lockout_seconds` after
+    `failures` wrong passwords, the last from `ip` (`accounts.login_throttle` keeps the lock
+    itself): `user.login_locked` on the user for a lock of their account (from one address or
+    from all), `login.address_locked` on the throttle for a lock of an address."""
+    after = {
+        "scope": throttle.scope,
+        "ip": ip,
+        "failures": failures,
+        "lockout_seconds": lockout_seconds,
+    }
     with transaction.atomic():
-        return audit_log(
-            actor=None,
-            action="user.login_locked",
-            target=user,
-            after={"ip": ip, "failures": failures, "lockout_seconds": lockout_seconds},
-        )
+        if user is None:
+            return audit_log(
+                actor=None, action="login.address_locked", target=throttle, after=after
+            )
+        return audit_log(actor=None, action="user.login_locked", target=user, after=after)
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import smtplib
 
 from celery import shared_task
 
-from . import services
+from . import login_throttle, services
 from .models import AccessApplication
 
 
@@ -19,3 +19,9 @@ def application_decision_email_send_task(application_id: int) -> None:
     application = application.first()
     if application is not None:
         services.application_decision_email_send(application=application)
+
+
+@shared_task(ignore_result=True)
+def login_throttles_prune_task() -> int:
+    """Delete login failure counts that no longer matter (beat: hourly)."""
+    return login_throttle.login_throttles_prune()

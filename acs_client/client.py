@@ -260,9 +260,11 @@ class AcsClient(_Base):
         headers = {"Idempotency-Key": idempotency_key}
         return self._request("POST", "/v1/completion-jobs", json=body, headers=headers).json()
 
-    def submit_harvest(self, body: dict) -> dict:
-        """POST /v1/harvest: `{job_id, status, model, n_prompts}`."""
-        return self._request("POST", "/v1/harvest", json=body).json()
+    def submit_harvest(self, body: dict, *, idempotency_key: str | None = None) -> dict:
+        """POST /v1/harvest: `{job_id, status, model, n_prompts}`; with an `idempotency_key`,
+        the same key and body sent again returns the same job."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._request("POST", "/v1/harvest", json=body, headers=headers).json()
 
 
 class AsyncCompletionStream:

@@ -5,6 +5,11 @@
 classic (MiddlewareMixin) middleware in a thread hop per request under ASGI; the portal's
 session, CSRF, auth and message middleware cost the API several milliseconds per request
 and do nothing for it (every /v1 view authenticates by API key and is CSRF-exempt).
+
+Every /v1 request first has its Host checked against ALLOWED_HOSTS (Django's own check runs
+in the portal's middleware only); its body is read within ACS_REQUEST_BODY_TIMEOUT_SECONDS
+(`api.bodies.read_body`: by the completions app itself, after authentication, and here for
+the other /v1 views, since Django's handler would wait for a slow body without limit).
 """
 
 import os
@@ -18,7 +23,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 portal_application = get_asgi_application()
 
 # These need the apps loaded.
-from api.completions_app import completions_app  # noqa: E402
+from api.bodies import ClientGone, read_body, replaying  # noqa: E402
+from api.completions_app import completions_app, error_reply  # noqa: E402
+from api.errors import ApiError  # noqa: E402
+from api.middleware import host_refusal, request_id_from  # noqa: E402
 from metering import leases  # noqa: E402
 from metering.background import on_server_loop  # noqa: E402
 from metering.sql import pools_close  # noqa: E402
@@ -56,11 +64,29 @@ async def lifespan(scope, receive, send):
             return
 
 
+async def gateway(scope, receive, send):
+    """A /v1 request: its Host checked, then /v1/completions to the hot path, any other to
+    the gateway's Django handler with its body already read."""
+    headers = dict(scope["headers"])
+    refusal = host_refusal(headers.get(b"host", b"").decode("latin-1"))
+    if refusal is None and scope["path"] == "/v1/completions":
+        return await completions_app(scope, receive, send)
+    if refusal is None:
+        try:
+            body = await read_body(receive)
+        except ClientGone:
+            return
+        except ApiError as error:
+            refusal = error
+        else:
+            return await gateway_application(scope, replaying(body, receive), send)
+    rid = request_id_from(headers.get(b"x-request-id", b"").decode("latin-1"))
+    await error_reply(send, refusal, rid)
+
+
 async def application(scope, receive, send):
     if scope["type"] == "lifespan":
         return await lifespan(scope, receive, send)
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-        if scope["path"] == "/v1/completions":
-            return await completions_app(scope, receive, send)
-        return await gateway_application(scope, receive, send)
+        return await gateway(scope, receive, send)
     return await portal_application(scope, receive, send)

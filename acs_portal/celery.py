@@ -1,6 +1,8 @@
 import os
 
 from celery import Celery
+from celery.signals import task_postrun, task_prerun
+from django.db import close_old_connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
@@ -18,3 +20,17 @@ def task_send(name: str, *args, countdown: int | None = None) -> None:
         app.tasks[name].apply_async(args, countdown=countdown)
     else:
         app.send_task(name, args=args, countdown=countdown)
+
+
+@task_prerun.connect
+@task_postrun.connect
+def database_connections_checked(sender=None, **kwargs) -> None:
+    """Before and after every task, what Django does around every request: close connections
+    that broke or outlived CONN_MAX_AGE, and make the next query check a reused one first
+    (CONN_HEALTH_CHECKS). Celery's Django fixup, with CELERY_DB_REUSE_MAX set, closes them
+    only every 2 × N task events and never checks them: a connection PostgreSQL ended (a
+    restart, a failover, pg_terminate_backend) then failed every task until the worker was
+    restarted. An eager task runs inside its caller's connection and transaction (tests):
+    it is left alone, as the fixup leaves it."""
+    if not getattr(sender.request, "is_eager", False):
+        close_old_connections()

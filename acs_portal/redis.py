@@ -10,6 +10,11 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+# A Redis host that stopped answering (not just refusing) fails a connect within this long,
+# so requests answer 503 redis_unavailable instead of waiting on the operating system's
+# connect timeout (minutes).
+CONNECT_TIMEOUT_S = 2.0
+
 _sync_clients: dict[str, redis.Redis] = {}
 _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = (
     weakref.WeakKeyDictionary()
@@ -22,7 +27,9 @@ def redis_sync() -> redis.Redis:
     url = settings.REDIS_URL
     client = _sync_clients.get(url)
     if client is None:
-        client = _sync_clients[url] = redis.Redis.from_url(url)
+        client = _sync_clients[url] = redis.Redis.from_url(
+            url, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
     return client
 
 
@@ -43,7 +50,10 @@ def redis_async() -> aioredis.Redis:
     client = _by_loop.get(loop)
     if client is None:
         client = _by_loop[loop] = aioredis.Redis.from_url(
-            settings.REDIS_URL, max_connections=512, retry_on_error=[RedisConnectionError]
+            settings.REDIS_URL,
+            max_connections=512,
+            retry_on_error=[RedisConnectionError],
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
         )
     return client
 
@@ -51,4 +61,6 @@ def redis_async() -> aioredis.Redis:
 def redis_async_dedicated(*, socket_timeout: float) -> aioredis.Redis:
     """A new asyncio client of its own, for a long blocking read whose socket must outlast
     `socket_timeout` seconds; the caller closes it."""
-    return aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=socket_timeout)
+    return aioredis.Redis.from_url(
+        settings.REDIS_URL, socket_timeout=socket_timeout, socket_connect_timeout=CONNECT_TIMEOUT_S
+    )

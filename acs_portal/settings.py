@@ -35,9 +35,9 @@ def env_bool(name, default=False):
     )
 
 
-def env_int(name, default, *, minimum=None):
+def env_int(name, default, *, minimum=None, why=""):
     """An empty or unset variable is the default; anything but a whole number (at least
-    `minimum`, when given) is refused with the variable's name."""
+    `minimum`, when given) is refused with the variable's name (and `why` the minimum)."""
     value = env(name).strip()
     if not value:
         return default
@@ -46,7 +46,8 @@ def env_int(name, default, *, minimum=None):
     except ValueError:
         raise ImproperlyConfigured(f"{name}={env(name)!r} is not an integer") from None
     if minimum is not None and number < minimum:
-        raise ImproperlyConfigured(f"{name}={number} is below its minimum, {minimum}")
+        reason = f": {why}" if why else ""
+        raise ImproperlyConfigured(f"{name}={number} is below its minimum, {minimum}{reason}")
     return number
 
 
@@ -312,12 +313,17 @@ MIDDLEWARE = ["api.middleware.RequestIdMiddleware", *MIDDLEWARE]
 ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" / "tokenizers"))
 # Celery's Django fixup closes the database connection before and after every task; reusing
 # it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
-# playground's path to the first token.
+# playground's path to the first token. A reused connection is still checked around every
+# task, as around every request (acs_portal/celery.py), so one that PostgreSQL ended is
+# replaced instead of failing the next tasks.
 CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100, minimum=0)
 
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
+# A /v1 request body must arrive within this many seconds, else 408 request_timeout (8 MiB at
+# 2.5 Mbit/s): a client trickling bytes cannot hold a connection open for long.
+ACS_REQUEST_BODY_TIMEOUT_SECONDS = env_int("ACS_REQUEST_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
 # --- Playground live output (playground/streams.py) ---
 # Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
@@ -325,21 +331,40 @@ GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
 PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15, minimum=1)
 
 # --- Deployment (docs/deploy.md) ---
-# The beat sweep frees budget holds and leases not marked alive for this long: a live process
-# marks the holds of its running requests and its leases alive every few minutes, so anything
-# older belongs to a process that died.
-ACS_STALE_RESERVATION_SECONDS = env_int("ACS_STALE_RESERVATION_SECONDS", 30 * 60, minimum=1)
+# The beat sweep frees budget holds and leases not marked alive for this long: anything older
+# belongs to a process that died. A running stream marks its hold alive six times in this
+# span (metering.gateway.hold_heartbeat_s); a non-streaming request, completion job or
+# harvest batch does not, and runs for at most 14 minutes (api/upstream.py,
+# NON_STREAMING_TIMEOUT_S). A shorter age would free the hold of a request still running and
+# let other requests spend the same budget: refused.
+ACS_STALE_RESERVATION_MIN_SECONDS = 15 * 60
+ACS_STALE_RESERVATION_SECONDS = env_int(
+    "ACS_STALE_RESERVATION_SECONDS",
+    30 * 60,
+    minimum=ACS_STALE_RESERVATION_MIN_SECONDS,
+    why="a non-streaming request holds its budget for up to 14 minutes without marking it alive",
+)
 
 # --- Engine surface (issue 12.9) ---
 # When set, `python -m engine serve` requires `Authorization: Bearer <this>` and the gateway
 # sends it to every upstream (vLLM's --api-key takes the same header). Same variable for both.
 ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
 
-# --- Login throttling (issue 12.10, accounts/login_throttle.py) ---
-# After this many wrong passwords for one account from one IP address, that pair's sign-ins
-# are refused for ACS_LOGIN_LOCKOUT_SECONDS (other addresses and accounts are unaffected).
+# --- Login throttling (issues 12.10 and 20.7, accounts/login_throttle.py) ---
+# Wrong passwords within ACS_LOGIN_LOCKOUT_SECONDS of the first, counted in PostgreSQL: this
+# many for one account from one IP address lock that pair for ACS_LOGIN_LOCKOUT_SECONDS;
 ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
+# this many for one account from any addresses lock the account everywhere, for the lockout
+# and twice as long at each further lock, up to ACS_LOGIN_LOCKOUT_MAX_SECONDS;
+ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = env_int("ACS_LOGIN_ACCOUNT_FAILURE_LIMIT", 20, minimum=1)
+ACS_LOGIN_LOCKOUT_MAX_SECONDS = env_int("ACS_LOGIN_LOCKOUT_MAX_SECONDS", 24 * 3600, minimum=1)
+# and this many from one address over any accounts lock that address for the lockout.
+ACS_LOGIN_ADDRESS_FAILURE_LIMIT = env_int("ACS_LOGIN_ADDRESS_FAILURE_LIMIT", 50, minimum=1)
+CELERY_BEAT_SCHEDULE["accounts.login_throttles_prune"] = {
+    "task": "accounts.tasks.login_throttles_prune_task",
+    "schedule": 3600.0,
+}
 
 # --- Harvest jobs: retention and size (issue 12.3) ---
 # A harvest job's files are deleted (the job then reads as expired) this long after it ends.

@@ -7,7 +7,8 @@ that dies frees its slots when the lease runs out. Waiters are woken by a pub/su
 a slot frees (with a slow poll as a safety net), never by spinning.
 
 Use `async with admission_slot(key_id):` around the work; it raises `ApiError` 429
-queue_full / rate_limited with Retry-After, and always releases (also on cancellation).
+queue_full / rate_limited with Retry-After, or 503 redis_unavailable while Redis is out of
+reach, and always releases (also on cancellation).
 """
 
 import asyncio
@@ -15,10 +16,12 @@ import contextlib
 import secrets
 import weakref
 
+from redis import RedisError
+
 from acs_portal.redis import redis_async
 from metering import background
 
-from .errors import ApiError
+from .errors import ApiError, redis_unavailable
 
 MAX_RUNNING = 16
 MAX_WAITING = 64
@@ -158,7 +161,9 @@ async def _wait_for_slot(client, scripts, key_id, token, keys) -> None:
 async def _heartbeat(scripts, keys, token) -> None:
     while True:
         await asyncio.sleep(HEARTBEAT_S)
-        await scripts.heartbeat(keys=keys[:1], args=[token, LEASE_MS])
+        # A running request goes on while Redis is away; its slot lease may then lapse.
+        with contextlib.suppress(RedisError):
+            await scripts.heartbeat(keys=keys[:1], args=[token, LEASE_MS])
 
 
 @contextlib.asynccontextmanager
@@ -168,9 +173,12 @@ async def admission_slot(key_id):
     scripts = _scripts(client)
     keys = _keys(key_id)
     token = secrets.token_hex(8)
-    outcome, retry_after = await scripts.acquire(
-        keys=keys, args=[token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
-    )
+    try:
+        outcome, retry_after = await scripts.acquire(
+            keys=keys, args=[token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
+        )
+    except RedisError:
+        raise redis_unavailable() from None
     outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
     if outcome == "rate_limited":
         raise ApiError(
@@ -189,7 +197,10 @@ async def admission_slot(key_id):
     heartbeat = None
     try:
         if outcome == "wait":
-            await _wait_for_slot(client, scripts, key_id, token, keys)
+            try:
+                await _wait_for_slot(client, scripts, key_id, token, keys)
+            except RedisError:
+                raise redis_unavailable() from None
         heartbeat = asyncio.create_task(_heartbeat(scripts, keys, token))
         yield
     finally:

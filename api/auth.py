@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import redis
 from django.db import transaction
 
-from accounts.models import ApiKey, Scope
-from accounts.services import AuthError, api_key_authenticate, api_key_recheck
+from accounts.models import ApiKey, Scope, User
+from accounts.services import AuthError, api_key_authenticate, api_key_recheck, user_access_check
 from acs_portal.redis import redis_async, redis_sync
 from metering.sql import run_db
 
-from .errors import ApiError
+from .errors import ApiError, redis_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,10 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
     digest = hashlib.sha256(f"{scope}\n{authorization}".encode()).digest()
     # Read before the database, so a change committed in between leaves the entry stale
     # under an old generation rather than fresh-looking under the new one.
-    generation = await redis_async().get(GENERATION_KEY)
+    try:
+        generation = await redis_async().get(GENERATION_KEY)
+    except redis.RedisError:
+        raise redis_unavailable() from None
     entry = _cache.get(digest)
     if entry and entry.generation == generation and entry.expires_at > time.monotonic():
         return entry.key
@@ -88,6 +91,20 @@ def key_recheck(key_id: int, *, scope: str = Scope.COMPLETIONS) -> ApiKey:
     account suspended after the job was submitted."""
     try:
         return api_key_recheck(key_id=key_id, scope=scope)
+    except AuthError as error:
+        raise _refusal(error) from None
+
+
+def owner_recheck(*, user_id: int, key_id: int | None) -> None:
+    """Synchronous: the ApiError `authenticate` would raise now for the key `key_id` (when
+    given; it must belong to the user) or else for the account `user_id`, re-read from the
+    database; None when they may still use the API. Signed harvest downloads call it, so a
+    link stops working as soon as its key is revoked or paused or the account suspended."""
+    try:
+        if key_id is None:
+            user_access_check(User.objects.get(pk=user_id))
+        elif api_key_recheck(key_id=key_id).user_id != user_id:
+            raise AuthError("invalid_api_key", "The link was issued to another account's key.")
     except AuthError as error:
         raise _refusal(error) from None
 

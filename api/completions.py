@@ -22,7 +22,7 @@ from metering.sql import DatabaseBusy
 
 from . import upstream
 from .admission import admission_slot
-from .errors import ApiError, metering_refusal, sse_error_frame
+from .errors import ApiError, metering_refusal, sse_error_frame, unexpected_error
 from .validation import ValidCompletion, validate_completion
 
 logger = logging.getLogger(__name__)
@@ -170,10 +170,10 @@ class _Request:
         return self.reservation.max_tokens_applied
 
     def keep_reservation_alive(self) -> None:
-        """Mark the hold alive once every `gateway.HOLD_HEARTBEAT_S` while the request runs,
-        so that the sweep of stale holds cannot free it under a long stream."""
+        """Mark the hold alive once every `gateway.hold_heartbeat_s()` while the request
+        runs, so that the sweep of stale holds cannot free it under a long stream."""
         now = time.monotonic()
-        if now - self.reservation_alive_at >= gateway.HOLD_HEARTBEAT_S:
+        if now - self.reservation_alive_at >= gateway.hold_heartbeat_s():
             self.reservation_alive_at = now
             gateway.keep_alive(self.reservation)
 
@@ -246,12 +246,11 @@ async def _run(state: "_Request") -> "CompletionResult":
     except ApiError as error:
         state.status, state.error_code = error.status, error.code
         return CompletionResult(error.status, error.body(), error.headers())
-    except Exception:
+    except Exception as failure:
         logger.exception("completion %s failed", state.request_id)
-        error = ApiError(
-            500, "internal_error", f"Internal error; quote request id {state.request_id}."
-        )
-        return CompletionResult(500, error.body(), error.headers())
+        error = unexpected_error(failure, state.request_id)
+        state.status, state.error_code = error.status, error.code
+        return CompletionResult(error.status, error.body(), error.headers())
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
@@ -358,26 +357,25 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
                     frame["model"] = state.valid.model.name
                     raw = json.dumps(frame, separators=(",", ":")).encode()
                 yield b"data: " + raw + b"\n\n"
-    except ApiError as error:
-        status, error_code = (200 if opened else error.status), error.code
-        if opened:
-            yield sse_error_frame(error)
-        else:
-            yield CompletionResult(error.status, error.body(), error.headers())
     except (asyncio.CancelledError, GeneratorExit):
         # The client went away: settle what was generated so far.
         status, error_code = 499, "client_disconnected"
         if state.reservation is not None and state.prompt_tokens == 0:
             state.prompt_tokens = state.valid.prompt_tokens
         raise
-    except Exception:
-        logger.exception("stream %s failed", request_id)
-        error = ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
-        status, error_code = (200 if opened else 500), "internal_error"
+    except Exception as failure:
+        if isinstance(failure, ApiError):
+            error = failure
+        else:
+            logger.exception("stream %s failed", request_id)
+            error = unexpected_error(failure, request_id)
+        # Recorded with the error's status even once the 200 went out (the client then reads
+        # the error in the stream's last frame): the usage record says how the request ended.
+        status, error_code = error.status, error.code
         if opened:
             yield sse_error_frame(error)
         else:
-            yield CompletionResult(500, error.body(), error.headers())
+            yield CompletionResult(error.status, error.body(), error.headers())
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000

@@ -19,17 +19,12 @@ from accounts.models import Scope
 from metering.background import on_server_loop
 
 from .auth import authenticate_header
-from .bodies import check_declared_length, decode_json
+from .bodies import ClientGone, check_content_type, check_declared_length, decode_json, read_body
 from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
-from .errors import ApiError
+from .errors import ApiError, unexpected_error
 from .middleware import request_id_from
-from .schemas import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
 
 
 async def completions_app(scope, receive, send) -> None:
@@ -45,15 +40,16 @@ async def completions_app(scope, receive, send) -> None:
             allow = {**error.headers(), "Allow": "POST"}
             return await reply.result(CompletionResult(error.status, error.body(), allow), "")
         key = await authenticate_header(headers.get("authorization"), scope=Scope.COMPLETIONS)
+        check_content_type(headers.get("content-type"))
         check_declared_length(headers.get("content-length"))
-        payload = decode_json(await _read_body(receive))
+        payload = decode_json(await read_body(receive))
     except ApiError as error:
         return await reply.result(CompletionResult(error.status, error.body(), error.headers()), "")
     except ClientGone:
         return
-    except Exception:
+    except Exception as failure:
         logger.exception("completion %s failed before its work started", rid)
-        error = ApiError(500, "internal_error", f"Internal error; quote request id {rid}.")
+        error = unexpected_error(failure, rid)
         return await reply.result(CompletionResult(error.status, error.body(), error.headers()), "")
     work = _serve(reply, key, payload, rid, headers)
     await _cancel_on_disconnect(work, receive)
@@ -77,21 +73,6 @@ async def _serve(reply, key, payload, rid, headers) -> None:
     await reply.result(result, headers.get("accept-encoding", ""))
 
 
-async def _read_body(receive) -> bytes:
-    """The request body, cut off one byte past the cap (which `decode_json` answers with 413)."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if size <= MAX_BODY_BYTES:
-            chunks.append(chunk)
-            size += len(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)[: MAX_BODY_BYTES + 1]
-
-
 async def _cancel_on_disconnect(work, receive) -> None:
     """Run `work`; cancel it if the client disconnects first."""
     task = asyncio.ensure_future(work)
@@ -109,6 +90,13 @@ async def _cancel_on_disconnect(work, receive) -> None:
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def error_reply(send, error: ApiError, request_id: str) -> None:
+    """Answer a request with `error` in the API's envelope (for acs_portal.asgi's checks)."""
+    await _Reply(send, request_id).result(
+        CompletionResult(error.status, error.body(), error.headers()), ""
+    )
 
 
 class _Reply:

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from django.http import JsonResponse
+from redis import RedisError
 
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
@@ -21,8 +22,10 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -66,6 +69,9 @@ ERROR_CODES = {
         400, "The upstream found the prompt too long.", should_retry=False
     ),
     "vllm_invalid_request": ErrorCode(400, "The upstream refused the request.", should_retry=False),
+    "host_not_allowed": ErrorCode(
+        400, "The Host header names no host this server answers for.", should_retry=False
+    ),
     "deadline_infeasible": ErrorCode(
         400, "Lower max_tokens, or stream the request.", should_retry=False
     ),
@@ -89,7 +95,13 @@ ERROR_CODES = {
     "method_not_allowed": ErrorCode(
         405, "Use the method the Allow header names.", should_retry=False
     ),
+    "request_timeout": ErrorCode(
+        408, "The body did not arrive within the server's time limit; resend it.", retry_after=1
+    ),
     "request_too_large": ErrorCode(413, "The body exceeds 8 MiB.", should_retry=False),
+    "unsupported_media_type": ErrorCode(
+        415, "Send the body as Content-Type: application/json.", should_retry=False
+    ),
     "budget_exceeded": ErrorCode(
         429, "A token budget is spent; no Retry-After.", should_retry=False
     ),
@@ -142,6 +154,11 @@ ERROR_CODES = {
     ),
     "db_pool_exhausted": ErrorCode(
         503, "Every database connection of the gateway is busy; retry.", retry_after=2
+    ),
+    "redis_unavailable": ErrorCode(
+        503,
+        "The gateway cannot reach Redis (admission, access checks); retry.",
+        retry_after=1,
     ),
     "wrapper_saturated": ErrorCode(
         503, "The upstream is at capacity.", retry_after=2, from_upstream=True
@@ -201,6 +218,26 @@ def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
     if isinstance(error, DatabaseBusy):
         return ApiError(503, "db_pool_exhausted", str(error))
     return ApiError(429, error.code, error.message)
+
+
+def redis_unavailable() -> ApiError:
+    """The 503 for a request that needs Redis (every authenticated one: the access
+    generation, admission) while Redis is out of reach. Without Redis the per-key limits
+    cannot hold across replicas, so the gateway refuses rather than serve unlimited."""
+    return ApiError(
+        503,
+        "redis_unavailable",
+        "The gateway cannot reach Redis, which admission and access checks need; retry.",
+    )
+
+
+def unexpected_error(error: Exception, request_id: str) -> ApiError:
+    """The answer to an exception no code path expected: 503 redis_unavailable when Redis
+    failed under the request (it went away mid-request), else 500 internal_error quoting
+    the request id."""
+    if isinstance(error, RedisError):
+        return redis_unavailable()
+    return ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:

@@ -2,6 +2,8 @@
 
 import functools
 
+from django.conf import settings
+
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     MAX_N,
@@ -56,7 +58,7 @@ def openapi_document() -> dict:
     )
     definitions = request_schema.pop("$defs", {})
     harvest_schema = HarvestRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    completion_errors = _error_responses(400, 401, 403, 413, 429, 500, 502, 503, 504)
+    completion_errors = _error_responses(400, 401, 403, 408, 413, 415, 429, 500, 502, 503, 504)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -70,7 +72,12 @@ def openapi_document() -> dict:
                 f"max_tokens ≤ {OUTPUT_WORK_CAP}, non-streaming max_tokens ≤ "
                 f"{NON_STREAMING_MAX_TOKENS}, body ≤ {MAX_BODY_BYTES} bytes, ≤ "
                 f"{MAX_STEERING_VECTORS} steering vectors. Per key: 16 running + 64 waiting "
-                "requests, 600 starts per minute."
+                "requests, 600 starts per minute. Every POST body is JSON, sent as "
+                "Content-Type: application/json (else 415) within "
+                f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s (else 408); its text holds no "
+                "NUL (\\u0000) and no lone surrogate (400 invalid_request naming the field; "
+                "send such a prompt as token ids). While the gateway cannot reach Redis every "
+                "authenticated request is 503 redis_unavailable with Retry-After: 1."
             ),
         },
         "servers": [{"url": "/"}],
@@ -165,7 +172,7 @@ def openapi_document() -> dict:
                         "202": {"description": "The new job: {id, object, status: queued, ...}"},
                         "200": {"description": "The job this Idempotency-Key already names"},
                     }
-                    | _error_responses(400, 401, 403, 409, 413, 429),
+                    | _error_responses(400, 401, 403, 408, 409, 413, 415, 429, 503),
                 }
             },
             "/v1/completion-jobs/{job_id}": {
@@ -192,6 +199,13 @@ def openapi_document() -> dict:
             "/v1/harvest": {
                 "post": {
                     "summary": "Capture the residual stream of many prompts into safetensors",
+                    "description": (
+                        "With an Idempotency-Key (optional), the same key and request returns "
+                        "the existing job (200) and the same key with another request is 409 "
+                        "idempotency_key_reused, as for completion jobs. A job whose worker "
+                        "died resumes after the last shard it wrote."
+                    ),
+                    "parameters": [{**_IDEMPOTENCY_KEY, "required": False}],
                     "requestBody": {
                         "required": True,
                         "content": {
@@ -201,9 +215,10 @@ def openapi_document() -> dict:
                         },
                     },
                     "responses": {
-                        "202": {"description": "{job_id, status: pending, model, n_prompts}"}
+                        "202": {"description": "{job_id, status: pending, model, n_prompts}"},
+                        "200": {"description": "The job this Idempotency-Key already names"},
                     }
-                    | _error_responses(400, 401, 403, 413, 429, 503),
+                    | _error_responses(400, 401, 403, 408, 409, 413, 415, 429, 503),
                 }
             },
             "/v1/harvest/{job_id}": {
@@ -232,7 +247,9 @@ def openapi_document() -> dict:
             },
             "/v1/harvest/{job_id}/files/{name}": {
                 "get": {
-                    "summary": "One file of a finished harvest, by its signed URL (no API key)",
+                    "summary": "One file of a finished harvest, by its signed URL (no API key), "
+                    "while the key that read the URL may still use the API (401 with its code "
+                    "once it is revoked or paused, or the account suspended)",
                     "security": [],
                     "parameters": [
                         _JOB_ID,
@@ -240,7 +257,7 @@ def openapi_document() -> dict:
                         {"name": "token", "in": "query", "required": True, "schema": _STRING},
                     ],
                     "responses": {"200": {"description": "The file (safetensors or JSON)"}}
-                    | _error_responses(403, 404),
+                    | _error_responses(401, 403, 404),
                 }
             },
             "/v1/openapi.json": {

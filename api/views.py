@@ -13,7 +13,7 @@ from metering.sql import run_db
 
 from . import upstream
 from .auth import authenticate
-from .bodies import check_declared_length, decode_json
+from .bodies import check_content_type, check_declared_length, decode_json
 from .completions import CompletionResult
 from .errors import ApiError, error_response
 from .middleware import request_id_for
@@ -49,8 +49,10 @@ def allow(*methods):
 
 
 def read_json_body(request):
-    """The decoded JSON body; 413 request_too_large (checked before parsing, from the
-    declared length and then the bytes actually sent) or 400 bad_json."""
+    """The decoded JSON body; 415 unsupported_media_type unless it is declared as JSON, 413
+    request_too_large (checked before parsing, from the declared length and then the bytes
+    actually sent) or 400 bad_json."""
+    check_content_type(request.headers.get("Content-Type"))
     check_declared_length(request.headers.get("Content-Length"))
     # Read the stream directly: request.body would apply Django's smaller form-upload limit.
     return decode_json(request.read(MAX_BODY_BYTES + 1))

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 import psycopg
+from django.conf import settings
 from django.db import OperationalError
 from django.utils import timezone
 
@@ -23,13 +24,19 @@ from .usage import usage_record_written_steps, usage_records_steps
 
 logger = logging.getLogger(__name__)
 
-# How often a running stream marks its hold alive: well under the age after which the sweep
-# frees a hold as a dead process's (`settings.ACS_STALE_RESERVATION_SECONDS`, 30 minutes),
-# since a stream has no total time limit.
-HOLD_HEARTBEAT_S = 5 * 60
+# A running stream (which has no total time limit) marks its hold alive this many times per
+# `settings.ACS_STALE_RESERVATION_SECONDS`, the age after which the sweep frees a hold as a
+# dead process's: a heartbeat or two the database could not take do not get it freed.
+HEARTBEATS_PER_STALE_AGE = 6
 # A settlement the database could not take (every connection broken or busy) is tried again
 # after these pauses; together they outlast a database restart or failover of a few seconds.
 SETTLE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def hold_heartbeat_s() -> float:
+    """Seconds between two marks of a running stream's hold as alive (5 minutes with the
+    default ACS_STALE_RESERVATION_SECONDS of 30)."""
+    return settings.ACS_STALE_RESERVATION_SECONDS / HEARTBEATS_PER_STALE_AGE
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
@@ -110,5 +117,5 @@ async def _keep_alive(ids: dict) -> None:
     try:
         await run_steps_async(lambda: budget_holds_alive_steps(**ids, now=timezone.now()))
     except Exception:
-        # Tried again at the next heartbeat; the sweep waits six of them.
+        # Tried again at the next heartbeat; the sweep waits HEARTBEATS_PER_STALE_AGE of them.
         logger.exception("could not mark budget holds %s alive", ids)

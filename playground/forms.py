@@ -495,31 +495,40 @@ MAX_PROMPTS_FILE_BYTES = 8 * 1024 * 1024
 def prompts_from_file(upload) -> list[str]:
     """The prompts of an uploaded file: one per line of a text file, or one per line of a
     JSON Lines file (`.jsonl`), each line a JSON string or an object with a "prompt" string.
-    Blank lines are skipped."""
+    Blank lines are skipped. A prompt holding NUL is refused, as the API refuses it
+    (`api.bodies`)."""
     if upload.size > MAX_PROMPTS_FILE_BYTES:
         raise forms.ValidationError("The file is larger than 8 MiB.")
     try:
         lines = upload.read().decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise forms.ValidationError("The file is not UTF-8 text.") from None
-    if not upload.name.lower().endswith(".jsonl"):
-        return [line for line in lines if line.strip()]
+    jsonl = upload.name.lower().endswith(".jsonl")
     prompts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            value = json.loads(line)
-        except ValueError:
-            raise forms.ValidationError(f"Line {number} is not JSON.") from None
-        if isinstance(value, dict):
-            value = value.get("prompt")
-        if not isinstance(value, str) or not value:
+        value = _jsonl_prompt(line, number) if jsonl else line
+        if "\0" in value:
             raise forms.ValidationError(
-                f'Line {number}: give a JSON string or an object with a "prompt" string.'
+                f"Line {number} holds a NUL character, which prompts cannot contain."
             )
         prompts.append(value)
     return prompts
+
+
+def _jsonl_prompt(line: str, number: int) -> str:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        raise forms.ValidationError(f"Line {number} is not JSON.") from None
+    if isinstance(value, dict):
+        value = value.get("prompt")
+    if not isinstance(value, str) or not value:
+        raise forms.ValidationError(
+            f'Line {number}: give a JSON string or an object with a "prompt" string.'
+        )
+    return value
 
 
 class HarvestJobForm(SubmitOnceForm):

@@ -895,13 +895,12 @@ class SubmissionRetry(Exception):
 
 
 def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission | None:
-    """Claim a queued submission and send it to /v1 with the user's playground key: a
-    completion job with the submission's id as its Idempotency-Key, a harvest as is. Keeps
-    the API's job id, or its error. Raises `SubmissionRetry` for an answer that asks to retry
-    within `PLAYGROUND_RUN_MAX_RETRY_DELAY`, unless this is the final attempt. A harvest is
-    retried only when the API answered (it then created nothing); an unreachable API may have
-    created it, so that submission is refused with a message instead. Returns None if the
-    submission could not be claimed."""
+    """Claim a queued submission and send it to /v1 with the user's playground key, a
+    completion job or a harvest with the submission's id as its Idempotency-Key (so a resend
+    never makes a second job). Keeps the API's job id, or its error. Raises
+    `SubmissionRetry` for an answer that asks to retry within
+    `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
+    the final attempt. Returns None if the submission could not be claimed."""
     claimed = JobSubmission.objects.filter(
         pk=submission_id, status=JobSubmissionStatus.QUEUED
     ).update(status=JobSubmissionStatus.SENDING, attempts=F("attempts") + 1)
@@ -916,13 +915,12 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
             )
             job_id = answer["id"]
         else:
-            job_id = client.submit_harvest(submission.request)["job_id"]
+            answer = client.submit_harvest(submission.request, idempotency_key=str(submission.id))
+            job_id = answer["job_id"]
     except AcsApiError as error:
         countdown = error.retry_after if error.retry_after is not None else 1
-        resend_is_safe = submission.kind == JobKind.COMPLETION or error.status is not None
         if (
             error.should_retry
-            and resend_is_safe
             and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
             and not final_attempt
         ):

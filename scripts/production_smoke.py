@@ -2,18 +2,22 @@
 
     DATABASE_URL=postgres://.../acs_smoke REDIS_URL=redis://.../14 scripts/production-smoke
 
-Generates secrets (`python -m accounts.secret_generation`), (re)creates DATABASE_URL's
-database, migrates, collects static files, runs `check --deploy`, starts
+Runs the page's commands as they are written (`tests/deploy_doc.py`): §1's secrets and
+engine token and §2's copy of `.env.example`'s production section into a temporary ACS_ETC,
+edited for this machine by appending its values, then loaded with §2's `set -a; . …` line.
+(Re)creates DATABASE_URL's database, runs §7's release commands (but pip), starts
 Procfile.production (two web replicas, worker, beat) with honcho and the embedded engine, all
-with DEBUG=0; creates an approved account and key with the CLI; then sends a completion to
-one replica, a stream to the other (it must end with `data: [DONE]`) and a playground run
-through the portal (log in, submit the form, wait until the run succeeded). Stops everything
-it started; exits non-zero with the reason (and the tail of the logs) when anything fails.
+in that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
+completion to one replica, a stream to the other (it must end with `data: [DONE]`) and a
+playground run through the portal (log in, submit the form, wait until the run succeeded).
+Stops everything it started; exits non-zero with the reason (and the tail of the logs) when
+anything fails.
 """
 
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -27,6 +31,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.deploy_doc import DocCommandFailed, loaded_environment, run_doc_block  # noqa: E402
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -99,14 +104,12 @@ def two_free_ports() -> int:
     raise SmokeFailure("no two consecutive free ports")
 
 
-def production_env(*, work: Path, web_urls: list[str], engine_url: str, secrets: dict) -> dict:
-    database_url = os.environ["DATABASE_URL"]
+def machine_edits(*, work: Path, web_urls: list[str], engine_url: str) -> dict:
+    """The edits docs/deploy.md §2 asks for, made for this machine: its host names, URLs,
+    database, Redis and folders, console mail, Procfile.production's knobs, and plain HTTP."""
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
     return {
-        **os.environ,
-        **secrets,
-        "DEBUG": "0",
-        # Plain HTTP on loopback; behind the TLS proxy these are 1 (docs/deploy.md).
+        # Plain HTTP on loopback; behind the TLS proxy these stay as .env.example has them.
         "SECURE_SSL_REDIRECT": "0",
         "SESSION_COOKIE_SECURE": "0",
         "CSRF_COOKIE_SECURE": "0",
@@ -115,17 +118,16 @@ def production_env(*, work: Path, web_urls: list[str], engine_url: str, secrets:
         "CSRF_TRUSTED_ORIGINS": ",".join(web_urls),
         "SITE_URL": web_urls[0],
         "GATEWAY_URL": web_urls[0],
-        "DATABASE_URL": database_url,
+        "DATABASE_URL": os.environ["DATABASE_URL"],
         "REDIS_URL": redis_url,
         "CELERY_BROKER_URL": redis_url,
         "ENGINE_URL": engine_url,
         "MEDIA_ROOT": str(work / "media"),
+        # The repository's own collectstatic output, kept between runs (it takes a while).
+        "STATIC_ROOT": str(ROOT / "staticfiles"),
         "ACS_TOKENIZER_CACHE_DIR": str(work / "tokenizers"),
-        "CELERY_TASK_ALWAYS_EAGER": "0",
         # No SMTP server here: mail (the approval e-mail) goes to the worker's log.
         "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
-        "LOG_LEVEL": "INFO",
-        "PYTHONUNBUFFERED": "1",
         # Procfile.production's knobs: two web replicas of one uvicorn worker each.
         "WEB_HOST": "127.0.0.1",
         "WEB_WORKERS": "1",
@@ -133,6 +135,19 @@ def production_env(*, work: Path, web_urls: list[str], engine_url: str, secrets:
         "WORKER_CONCURRENCY": "2",
         "BEAT_SCHEDULE_FILE": str(work / "celerybeat-schedule"),
     }
+
+
+def production_env(*, etc: Path, edits: dict) -> dict:
+    """docs/deploy.md §1 and §2 run as written into `etc`, `edits` appended to acs.env as a
+    person edits it, both files loaded with §2's line: the environment of every process."""
+    run_doc_block("secrets", etc=etc)
+    run_doc_block("environment", etc=etc)
+    with open(etc / "acs.env", "a") as env_file:
+        env_file.write("# This machine (scripts/production_smoke.py)\n")
+        env_file.writelines(f"{name}={shlex.quote(value)}\n" for name, value in edits.items())
+    loaded = loaded_environment(etc)
+    check(loaded["DEBUG"] == "0" and "ACS_ENGINE_TOKEN" in loaded, f"loaded: {sorted(loaded)}")
+    return {**os.environ, **loaded, "CELERY_TASK_ALWAYS_EAGER": "0", "PYTHONUNBUFFERED": "1"}
 
 
 def completion(web_url: str, secret: str) -> None:
@@ -223,22 +238,17 @@ def main() -> int:
     web_urls = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
     engine_port = free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    # As on a fresh machine: the settings do not load before the secrets exist.
-    generated = subprocess.run(
-        [PYTHON, "-m", "accounts.secret_generation"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    secrets = dict(line.split("=", 1) for line in generated.stdout.splitlines())
-    env = production_env(work=work, web_urls=web_urls, engine_url=engine_url, secrets=secrets)
+    etc = work / "etc"
     processes: list[subprocess.Popen] = []
     honcho_log = work / "honcho.log"
     try:
+        # As on a fresh machine: the settings do not load before the secrets exist.
+        edits = machine_edits(work=work, web_urls=web_urls, engine_url=engine_url)
+        env = production_env(etc=etc, edits=edits)
         recreate_database(env["DATABASE_URL"])
-        manage("migrate", "--noinput", "-v", "0", env=env)
-        manage("collectstatic", "--noinput", "-v", "0", env=env)
+        run_doc_block(
+            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
+        )
         check_deploy(env)
         with open(work / "engine.log", "wb") as log:
             processes.append(
@@ -285,7 +295,7 @@ def main() -> int:
         wait_for_beat(honcho_log, honcho)
         print("production smoke: OK")
         return 0
-    except (SmokeFailure, RuntimeError) as failure:
+    except (SmokeFailure, DocCommandFailed, RuntimeError) as failure:
         print(f"production smoke FAILED: {failure}", file=sys.stderr)
         for log in sorted(work.glob("*.log")):
             tail = log.read_text(errors="replace").splitlines()[-30:]

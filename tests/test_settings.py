@@ -6,11 +6,14 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from .deploy_doc import doc_block, production_environment
 from .servers import REPO_ROOT, generated_secrets
 
 SETTINGS_FILE = REPO_ROOT / "acs_portal" / "settings.py"
@@ -45,14 +48,10 @@ def production(**overrides) -> dict:
 
 
 def documented_production_env() -> dict:
-    """The `#prod NAME=value` lines of .env.example, each `<generate>` a fresh secret."""
-    fresh = generated_secrets()
-    env = {}
-    for line in (REPO_ROOT / ".env.example").read_text().splitlines():
-        if line.startswith("#prod "):
-            name, value = line.removeprefix("#prod ").split("=", 1)
-            env[name] = fresh[name] if value == "<generate>" else value
-    return env
+    """The production environment as docs/deploy.md makes it: its secrets and the production
+    section of .env.example, loaded by sh (`set -a; . file`)."""
+    with tempfile.TemporaryDirectory() as etc:
+        return production_environment(Path(etc))
 
 
 def test_debug_is_off_unless_set(monkeypatch):
@@ -192,3 +191,58 @@ def test_manage_py_without_debug_and_secrets_refuses_to_start_naming_them():
     assert result.returncode != 0
     assert "SECRET_KEY is unset" in result.stderr
     assert "API_KEY_HMAC_SECRET is unset" in result.stderr
+
+
+def test_a_stale_hold_age_shorter_than_a_non_streaming_request_is_refused(monkeypatch):
+    """The sweep would free the budget hold of a request still running (a stream marks its
+    hold alive, a non-streaming request does not), and others could spend it again."""
+    monkeypatch.setenv("ACS_STALE_RESERVATION_SECONDS", "299")
+    with pytest.raises(
+        ImproperlyConfigured,
+        match="ACS_STALE_RESERVATION_SECONDS=299 is below its minimum, 900: a non-streaming",
+    ):
+        load_settings(monkeypatch, **production())
+    monkeypatch.setenv("ACS_STALE_RESERVATION_SECONDS", "900")
+    assert load_settings(monkeypatch, **production())["ACS_STALE_RESERVATION_SECONDS"] == 900
+
+
+def test_the_shortest_stale_hold_age_outlasts_every_hold_that_is_not_marked_alive():
+    from api.upstream import NON_STREAMING_TIMEOUT_S
+    from metering.gateway import SETTLE_RETRY_S
+
+    longest_unmarked = NON_STREAMING_TIMEOUT_S + sum(SETTLE_RETRY_S)
+    assert longest_unmarked < settings.ACS_STALE_RESERVATION_MIN_SECONDS
+
+
+def test_the_documented_production_environment_loads_in_sh_value_for_value():
+    env = documented_production_env()
+    assert env["DEBUG"] == "0"
+    assert env["DEFAULT_FROM_EMAIL"] == "ACS Portal <access@acs.example.org>"
+    assert env["SECURE_HSTS_PRELOAD"] == "1"
+    assert env["DATABASE_URL"] == "postgres://acs:CHANGE-ME@db.example.org:5432/acs"
+    for secret in (*settings.DEVELOPMENT_SECRETS, "ACS_ENGINE_TOKEN"):
+        assert len(env[secret]) >= 32, secret
+    prod_lines = [
+        line
+        for line in (REPO_ROOT / ".env.example").read_text().splitlines()
+        if line[:6] == "#prod "
+    ]
+    assert {line[6:].split("=", 1)[0] for line in prod_lines} <= set(env)
+
+
+def test_the_development_env_file_loads_in_sh():
+    """`.env.example` copied to .env is loaded with `set -a; . ./.env` (and by honcho)."""
+    result = subprocess.run(
+        ["bash", "-ec", 'set -a; . ./.env.example; set +a; printf %s "$DEFAULT_FROM_EMAIL"'],
+        cwd=REPO_ROOT,
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "ACS Portal <access@acs.local>"
+
+
+def test_the_processes_in_the_deploy_doc_are_procfile_production():
+    lines = (REPO_ROOT / "Procfile.production").read_text().splitlines()
+    assert doc_block("procfile") == [line for line in lines if line and line[0] != "#"]

@@ -104,6 +104,10 @@ class HarvestJob(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="harvest_jobs"
     )
     key = models.ForeignKey("accounts.ApiKey", on_delete=models.CASCADE, related_name="+")
+    # Optional on submit ("" when none): the same user, key and request return this job.
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    # sha256 of the canonical request (model, prompts, layers, add_special_tokens).
+    request_hash = models.CharField(max_length=64, blank=True, default="")
     model = models.CharField(max_length=64)
     prompts = models.JSONField()
     layers = models.JSONField()
@@ -122,6 +126,9 @@ class HarvestJob(models.Model):
     # Names of the files written, relative to storage_prefix, once the job is done (or
     # failed on a limit after some batches: what they wrote).
     files = models.JSONField(default=list, blank=True)
+    # The shards written so far, in order, recorded after each batch: `{name, tensors,
+    # prompts, bytes}`. An attempt after a worker died resumes after the last of them.
+    shards = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -134,7 +141,12 @@ class HarvestJob(models.Model):
             models.CheckConstraint(
                 condition=Q(prompts_done__lte=models.F("n_prompts")),
                 name="harvest_progress_within_total",
-            )
+            ),
+            models.UniqueConstraint(
+                fields=["user", "idempotency_key"],
+                condition=~Q(idempotency_key=""),
+                name="harvest_job_idempotency_key",
+            ),
         ]
 
     def __str__(self):

@@ -55,8 +55,9 @@ def harvest_retention_days() -> str:
     return f"{settings.ACS_HARVEST_RETENTION_SECONDS / 86400:g}"
 
 
-def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:
-    """Signed paths to a job's files, all expiring together: `{manifest_url, shard_urls,
+def harvest_download_links(*, job: HarvestJob, key_id: int | None = None, now=None) -> dict | None:
+    """Signed paths to a job's files, all expiring together and working only while key
+    `key_id` (None: the job's account) may use the API: `{manifest_url, shard_urls,
     stats_url, urls_expire_at}` (paths; the API makes them absolute), or None while the job
     has none to offer. Done jobs have files, and so do jobs that failed on a limit or were
     cancelled after writing some batches."""
@@ -65,7 +66,7 @@ def harvest_download_links(*, job: HarvestJob, now=None) -> dict | None:
     expires_at = download_expiry(now=now or timezone.now())
 
     def link(name):
-        return download_path(job_id=job.pk, name=name, expires_at=expires_at)
+        return download_path(job_id=job.pk, name=name, expires_at=expires_at, key_id=key_id)
 
     shards = [name for name in job.files if name not in (MANIFEST_NAME, STATS_NAME)]
     return {

@@ -57,6 +57,7 @@ from .storage import (
     harvest_bytes_estimate,
     harvest_file_write,
     harvest_files_delete,
+    harvest_shard_captures,
     manifest_bytes,
     safetensors_bytes,
 )
@@ -73,9 +74,9 @@ HARVEST_JOB_RUN_TASK = "api.jobs.tasks.harvest_job_run_task"
 
 
 class IdempotencyKeyReused(Exception):
-    """The Idempotency-Key already names a job with another body."""
+    """The Idempotency-Key already names a job (completion or harvest) with another body."""
 
-    def __init__(self, job: CompletionJob):
+    def __init__(self, job: CompletionJob | HarvestJob):
         super().__init__(f"Idempotency-Key already used for job {job.pk} with another body.")
         self.job = job
 
@@ -197,7 +198,7 @@ def _worker_lost_error(attempts: int) -> dict:
     ).body()
 
 
-def _jobs_recover(model, *, waiting, lease_seconds, task, fail_fields, requeue_fields, now):
+def _jobs_recover(model, *, waiting, lease_seconds, task, fail_fields, now):
     """The sweep for one job model. A running job whose lease passed lost its worker: it is
     put back to `waiting` and re-sent, or failed with `fail_fields(attempts)` once it used
     ACS_JOB_MAX_ATTEMPTS attempts. A waiting job past its lease (its message was lost, or the
@@ -211,7 +212,7 @@ def _jobs_recover(model, *, waiting, lease_seconds, task, fail_fields, requeue_f
         still_stuck = stuck.filter(pk=job.pk)
         if job.attempts >= settings.ACS_JOB_MAX_ATTEMPTS:
             touched += still_stuck.update(lease_expires_at=None, **fail_fields(job.attempts))
-        elif still_stuck.update(status=waiting, lease_expires_at=next_lease, **requeue_fields):
+        elif still_stuck.update(status=waiting, lease_expires_at=next_lease):
             touched += 1
             task_send(task, str(job.pk))
     unclaimed = model.objects.filter(status=waiting, lease_expires_at__lt=now)
@@ -237,7 +238,6 @@ def completion_jobs_recover_stuck(*, now=None) -> int:
             "result_status": 500,
             "result_body": _worker_lost_error(attempts),
         },
-        requeue_fields={},
         now=now,
     )
 
@@ -264,34 +264,72 @@ class HarvestNotCancellable(Exception):
 
 
 def harvest_job_submit(
-    *, key: ApiKey, model: str, prompts: list[str], layers: list[int], add_special_tokens: bool
-) -> HarvestJob:
+    *,
+    key: ApiKey,
+    model: str,
+    prompts: list[str],
+    layers: list[int],
+    add_special_tokens: bool,
+    idempotency_key: str = "",
+) -> tuple[HarvestJob, bool]:
     """Create a pending harvest job for validated input and count it against the key's
-    monthly harvest quota. Raises `HarvestLimitReached` when the key already has
+    monthly harvest quota: `(job, True)`. With an `idempotency_key` this user already
+    submitted the same request under, `(that job, False)`, consuming nothing; under another
+    request, `IdempotencyKeyReused` (concurrent submits with one key create exactly one
+    job: a unique constraint decides). Raises `HarvestLimitReached` when the key already has
     ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY pending or running jobs (checked under a lock on the
     key, so concurrent submits cannot overshoot), `BudgetExceeded` (harvest_quota_exceeded)
     when the quota is spent; neither consumes quota."""
-    with transaction.atomic():
-        ApiKey.objects.select_for_update().filter(pk=key.pk).first()
-        active = HarvestJob.objects.filter(key=key, status__in=HARVEST_ACTIVE_STATUSES).count()
-        if active >= settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY:
-            raise HarvestLimitReached(
-                f"This key already has {active} harvest jobs pending or running; "
-                f"at most {settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY} may be."
+    fingerprint = request_fingerprint(
+        {
+            "model": model,
+            "prompts": prompts,
+            "layers": layers,
+            "add_special_tokens": add_special_tokens,
+        }
+    )
+    try:
+        with transaction.atomic():
+            ApiKey.objects.select_for_update().filter(pk=key.pk).first()
+            if idempotency_key and (
+                earlier := _harvest_job_named(key.user_id, idempotency_key, fingerprint)
+            ):
+                return earlier, False
+            active = HarvestJob.objects.filter(key=key, status__in=HARVEST_ACTIVE_STATUSES)
+            if (count := active.count()) >= settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY:
+                raise HarvestLimitReached(
+                    f"This key already has {count} harvest jobs pending or running; "
+                    f"at most {settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY} may be."
+                )
+            harvest_quota_consume(key=key)
+            job = HarvestJob.objects.create(
+                user_id=key.user_id,
+                key=key,
+                idempotency_key=idempotency_key,
+                request_hash=fingerprint,
+                model=model,
+                prompts=prompts,
+                layers=layers,
+                add_special_tokens=add_special_tokens,
+                n_prompts=len(prompts),
+                lease_expires_at=timezone.now()
+                + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
             )
-        harvest_quota_consume(key=key)
-        job = HarvestJob.objects.create(
-            user_id=key.user_id,
-            key=key,
-            model=model,
-            prompts=prompts,
-            layers=layers,
-            add_special_tokens=add_special_tokens,
-            n_prompts=len(prompts),
-            lease_expires_at=timezone.now()
-            + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
-        )
-        transaction.on_commit(lambda: task_send(HARVEST_JOB_RUN_TASK, str(job.pk)))
+            transaction.on_commit(lambda: task_send(HARVEST_JOB_RUN_TASK, str(job.pk)))
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        # Another key of the user created the job with this Idempotency-Key meanwhile.
+        return _harvest_job_named(key.user_id, idempotency_key, fingerprint), False
+    return job, True
+
+
+def _harvest_job_named(user_id, idempotency_key: str, fingerprint: str) -> HarvestJob | None:
+    """The user's job submitted with `idempotency_key`, or None; `IdempotencyKeyReused` when
+    its request was another."""
+    job = HarvestJob.objects.filter(user_id=user_id, idempotency_key=idempotency_key).first()
+    if job is not None and job.request_hash != fingerprint:
+        raise IdempotencyKeyReused(job)
     return job
 
 
@@ -353,8 +391,9 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     its stats and a manifest) for download: a paused service fails a harvest rather than
     holding its job slot for the hour the pause lasts at least. A retryable upstream error
     (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
-    attempts (it starts again from its first prompt, and a batch an earlier attempt paid for
-    is not charged again); any other error fails it with a message."""
+    attempts; any other error fails it with a message. Every attempt resumes after the last
+    shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
+    for but had not recorded is captured again at no second charge."""
     now = now or timezone.now()
     job = _claim(
         HarvestJob,
@@ -381,7 +420,6 @@ def harvest_job_execute(*, job_id, now=None) -> None:
         ):
             if HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
                 status=HarvestJobStatus.PENDING,
-                prompts_done=0,
                 lease_expires_at=timezone.now()
                 + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
             ):
@@ -421,11 +459,12 @@ def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
         _harvest_quota_give_back(job)
 
 
-def _harvest_heartbeat(job: HarvestJob, *, prompts_done: int) -> None:
-    """Record progress and renew the lease, or raise _HarvestStopped if the job was
-    cancelled meanwhile."""
+def _harvest_heartbeat(job: HarvestJob, output: "_HarvestOutput") -> None:
+    """Record the shards written (the progress a later attempt resumes from) and renew the
+    lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
     renewed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-        prompts_done=prompts_done,
+        prompts_done=output.prompts_written,
+        shards=output.shards,
         lease_expires_at=timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
     )
     if not renewed:
@@ -443,8 +482,8 @@ def _harvest(job: HarvestJob) -> list[str]:
         )
     output = _HarvestOutput(job, hidden_size=language_model.hidden_size)
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
-    for start in range(0, job.n_prompts, batch_size):
-        _harvest_continue(job, output, prompts_done=start)
+    for start in range(output.prompts_written, job.n_prompts, batch_size):
+        _harvest_continue(job, output)
         key = key_recheck(job.key_id)
         token_lists = async_to_sync(tokenize_batch)(
             language_model,
@@ -467,15 +506,15 @@ def _harvest(job: HarvestJob) -> list[str]:
             first_index=start,
             token_strings=async_to_sync(token_strings)(language_model, token_lists),
         )
-    _harvest_continue(job, output, prompts_done=job.n_prompts)
+    _harvest_continue(job, output)
     return output.finish()
 
 
-def _harvest_continue(job: HarvestJob, output: "_HarvestOutput", *, prompts_done: int) -> None:
+def _harvest_continue(job: HarvestJob, output: "_HarvestOutput") -> None:
     """`_harvest_heartbeat`; when the job was cancelled meanwhile, first keep the batches it
     wrote (with their stats and a manifest) as the cancelled job's files."""
     try:
-        _harvest_heartbeat(job, prompts_done=prompts_done)
+        _harvest_heartbeat(job, output)
     except _HarvestStopped:
         kept = {}
         if output.shards:
@@ -568,15 +607,19 @@ def _batch_settle_steps(
 
 class _HarvestOutput:
     """A job's files as its batches arrive: one shard per batch, the running stats, and the
-    bytes written, kept under ACS_HARVEST_MAX_JOB_BYTES."""
+    bytes written, kept under ACS_HARVEST_MAX_JOB_BYTES. It starts from the shards an
+    earlier attempt recorded (`HarvestJob.shards`), reading them back for the stats."""
 
     def __init__(self, job: HarvestJob, *, hidden_size: int):
         self.job = job
         self.hidden_size = hidden_size
         self.stats = ActivationStats(n_layers=len(job.layers), hidden_size=hidden_size)
-        self.shards: list[dict] = []
-        self.bytes_written = 0
-        self.prompts_written = 0
+        self.shards: list[dict] = list(job.shards)
+        self.bytes_written = sum(shard["bytes"] for shard in self.shards)
+        self.prompts_written = sum(shard["prompts"] for shard in self.shards)
+        for shard in self.shards:
+            for bits in harvest_shard_captures(job.storage_prefix, shard["name"]):
+                self.stats.add(bits)
 
     def check_room(self, token_lists: list[list[int]], *, first_index: int) -> None:
         """Raise _HarvestRefused (request_too_large) if the batch's captures would take the
@@ -636,7 +679,14 @@ class _HarvestOutput:
         )
         content = safetensors_bytes(tensors, metadata)
         harvest_file_write(self.job.storage_prefix, name, content)
-        self.shards.append({"name": name, "tensors": list(tensors)})
+        self.shards.append(
+            {
+                "name": name,
+                "tensors": list(tensors),
+                "prompts": len(captures),
+                "bytes": len(content),
+            }
+        )
         self.bytes_written += len(content)
         self.prompts_written += len(captures)
 
@@ -653,7 +703,7 @@ class _HarvestOutput:
             "n_prompts": self.job.n_prompts,
             "prompts_captured": self.prompts_written,
             "add_special_tokens": self.job.add_special_tokens,
-            "shards": self.shards,
+            "shards": [{"name": s["name"], "tensors": s["tensors"]} for s in self.shards],
             "stats": {"name": STATS_NAME, "tensors": list(ActivationStats.TENSORS)},
         }
         harvest_file_write(self.job.storage_prefix, MANIFEST_NAME, manifest_bytes(manifest))
@@ -705,9 +755,9 @@ class ActivationStats:
 
 
 def harvest_jobs_recover_stuck(*, now=None) -> int:
-    """Put harvest jobs whose worker died back to pending (from the first prompt) or fail
-    them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send pending jobs no worker took
-    within a lease; see `_jobs_recover`."""
+    """Put harvest jobs whose worker died back to pending (to resume after their last
+    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send pending
+    jobs no worker took within a lease; see `_jobs_recover`."""
     now = now or timezone.now()
     return _jobs_recover(
         HarvestJob,
@@ -719,7 +769,6 @@ def harvest_jobs_recover_stuck(*, now=None) -> int:
             "completed_at": now,
             "error": _worker_lost_error(attempts)["error"],
         },
-        requeue_fields={"prompts_done": 0},
         now=now,
     )
 
@@ -734,6 +783,6 @@ def harvest_jobs_expire(*, now=None) -> int:
     for job in ended.only("pk"):
         harvest_files_delete(job.storage_prefix)
         expired += ended.filter(pk=job.pk).update(
-            status=HarvestJobStatus.EXPIRED, files=[], prompts=[]
+            status=HarvestJobStatus.EXPIRED, files=[], shards=[], prompts=[]
         )
     return expired

@@ -8,6 +8,7 @@ import struct
 import numpy as np
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
+from safetensors import deserialize
 
 MANIFEST_NAME = "manifest.json"
 STATS_NAME = "stats.safetensors"
@@ -85,6 +86,18 @@ def harvest_bytes_estimate(*, prompt_tokens: int, n_layers: int, hidden_size: in
     """The bytes that captures of `prompt_tokens` tokens in all over `n_layers` layers take
     in a job's shards: bfloat16 activations and int32 token ids (headers aside)."""
     return prompt_tokens * (n_layers * hidden_size * 2 + 4)
+
+
+def harvest_shard_captures(prefix: str, name: str) -> list[np.ndarray]:
+    """The captures of a shard written earlier, in order: each `prompt_<i>` tensor as its
+    bfloat16 bit patterns (uint16, [layers, tokens, hidden])."""
+    with default_storage.open(prefix + name, "rb") as handle:
+        tensors = deserialize(handle.read())
+    return [
+        np.frombuffer(bytes(spec["data"]), dtype="<u2").reshape(spec["shape"])
+        for tensor_name, spec in tensors
+        if tensor_name.startswith("prompt_")
+    ]
 
 
 def harvest_file_open(prefix: str, name: str):

@@ -8,7 +8,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
-from api.auth import authenticate
+from api.auth import authenticate, owner_recheck
 from api.completions import CompletionResult
 from api.errors import ApiError, error_response, metering_refusal
 from api.schemas import parse_body
@@ -56,9 +56,10 @@ def completion_job_body(job: CompletionJob) -> dict:
     }
 
 
-def _idempotency_key(request) -> str:
+def _idempotency_key(request, *, required: bool) -> str:
+    """The request's Idempotency-Key ("" when it sent none and none is `required`)."""
     value = request.headers.get("Idempotency-Key", "").strip()
-    if not value:
+    if not value and required:
         raise ApiError(
             400,
             "invalid_request",
@@ -82,7 +83,7 @@ async def completion_jobs(request):
     rid = request_id(request)
     try:
         key = await authenticate(request)
-        idempotency_key = _idempotency_key(request)
+        idempotency_key = _idempotency_key(request, required=True)
         payload = read_json_body(request)
         valid = await validate_completion(payload)
         if valid.request.stream:
@@ -100,19 +101,20 @@ async def completion_jobs(request):
                 workload=request.headers.get("X-Acs-Workload", "")[:16],
             )
     except services.IdempotencyKeyReused as conflict:
-        return error_response(
-            ApiError(
-                409,
-                "idempotency_key_reused",
-                f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
-                "different body; use a new key for a new job.",
-                should_retry=False,
-            ),
-            rid,
-        )
+        return error_response(_idempotency_conflict(conflict), rid)
     except ApiError as error:
         return error_response(error, rid)
     return _json(request, completion_job_body(job), status=202 if created else 200)
+
+
+def _idempotency_conflict(conflict: services.IdempotencyKeyReused) -> ApiError:
+    return ApiError(
+        409,
+        "idempotency_key_reused",
+        f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
+        "different body; use a new key for a new job.",
+        should_retry=False,
+    )
 
 
 async def _own_completion_job(request, job_id) -> CompletionJob:
@@ -202,7 +204,8 @@ def _site_url(path: str) -> str:
     return settings.SITE_URL.rstrip("/") + path
 
 
-def harvest_job_body(job: HarvestJob) -> dict:
+def harvest_job_body(job: HarvestJob, *, key_id: int) -> dict:
+    """The job as the API shows it to key `key_id` (its download links work for that key)."""
     body = {
         "job_id": str(job.pk),
         "object": "harvest_job",
@@ -217,7 +220,7 @@ def harvest_job_body(job: HarvestJob) -> dict:
     }
     if job.status == HarvestJobStatus.EXPIRED:
         body["message"] = _expiry_message()
-    links = selectors.harvest_download_links(job=job)
+    links = selectors.harvest_download_links(job=job, key_id=key_id)
     if links is not None:
         body["result"] = {
             "manifest_url": _site_url(links["manifest_url"]),
@@ -231,10 +234,13 @@ def harvest_job_body(job: HarvestJob) -> dict:
 @csrf_exempt
 @allow("POST")
 async def harvest_jobs(request):
-    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`."""
+    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`.
+    With an Idempotency-Key (optional here), as completion jobs: 200 and the existing job
+    for the same key and request, 409 idempotency_key_reused for another request."""
     rid = request_id(request)
     try:
         key = await authenticate(request)
+        idempotency_key = _idempotency_key(request, required=False)
         harvest = parse_body(HarvestRequest, read_json_body(request))
         model = await model_get(harvest.model)
         if not model.supports_activations:
@@ -247,14 +253,17 @@ async def harvest_jobs(request):
         layers = _harvest_layers(harvest.layers, model)
         await _harvest_size_check(harvest, model, layers)
         async with admission_slot(key.pk):
-            job = await run_db(
+            job, created = await run_db(
                 services.harvest_job_submit,
                 key=key,
                 model=model.name,
                 prompts=harvest.prompts,
                 layers=layers,
                 add_special_tokens=harvest.add_special_tokens,
+                idempotency_key=idempotency_key,
             )
+    except services.IdempotencyKeyReused as conflict:
+        return error_response(_idempotency_conflict(conflict), rid)
     except services.HarvestLimitReached as limit:
         return error_response(
             ApiError(
@@ -277,7 +286,7 @@ async def harvest_jobs(request):
             "model": job.model,
             "n_prompts": job.n_prompts,
         },
-        status=202,
+        status=202 if created else 200,
     )
 
 
@@ -300,18 +309,24 @@ async def harvest_job_detail(request, job_id):
         )
     except ApiError as error:
         return error_response(error, rid)
-    return _json(request, harvest_job_body(job))
+    return _json(request, harvest_job_body(job, key_id=key.pk))
 
 
 @allow("GET")
 async def harvest_file(request, job_id, name):
-    """One file of a finished harvest, for anyone holding an unexpired signed URL."""
+    """One file of a finished harvest, for anyone holding an unexpired signed URL whose key
+    (or, for the portal's links, the job's account) may still use the API."""
     rid = request_id(request)
     try:
-        download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
+        key_id = download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
     except DownloadRefused as refusal:
         return error_response(ApiError(403, "download_url_invalid", str(refusal)), rid)
     job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
+    if job is not None:
+        try:
+            await run_db(owner_recheck, user_id=job.user_id, key_id=key_id)
+        except ApiError as refusal:
+            return error_response(refusal, rid)
     if job is not None and job.status == HarvestJobStatus.EXPIRED:
         return error_response(ApiError(404, "not_found", _expiry_message()), rid)
     if job is None or name not in job.files:

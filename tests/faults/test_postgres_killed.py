@@ -9,6 +9,7 @@ from collections import Counter
 import httpx
 
 from accounts.models import UsageRecord
+from api.jobs.models import CompletionJob
 
 from .conftest import STUB_MODEL, make_account, wait_for
 
@@ -135,3 +136,59 @@ def test_killed_db_connections_answer_503_or_retry_and_lose_no_usage(system, acc
         produced=f"{produced} in the 200 bodies",
         recovery=f"{recovered_at - killed_at:.1f} s to the next 200",
     )
+
+
+WORKER_RECOVERY_BOUND_S = 5.0
+
+
+def _completion_job(http) -> str:
+    body = {"model": STUB_MODEL, "prompt": "the capital of france is", "max_tokens": 4}
+    response = http.post(
+        "/v1/completion-jobs", json=body, headers={"Idempotency-Key": uuid.uuid4().hex}
+    )
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _job_finished(job_id: str) -> CompletionJob:
+    return wait_for(
+        lambda: CompletionJob.objects.filter(pk=job_id, finished_at__isnull=False).first(),
+        timeout=30,
+        what="the worker to finish the completion job",
+        interval=0.05,
+    )
+
+
+def test_worker_recovers_at_its_next_task_after_its_db_connections_are_killed(
+    system, account, fault_table
+):
+    """The worker reuses its database connection across tasks (CELERY_DB_REUSE_MAX); a
+    connection PostgreSQL ended must be replaced at the next task, not fail it."""
+    http = httpx.Client(
+        base_url=system.web_url,
+        headers={"Authorization": f"Bearer {account.secret}"},
+        timeout=60,
+    )
+    # A first job, so the worker holds a connection to reuse.
+    assert _job_finished(_completion_job(http)).status == "succeeded"
+    killed = system.terminate_db_backends()
+    killed_at = time.monotonic()
+    job = _job_finished(_completion_job(http))
+    recovered_after = time.monotonic() - killed_at
+    assert job.status == "succeeded", job.result_body
+    assert job.attempts == 1
+    assert recovered_after <= WORKER_RECOVERY_BOUND_S, recovered_after
+    usage = job.result_body["usage"]
+    record = UsageRecord.objects.get(request_id__startswith=f"job-{job.pk.hex[:12]}")
+    assert (record.prompt_tokens, record.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    fault_table.add(
+        fault=f"PostgreSQL: all {killed} connections terminated between two worker tasks",
+        client_saw="the next completion job `succeeded` at its first attempt",
+        metered=f"{record.prompt_tokens + record.completion_tokens} (1 usage record)",
+        produced=f"{usage['total_tokens']} in the stored result",
+        recovery=f"{recovered_after:.1f} s from the kill to the job's success",
+    )
+    http.close()

@@ -197,3 +197,70 @@ def system_redis_generation(system):
         return client.get(GENERATION_KEY)
     finally:
         client.close()
+
+
+REDIS_DOWN_RECOVERY_BOUND_S = 1.0
+
+
+def test_redis_down_answers_503_with_retry_after_and_recovers_within_a_second(
+    system, account, fault_table
+):
+    http = httpx.Client(
+        base_url=system.web_url,
+        headers={"Authorization": f"Bearer {account.secret}"},
+        timeout=60,
+    )
+    plain = {"model": STUB_MODEL, "prompt": "hello", "max_tokens": 2}
+    before = http.post("/v1/completions", json=plain)  # the key is cached now
+    assert before.status_code == 200, before.text
+    system.redis.kill()
+    try:
+        refusals = [
+            http.post("/v1/completions", json=plain),
+            http.post("/v1/completions", json={**plain, "stream": True}),
+            http.get("/v1/models"),
+            http.post(
+                "/v1/completion-jobs", json=plain, headers={"Idempotency-Key": uuid.uuid4().hex}
+            ),
+            http.post("/v1/harvest", json={"model": STUB_MODEL, "prompts": ["hello"]}),
+        ]
+    finally:
+        system.redis.start()
+    for response in refusals:
+        assert response.status_code == 503, (response.request.url, response.text)
+        assert response.json()["error"]["code"] == "redis_unavailable", response.text
+        assert response.headers["Retry-After"] == "1"
+    system.redis.wait_ready()
+    back_at = time.monotonic()
+    codes = []
+
+    def served():
+        response = http.post("/v1/completions", json=plain)
+        codes.append(response.status_code)
+        return response if response.status_code == 200 else time.sleep(0.02)
+
+    first = wait_for(served, timeout=30, what="a request served after Redis came back")
+    recovered_after = time.monotonic() - back_at
+    assert recovered_after <= REDIS_DOWN_RECOVERY_BOUND_S, (recovered_after, codes)
+    # Nothing was metered for the refusals: the only records are the two served requests.
+    records = wait_for(
+        lambda: (
+            (rows := list(UsageRecord.objects.filter(key=account.key))) and len(rows) >= 2 and rows
+        ),
+        timeout=15,
+        what="the usage records of the served requests",
+    )
+    assert len(records) == 2, [(r.status_code, r.error_code) for r in records]
+    wait_for(lambda: account.reserved_tokens() == 0, timeout=20, what="every hold settled")
+    metered = account.used_tokens()
+    produced = sum(r.json()["usage"]["total_tokens"] for r in (before, first))
+    assert metered == produced
+    fault_table.add(
+        fault="Redis SIGKILLed and left down, then started again",
+        client_saw=f"{len(refusals)}× 503 `redis_unavailable` with `Retry-After: 1`"
+        " (completion, stream, models, completion job, harvest); then 200",
+        metered=f"0 for the refusals; {metered} for the 2 served requests (2 records)",
+        produced=f"{produced} in the 200 bodies",
+        recovery=f"{recovered_after:.2f} s after Redis was back ({len(codes)} tries at 20 ms)",
+    )
+    http.close()

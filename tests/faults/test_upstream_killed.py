@@ -74,7 +74,8 @@ def test_engine_killed_mid_stream_meters_sent_tokens_and_breaker_recovers(
         what="the stream's usage record",
     )
     assert UsageRecord.objects.filter(request_id=seen["request_id"]).count() == 1
-    assert (record.status_code, record.error_code) == (200, "vllm_engine_dead")
+    # Recorded with the error's status, though the client's stream had opened with a 200.
+    assert (record.status_code, record.error_code) == (502, "vllm_engine_dead")
     assert record.completion_tokens == seen["tokens"]
     metered = wait_for(
         lambda: account.used_tokens() or None, timeout=15, what="the spend in the windows"

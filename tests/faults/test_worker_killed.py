@@ -131,9 +131,14 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
         interval=0.05,
     )
     system.worker.kill()
-    killed_at = time.monotonic()
-    done_when_killed = HarvestJob.objects.get(pk=job_id).prompts_done
+    killed_at, killed_at_wall = time.monotonic(), time.time()
+    killed_job = HarvestJob.objects.get(pk=job_id)
+    done_when_killed = killed_job.prompts_done
     assert done_when_killed < len(prompts)
+    # The shards the dead attempt wrote, as they were: the next attempt resumes after them.
+    media = system.log_dir / "media" / killed_job.storage_prefix
+    written = {shard["name"]: (media / shard["name"]).read_bytes() for shard in killed_job.shards}
+    assert len(written) == done_when_killed
 
     _replace_worker_and_sweep(system, HarvestJob, job_id)
 
@@ -151,6 +156,11 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
     assert job.attempts == 2
     assert job.prompts_done == len(prompts)
     assert job.files[-1] == "manifest.json"
+    # Resumed: the dead attempt's shards were kept, not captured and written again (a
+    # rewrite replaces the file, so it would carry a later time).
+    for name, content in written.items():
+        assert (media / name).read_bytes() == content
+        assert (media / name).stat().st_mtime < killed_at_wall
     detail = http.get(f"/v1/harvest/{job_id}").json()
     assert detail["status"] == "done"
     # Counted once against the monthly harvest quota, although it ran twice.
@@ -172,7 +182,8 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
     fault_table.add(
         fault="Celery worker SIGKILLed mid-harvest",
         client_saw=f"job `running` ({done_when_killed}/{len(prompts)} prompts), then"
-        f" `done` after attempt {job.attempts}",
+        f" `done` after attempt {job.attempts}, which resumed after the"
+        f" {done_when_killed} shard(s) written",
         metered=f"{account.used_tokens()} tokens ({records.count()} usage records, one per"
         f" batch), {len(prompts)} activation requests, 1 harvest job of the quota",
         produced=f"{produced} ({len(prompts)} prompts captured + 1 token each),"

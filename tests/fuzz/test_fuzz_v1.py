@@ -234,9 +234,11 @@ def headers(secret: str):
         "X-Request-Id": HEADER_TEXT,
         "X-Acs-Workload": st.sampled_from(["batch", "", "é" * 30]),
         "Accept-Encoding": st.sampled_from(["gzip", "br", "identity", "gzip;q=0"]),
-        "Content-Type": st.sampled_from(["application/json", "text/plain", "x/\x7e"]),
     }
-    return st.fixed_dictionaries({"Authorization": auth}, optional=optional).map(
+    # Mostly JSON, so that most bodies reach validation.
+    content_type = st.sampled_from(["application/json"] * 6 + ["text/plain", "x/\x7e", None])
+    required = {"Authorization": auth, "Content-Type": content_type}
+    return st.fixed_dictionaries(required, optional=optional).map(
         lambda chosen: {
             # HTTP trims the blanks around a header value (h11 refuses to send them).
             name: value.strip(" \t").encode("latin-1")

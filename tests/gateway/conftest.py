@@ -124,11 +124,12 @@ ASYNC_SETTLED_HOOKS = {"response": [_async_settled_hook]}
 
 @pytest.fixture
 def client(gateway_url, api_secret, model):
-    """An httpx client with the test key; non-streaming responses return once the gateway
-    has settled and metered them (the gateway does that after sending the body)."""
+    """An httpx client with the test key, declaring its bodies JSON (also those sent as raw
+    `content=`); non-streaming responses return once the gateway has settled and metered
+    them (the gateway does that after sending the body)."""
     with httpx.Client(
         base_url=gateway_url,
-        headers={"Authorization": f"Bearer {api_secret}"},
+        headers={"Authorization": f"Bearer {api_secret}", "Content-Type": "application/json"},
         timeout=30,
         event_hooks=SETTLED_HOOKS,
     ) as http:

@@ -1,12 +1,15 @@
 """Hostile input that used to crash the gateway with a 500: every case must get the
 contract's 4xx naming the problem (issue #12, item 6)."""
 
+import contextlib
 import json
+import socket
+import time
 
 import pytest
 
 from api.bodies import MAX_JSON_DEPTH
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
 
 from .test_errors import BASE, assert_error
 
@@ -102,7 +105,7 @@ def test_a_non_finite_steering_scale_is_400(client, stub):
     assert "apply_steering_vectors.0.scale" in error["message"]
 
 
-def test_harvest_download_urls_ignore_a_forged_host_header(client, stub, api_key, settings):
+def test_harvest_download_urls_name_the_site_not_the_request_host(client, stub, api_key, settings):
     settings.SITE_URL = "https://acs.example.org"
     job = HarvestJob.objects.create(
         user=api_key.user,
@@ -115,7 +118,8 @@ def test_harvest_download_urls_ignore_a_forged_host_header(client, stub, api_key
         status=HarvestJobStatus.DONE,
         files=["manifest.json", "shard_00000.safetensors", "stats.safetensors"],
     )
-    response = client.get(f"/v1/harvest/{job.pk}", headers={"Host": "attacker.example"})
+    # An allowed host other than the site's.
+    response = client.get(f"/v1/harvest/{job.pk}", headers={"Host": "localhost"})
     assert response.status_code == 200, response.text
     result = response.json()["result"]
     urls = [result["manifest_url"], result["stats_url"], *result["shard_urls"]]
@@ -123,8 +127,129 @@ def test_harvest_download_urls_ignore_a_forged_host_header(client, stub, api_key
 
 
 @pytest.mark.parametrize("path", ["/v1/docs", "/v1/openapi.json"])
-def test_a_forged_host_header_does_not_break_the_api_reference(client, settings, path):
+def test_the_api_reference_names_the_site_not_the_request_host(client, settings, path):
     settings.SITE_URL = "https://acs.example.org"
-    response = client.get(path, headers={"Host": "attacker.example"})
+    response = client.get(path, headers={"Host": "localhost"})
     assert response.status_code == 200
-    assert "attacker.example" not in response.text
+    assert "localhost" not in response.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/completions", BASE),
+        ("POST", "/v1/completions", {**BASE, "stream": True}),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/harvest", {"model": "stub-model", "prompts": ["hello"]}),
+        ("GET", "/v1/openapi.json", None),
+    ],
+)
+def test_a_host_outside_allowed_hosts_is_400_on_every_v1_path(client, stub, method, path, body):
+    response = client.request(method, path, json=body, headers={"Host": "attacker.example"})
+    error = assert_error(response, 400, "host_not_allowed", should_retry=False)
+    assert "attacker.example" in error["message"]
+    assert response.headers["X-Request-Id"]
+    assert stub.requests == []
+    assert not HarvestJob.objects.exists()
+
+
+def test_an_allowed_host_with_a_port_is_served(client, stub):
+    response = client.post("/v1/completions", json=BASE, headers={"Host": "localhost:8443"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body"),
+    [
+        ("/v1/completions", {}, BASE),
+        ("/v1/completion-jobs", {"Idempotency-Key": "media-1"}, BASE),
+        ("/v1/harvest", {}, {"model": "stub-model", "prompts": ["hello"]}),
+    ],
+)
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_declared_as_json_is_415(client, stub, path, headers, body, content_type):
+    raw = json.dumps(body).encode()
+    sent = {**headers, "Content-Type": content_type} if content_type else headers
+    request = client.build_request("POST", path, content=raw, headers=sent)
+    if content_type is None:
+        del request.headers["Content-Type"]
+    response = client.send(request)
+    error = assert_error(response, 415, "unsupported_media_type", should_retry=False)
+    assert "application/json" in error["message"]
+    assert stub.requests == []
+    assert not HarvestJob.objects.exists() and not CompletionJob.objects.exists()
+
+
+def test_json_with_a_charset_parameter_is_json(client, stub):
+    response = client.post(
+        "/v1/completions",
+        content=json.dumps(BASE).encode(),
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+    )
+    assert response.status_code == 200, response.text
+
+
+def _trickle(url: str, path: str, secret: str, *, seconds: float) -> tuple[bytes, float]:
+    """Send a POST whose body comes one byte every 0.2 s for `seconds`; returns what the
+    server answered (b"" if nothing) and when, in seconds after the headers were sent."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(BASE).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {secret}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        )
+        sock.settimeout(0.2)
+        started = time.monotonic()
+        for byte in body:
+            if time.monotonic() - started > seconds:
+                break
+            with contextlib.suppress(TimeoutError):
+                answer = sock.recv(65536)
+                return answer, time.monotonic() - started
+            with contextlib.suppress(OSError):
+                sock.sendall(bytes([byte]))
+        return b"", time.monotonic() - started
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/harvest"])
+def test_a_body_trickling_in_is_cut_off_with_408(
+    gateway_url, api_secret, stub, model, settings, path
+):
+    settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS = 1
+    answer, after = _trickle(gateway_url, path, api_secret, seconds=6)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b'"code":"request_timeout"' in answer and b"retry-after: 1" in answer.lower()
+    assert 0.9 <= after <= 3, after
+    assert stub.requests == []
+
+
+NUL = "a\u0000b"
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body", "field"),
+    [
+        ("/v1/completions", {}, {**BASE, "prompt": NUL}, "prompt"),
+        ("/v1/completions", {}, {**BASE, "user": NUL}, "user"),
+        ("/v1/completions", {}, {**BASE, "stop": ["ok", NUL]}, "stop.1"),
+        ("/v1/completion-jobs", {"Idempotency-Key": "nul-1"}, {**BASE, "prompt": NUL}, "prompt"),
+        ("/v1/completion-jobs", {"Idempotency-Key": "nul-2"}, {**BASE, "user": NUL}, "user"),
+        ("/v1/harvest", {}, {"model": "stub-model", "prompts": ["ok", NUL]}, "prompts.1"),
+        ("/v1/harvest", {}, {"model": "stub-model", "prompts": ["ok"], "user": NUL}, "user"),
+    ],
+)
+def test_nul_in_any_text_of_any_endpoint_is_400_naming_the_field(
+    client, stub, path, headers, body, field
+):
+    response = client.post(path, json=body, headers=headers)
+    error = assert_error(response, 400, "invalid_request", should_retry=False)
+    assert f"'{field}'" in error["message"] and "NUL" in error["message"]
+    assert stub.requests == []
+    assert not HarvestJob.objects.exists() and not CompletionJob.objects.exists()
+
+
+def test_an_escaped_backslash_before_u0000_is_ordinary_text(client, stub):
+    body = {**BASE, "prompt": "C strings end in \\u0000"}
+    assert "\\\\u0000" in json.dumps(body)
+    assert client.post("/v1/completions", json=body).status_code == 200

@@ -176,11 +176,14 @@ def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count
 
 @pytest.mark.parametrize("exact", [True, False], ids=["reservation", "lease"])
 def test_a_long_live_stream_keeps_its_hold_through_the_sweep(
-    client, stub, api_key, monkeypatch, request, exact
+    client, stub, api_key, request, settings, exact
 ):
+    """The stream's heartbeat follows ACS_STALE_RESERVATION_SECONDS (here 1.5 s, far below
+    what a deployment may set, so the test runs in seconds): the sweep never frees a live
+    stream's hold, whatever the setting."""
     if exact:
         request.getfixturevalue("exact_budgets")
-    monkeypatch.setattr(gateway, "HOLD_HEARTBEAT_S", 0.2)
+    settings.ACS_STALE_RESERVATION_SECONDS = 1.5
     stub.mode["gap"] = 0.1
     body = {**BODY, "max_tokens": 60, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:

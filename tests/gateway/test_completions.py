@@ -127,7 +127,9 @@ def test_idle_stream_gets_keepalive_comments(client, stub, limits):
     assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines
 
 
-def test_upstream_dying_mid_stream_yields_one_error_frame_without_done(client, stub, api_key):
+def test_upstream_dying_mid_stream_yields_one_error_frame_without_done_and_records_the_error(
+    client, stub, api_key
+):
     stub.mode["die_after"] = 2
     body = {"model": "stub-model", "prompt": "hello", "max_tokens": 10, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -139,7 +141,9 @@ def test_upstream_dying_mid_stream_yields_one_error_frame_without_done(client, s
     assert error["code"] == "vllm_engine_dead"
     assert len(lines) == 3
     record = UsageRecord.objects.get()
-    assert record.error_code == "vllm_engine_dead" and record.completion_tokens == 2
+    # The request log shows how the stream ended, not the 200 it opened with.
+    assert (record.status_code, record.error_code) == (502, "vllm_engine_dead")
+    assert record.completion_tokens == 2
     window = key_day_window(api_key)
     assert (window.used_output, window.reserved_tokens) == (2, 0)
 

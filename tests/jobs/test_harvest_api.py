@@ -2,18 +2,22 @@
 limits, cancel, ownership, and URL tampering and expiry."""
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from unittest import mock
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from safetensors import deserialize
 
 from accounts.models import Period, UsagePeriod
-from accounts.services import api_key_create
-from api.jobs import services, tasks
+from accounts.services import api_key_create, api_key_disable, api_key_revoke, user_suspend
+from api.jobs import selectors, services, tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.storage import MANIFEST_NAME, harvest_file_write
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -115,6 +119,75 @@ def test_a_key_may_run_two_jobs_at_once_then_gets_429_with_retry_after(
     assert _post(api_client).status_code == 202
 
 
+def test_a_harvest_resent_with_its_idempotency_key_is_the_same_job_counted_once(
+    api_client, api_key, engine_model, sent_tasks
+):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-1")
+    again = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-1")
+    assert (first.status_code, again.status_code) == (202, 200)
+    assert again.json() == first.json()
+    assert HarvestJob.objects.count() == 1
+    assert UsagePeriod.objects.get(key=api_key, period=Period.MONTH).harvest_jobs == 1
+    assert len(sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")) == 1
+    # Without a key, a resend is a new job, as before.
+    assert _post(api_client).status_code == 202
+    assert HarvestJob.objects.count() == 2
+
+
+def test_a_harvest_idempotency_key_reused_for_other_prompts_is_409(api_client, engine_model):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-2").json()["job_id"]
+    other = {**BODY, "prompts": ["Something else."]}
+    response = _post(api_client, other, HTTP_IDEMPOTENCY_KEY="harvest-2")
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "idempotency_key_reused"
+    assert first in response.json()["error"]["message"]
+    assert response["X-Should-Retry"] == "false"
+    assert HarvestJob.objects.count() == 1
+
+
+def test_a_resend_is_the_same_job_even_when_the_key_runs_its_maximum_of_jobs(
+    api_client, engine_model
+):
+    first = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-3")
+    assert _post(api_client).status_code == 202  # the key now runs two
+    again = _post(api_client, HTTP_IDEMPOTENCY_KEY="harvest-3")
+    assert again.status_code == 200
+    assert again.json()["job_id"] == first.json()["job_id"]
+
+
+def test_concurrent_harvest_submits_with_one_idempotency_key_create_one_job(
+    approved_user, api_key, sent_tasks
+):
+    keys = [api_key] + [
+        api_key_create(user=approved_user, name=f"key {i}", acting_user=None)[0] for i in range(3)
+    ]
+    start = threading.Barrier(12)
+
+    def submit(index):
+        try:
+            start.wait()
+            job, created = services.harvest_job_submit(
+                key=keys[index % len(keys)],
+                model="smollm2-135m",
+                prompts=["Hello there."],
+                layers=[3],
+                add_special_tokens=True,
+                idempotency_key="race",
+            )
+            return str(job.pk), created
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        outcomes = list(pool.map(submit, range(12)))
+
+    assert HarvestJob.objects.count() == 1
+    assert {job_id for job_id, _ in outcomes} == {str(HarvestJob.objects.get().pk)}
+    assert sum(created for _, created in outcomes) == 1
+    key_months = UsagePeriod.objects.filter(period=Period.MONTH, key__isnull=False)
+    assert sum(row.harvest_jobs for row in key_months) == 1  # one job of the quota
+
+
 def test_cancel_a_pending_job_then_cancelling_again_is_409(api_client, engine_model):
     job_id = _post(api_client).json()["job_id"]
     response = api_client.delete(f"/v1/harvest/{job_id}")
@@ -202,3 +275,70 @@ def test_another_users_harvest_job_is_404(api_client, client, engine_model, othe
     assert client.get(f"/v1/harvest/{job_id}", **auth).status_code == 404
     assert client.delete(f"/v1/harvest/{job_id}", **auth).status_code == 404
     assert HarvestJob.objects.get(pk=job_id).status == HarvestJobStatus.PENDING
+
+
+def _finished_job_with_a_manifest(api_key) -> HarvestJob:
+    """A done job whose only file is its manifest (no engine needed)."""
+    job = HarvestJob.objects.create(
+        user=api_key.user,
+        key=api_key,
+        model="smollm2-135m",
+        prompts=["hello"],
+        layers=[1],
+        n_prompts=1,
+        prompts_done=1,
+        status=HarvestJobStatus.DONE,
+        completed_at=timezone.now(),
+        files=[MANIFEST_NAME],
+    )
+    harvest_file_write(job.storage_prefix, MANIFEST_NAME, b'{"shards": []}')
+    return job
+
+
+def _manifest_url_from_the_api(api_client, job) -> str:
+    return urlparse(api_client.get(f"/v1/harvest/{job.pk}").json()["result"]["manifest_url"])
+
+
+def _download(client, url):
+    return client.__class__().get(f"{url.path}?{url.query}")
+
+
+@pytest.mark.parametrize(
+    ("withdraw", "code"),
+    [
+        (lambda key: api_key_revoke(key=key, acting_user=None), "key_revoked"),
+        (lambda key: api_key_disable(key=key, acting_user=None), "key_disabled"),
+        (lambda key: user_suspend(user=key.user, acting_user=None), "account_suspended"),
+    ],
+    ids=["key revoked", "key paused", "account suspended"],
+)
+def test_a_signed_url_stops_working_once_its_owner_may_not_use_the_api(
+    api_client, client, api_key, withdraw, code
+):
+    job = _finished_job_with_a_manifest(api_key)
+    url = _manifest_url_from_the_api(api_client, job)
+    assert _download(client, url).status_code == 200
+    withdraw(api_key)
+    refused = _download(client, url)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == code
+
+
+def test_a_signed_url_keeps_working_when_another_key_of_the_owner_is_revoked(
+    api_client, client, api_key, approved_user
+):
+    job = _finished_job_with_a_manifest(api_key)
+    url = _manifest_url_from_the_api(api_client, job)
+    other, _ = api_key_create(user=approved_user, name="other", acting_user=None)
+    api_key_revoke(key=other, acting_user=None)
+    assert _download(client, url).status_code == 200
+
+
+def test_the_portals_links_stop_working_once_the_account_is_suspended(client, api_key):
+    job = _finished_job_with_a_manifest(api_key)
+    url = urlparse(selectors.harvest_download_links(job=job)["manifest_url"])
+    assert _download(client, url).status_code == 200
+    user_suspend(user=api_key.user, acting_user=None)
+    refused = _download(client, url)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "account_suspended"

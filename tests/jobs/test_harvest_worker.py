@@ -14,6 +14,7 @@ from django.utils import timezone
 from safetensors import deserialize, safe_open
 from tokenizers import Tokenizer
 
+from accounts.models import Period, UsagePeriod, UsageRecord
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from api.jobs import selectors, services
@@ -28,9 +29,10 @@ LAYERS = [0, 7, 29]
 
 
 def _submit(api_key, prompts=PROMPTS, layers=LAYERS):
-    return services.harvest_job_submit(
+    job, _ = services.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=prompts, layers=layers, add_special_tokens=True
     )
+    return job
 
 
 def _tensors(path):
@@ -240,7 +242,8 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
     assert services.harvest_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
     assert services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
-    assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 0)
+    # Its progress is kept: the next attempt resumes after the shards it recorded.
+    assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 2)
     assert sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")[-1] == str(job.pk)
 
     HarvestJob.objects.filter(pk=job.pk).update(
@@ -287,3 +290,66 @@ def test_harvest_shards_carry_their_tokens_and_metadata_for_the_loader(
     ).stdout  # fmt: skip
     assert f"harvest_shard of smollm2-135m, layers {LAYERS}" in printed
     assert f"capture 0: [{len(LAYERS)}, " in printed and "0='The' 1=' quick'" in printed
+
+
+class WorkerDied(BaseException):
+    """Ends an attempt as a killed worker would: nothing of the service catches it."""
+
+
+@pytest.mark.django_db
+def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
+    engine_model, api_key, settings, monkeypatch, sent_tasks, redis_client
+):
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    job = _submit(api_key)
+    captured = []
+    real_capture = services.capture_batch
+
+    async def capture_until_the_worker_dies(*args, first_index, **kwargs):
+        captured.append(first_index)
+        if len(captured) == 3:
+            raise WorkerDied
+        return await real_capture(*args, first_index=first_index, **kwargs)
+
+    monkeypatch.setattr(services, "capture_batch", capture_until_the_worker_dies)
+    with pytest.raises(WorkerDied):
+        services.harvest_job_execute(job_id=job.pk)
+    job.refresh_from_db()
+    assert (job.status, job.prompts_done) == (HarvestJobStatus.RUNNING, 2)
+
+    lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS + 1)
+    assert services.harvest_jobs_recover_stuck(now=timezone.now() + lease) == 1
+    services.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.attempts == 2
+    # The second attempt captured only the prompt the first had not written.
+    assert captured == [0, 1, 2, 2]
+    manifest = json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
+    assert [shard["tensors"] for shard in manifest["shards"]] == [
+        [f"prompt_{i}", f"tokens_{i}"] for i in range(3)
+    ]
+    assert manifest["prompts_captured"] == 3
+    # Billed once per batch: three usage records, three activation requests.
+    records = UsageRecord.objects.filter(key=api_key, endpoint="harvest")
+    assert sorted(r.request_id[-2:] for r in records) == ["-0", "-1", "-2"]
+    month = UsagePeriod.objects.get(key=api_key, period=Period.MONTH)
+    assert (month.activation_requests, month.reserved_tokens) == (3, 0)
+    assert month.used_tokens == sum(r.prompt_tokens + r.completion_tokens for r in records)
+
+    # The stats cover the resumed shards too: the same as an attempt that never died.
+    monkeypatch.setattr(services, "capture_batch", real_capture)
+    clean = _submit(api_key)
+    services.harvest_job_execute(job_id=clean.pk)
+    clean.refresh_from_db()
+    assert clean.status == HarvestJobStatus.DONE, clean.error
+    resumed_stats = _tensors_any(job.storage_prefix + "stats.safetensors")
+    clean_stats = _tensors_any(clean.storage_prefix + "stats.safetensors")
+    for name in ("mean", "std", "norm_mean", "positions"):
+        np.testing.assert_array_equal(resumed_stats[name], clean_stats[name])
+
+
+def _tensors_any(path):
+    with safe_open(default_storage.path(path), framework="np") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118

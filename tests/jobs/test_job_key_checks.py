@@ -70,7 +70,7 @@ def test_a_completion_job_whose_access_ended_after_submit_fails_with_the_apis_co
 def test_a_harvest_job_whose_access_ended_after_submit_does_not_start(
     api_key, engine_model, redis_client, monkeypatch, lose_access, code
 ):
-    job = services.harvest_job_submit(
+    job, _ = services.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=PROMPTS, layers=[0], add_special_tokens=True
     )
     lose_access(api_key)
@@ -95,7 +95,7 @@ def test_a_harvest_job_stops_before_its_next_batch_once_its_key_is_revoked(
     api_key, engine_model, redis_client, settings, monkeypatch
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 1
-    job = services.harvest_job_submit(
+    job, _ = services.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=PROMPTS, layers=[0], add_special_tokens=True
     )
     real_capture = services.capture_batch

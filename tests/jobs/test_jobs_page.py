@@ -31,13 +31,14 @@ def logged_in(client, approved_user):
 
 
 def _harvest(api_key, prompts=("Hello there.", "Residual streams.")):
-    return services.harvest_job_submit(
+    job, _ = services.harvest_job_submit(
         key=api_key,
         model="smollm2-135m",
         prompts=list(prompts),
         layers=[2, 4],
         add_special_tokens=True,
     )
+    return job
 
 
 @pytest.mark.django_db
@@ -319,6 +320,23 @@ def test_a_harvest_is_sent_with_exactly_the_layers_ticked(
     )
     submission = JobSubmission.objects.get(user=approved_user)
     assert submission.request["layers"] == [0, 12, 29]
+
+
+@pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("prompts.txt", b"first prompt\nsecond\x00prompt\n"), ("p.jsonl", b'"ok"\n"a\\u0000b"\n')],
+)
+def test_a_prompts_file_with_a_nul_is_a_field_error_not_a_500(
+    logged_in, approved_user, model_list, name, content, headers
+):
+    upload = SimpleUploadedFile(name, content)
+    response = logged_in.post(
+        "/jobs/harvest/", {**HARVEST_POST, "harvest-prompts_file": upload}, **headers
+    )
+    assert response.status_code == (200 if headers else 400)
+    assert "Line 2 holds a NUL character" in response.content.decode()
+    assert not JobSubmission.objects.filter(user=approved_user).exists()
 
 
 @pytest.mark.django_db

@@ -1,5 +1,5 @@
 """Jobs asked for on the Jobs page: sent to /v1 by a worker with the user's playground key,
-once per form submission, a completion job with an Idempotency-Key; the API's refusal kept."""
+once per form submission, with an Idempotency-Key; the API's refusal kept."""
 
 import datetime as dt
 import json
@@ -61,7 +61,9 @@ def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key
     assert str(submission.job_id) == JOB_ID
 
 
-def test_a_harvest_is_posted_to_v1_harvest(approved_user, gateway, enqueued):
+def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
+    approved_user, gateway, enqueued
+):
     submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
     gateway.handler = lambda request: httpx.Response(
         202, json={"job_id": JOB_ID, "status": "pending", "model": "smollm2-135m", "n_prompts": 2}
@@ -69,6 +71,7 @@ def test_a_harvest_is_posted_to_v1_harvest(approved_user, gateway, enqueued):
     services.job_submission_send(submission_id=submission.id, final_attempt=False)
     [sent] = gateway.requests
     assert sent.url.path == "/v1/harvest"
+    assert sent.headers["idempotency-key"] == str(submission.id)
     assert json.loads(sent.content) == HARVEST
     submission.refresh_from_db()
     assert submission.status == JobSubmissionStatus.SUBMITTED
@@ -107,34 +110,24 @@ def test_a_refusal_that_asks_to_retry_queues_the_submission_again(approved_user,
     assert submission.status == JobSubmissionStatus.QUEUED
 
 
-def test_a_harvest_is_not_resent_when_the_api_could_not_be_reached(
-    approved_user, gateway, enqueued
+@pytest.mark.parametrize(
+    ("kind", "request_body"), [(JobKind.COMPLETION, COMPLETION), (JobKind.HARVEST, HARVEST)]
+)
+def test_a_job_is_resent_when_the_api_could_not_be_reached(
+    approved_user, gateway, enqueued, kind, request_body
 ):
-    """The harvest may have been created before the connection broke, and a harvest has no
-    Idempotency-Key: sending it again could start a second job."""
-    submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
+    """The job may have been created before the connection broke: the resend carries the
+    same Idempotency-Key, so the API answers that job instead of making a second."""
+    submission = _submission(approved_user, kind, request_body)
 
     def unreachable(request):
         raise httpx.ReadTimeout("no answer", request=request)
 
     gateway.handler = unreachable
-    services.job_submission_send(submission_id=submission.id, final_attempt=False)
-    submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.REFUSED
-    assert submission.error_code == "connection_error"
-
-
-def test_a_completion_job_is_resent_when_the_api_could_not_be_reached(
-    approved_user, gateway, enqueued
-):
-    submission = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
-
-    def unreachable(request):
-        raise httpx.ConnectError("refused", request=request)
-
-    gateway.handler = unreachable
     with pytest.raises(services.SubmissionRetry):
         services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    submission.refresh_from_db()
+    assert submission.status == JobSubmissionStatus.QUEUED
 
 
 def test_a_submission_no_worker_sent_is_refused_by_the_sweep(approved_user, enqueued):

@@ -1,0 +1,83 @@
+"""The commands of docs/deploy.md, run as they are written there, so that the page and
+`.env.example` cannot drift from what is tested. Each shell block the production smoke and
+the settings tests run follows a `<!-- production-smoke: NAME -->` line in the page. Plain
+Python (stdlib), shared by `scripts/production_smoke.py` and the web suite."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from .servers import REPO_ROOT
+
+DEPLOY_DOC = REPO_ROOT / "docs" / "deploy.md"
+# The folder of the environment files in the page's commands (`ACS_ETC=/etc/acs` in §1): the
+# caller says where it is instead.
+ETC_ASSIGNMENT = re.compile(r"^ACS_ETC=\S*\s*(#.*)?$")
+# What a shell sets by itself, not the files it loaded.
+_SHELL_OWN = {"PWD", "OLDPWD", "SHLVL", "_"}
+
+
+class DocCommandFailed(RuntimeError):
+    pass
+
+
+def doc_block(name: str) -> list[str]:
+    """The lines of the fenced block that follows `<!-- production-smoke: NAME -->`."""
+    text = DEPLOY_DOC.read_text()
+    marker = f"<!-- production-smoke: {name} -->\n```"
+    if marker not in text:
+        raise DocCommandFailed(f"docs/deploy.md has no block marked production-smoke: {name}")
+    block = text.split(marker, 1)[1].split("\n", 1)[1]
+    return block.split("\n```", 1)[0].splitlines()
+
+
+def _bash(script: str, *, env: dict, quiet: bool = True) -> str:
+    """Run `script` with `bash -e` in the repository; its stdout. Fails on a non-zero exit
+    or, when it should be `quiet`, on anything written to stderr (a line the shell could not
+    parse or run)."""
+    result = subprocess.run(
+        ["bash", "-ec", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0 or (quiet and result.stderr):
+        raise DocCommandFailed(
+            f"docs/deploy.md's commands failed ({result.returncode}):\n{script}\n{result.stderr}"
+        )
+    return result.stdout
+
+
+def run_doc_block(
+    name: str, *, etc: Path, env: dict | None = None, skip=(), quiet: bool = True
+) -> None:
+    """Run block `name` of docs/deploy.md with ACS_ETC=`etc` (its own `ACS_ETC=` line is left
+    out), in `env` (default: this process's), leaving out lines that contain a phrase of
+    `skip`; see `_bash` for `quiet`."""
+    lines = [
+        line
+        for line in doc_block(name)
+        if not ETC_ASSIGNMENT.match(line) and not any(phrase in line for phrase in skip)
+    ]
+    _bash("\n".join(lines), env={**(env or os.environ), "ACS_ETC": str(etc)}, quiet=quiet)
+
+
+def loaded_environment(etc: Path) -> dict[str, str]:
+    """The variables that §2's `set -a; . …` line sets from the files in `etc`, loaded by a
+    shell that starts with nothing but PATH."""
+    base = {"PATH": os.environ["PATH"], "ACS_ETC": str(etc)}
+    script = "\n".join(doc_block("load")) + "\nenv -0"
+    variables = dict(
+        item.split("=", 1) for item in _bash(script, env=base).split("\0") if "=" in item
+    )
+    return {
+        name: value
+        for name, value in variables.items()
+        if name not in _SHELL_OWN and base.get(name) != value
+    }
+
+
+def production_environment(etc: Path) -> dict[str, str]:
+    """§1 and §2 as written: the secrets generated and the production section of
+    .env.example copied into `etc`, then loaded (no edits)."""
+    run_doc_block("secrets", etc=etc)
+    run_doc_block("environment", etc=etc)
+    return loaded_environment(etc)
