@@ -1,5 +1,6 @@
 """Engine settings, from the environment with defaults that run locally."""
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,3 +35,27 @@ class EngineConfig:
     )
     allowed_hosts: frozenset[str] = field(default_factory=_env_hosts)
     token: str = field(default_factory=lambda: os.environ.get("ACS_ENGINE_TOKEN", ""))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` (an address or `localhost`) serves only this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def bind_refusal(host: str, config: EngineConfig) -> str | None:
+    """Why the engine must not listen on `host` with `config`, or None. The engine has no
+    accounts: anyone who reaches it gets unmetered completions, so listening beyond loopback
+    needs ACS_ENGINE_TOKEN (which the gateway sends with every request)."""
+    if config.token or is_loopback(host):
+        return None
+    return (
+        f"refusing to listen on {host!r} without ACS_ENGINE_TOKEN: anyone who can reach this "
+        "address would get unmetered completions. Set ACS_ENGINE_TOKEN to a long random "
+        "secret on the engine and on every gateway process (python -c 'import secrets; "
+        "print(secrets.token_urlsafe(32))'), or listen on 127.0.0.1."
+    )
