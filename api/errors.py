@@ -124,7 +124,11 @@ ERROR_CODES = {
     "capture_rows_missing": ErrorCode(
         502, "Check each steering vector's hidden size.", should_retry=False, from_upstream=True
     ),
-    "circuit_open": ErrorCode(503, "Every upstream of the model is failing.", retry_after=30),
+    "circuit_open": ErrorCode(
+        503,
+        "Every upstream of the model is failing; the gateway checks their health every second.",
+        retry_after=2,
+    ),
     "capture_preempted": ErrorCode(
         503, "The upstream preempted the capture; retry.", retry_after=5, from_upstream=True
     ),

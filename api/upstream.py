@@ -4,8 +4,14 @@ Upstreams speak vLLM's HTTP API (the embedded engine does too). A model's base U
 round-robin; a circuit breaker in Redis, shared by all replicas (each trusting a closed
 circuit for CLOSED_TRUST_S between checks), skips a URL that keeps failing
 (`FAILURE_THRESHOLD` failures within `FAILURE_WINDOW_MS` open it for `OPEN_MS`; then one
-probe request is let through, and its outcome closes or re-opens it). Failures are mapped to
-the contract's error codes as `ApiError`.
+probe request is let through, and its outcome closes or re-opens it). While it is open, the
+gateway asks the URL's /health at most once per `HEALTH_PROBE_INTERVAL_MS` (all replicas
+together), and closes the circuit as soon as the upstream is seen coming back: a probe that
+answers after one during this opening did not (an engine restarting, a network healed). An
+upstream whose /health never failed while its completions did waits for `OPEN_MS`, so a
+broken upstream with a healthy /health is not retried every second. No user request is
+involved: a client's request can neither hold the probe nor decide it. Failures are mapped
+to the contract's error codes as `ApiError`.
 
 Only what says the upstream is unwell counts as a failure: a transport error, a 5xx, invalid
 JSON. An answer about the request itself never counts, so no user can open the circuit for
@@ -51,6 +57,8 @@ FAILURE_THRESHOLD = 5
 FAILURE_WINDOW_MS = 30_000
 OPEN_MS = 30_000
 PROBE_MS = 15_000
+HEALTH_PROBE_INTERVAL_MS = 1_000
+HEALTH_PROBE_TIMEOUT_S = 2.0
 NON_STREAMING_TIMEOUT_S = 14 * 60
 STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
@@ -66,8 +74,17 @@ _OOM_WORDS = re.compile(r"out of memory|\boom\b", re.IGNORECASE)
 
 
 def circuit_keys(url: str) -> list[str]:
+    """The URL's circuit state in Redis: open_until (ms; absent when closed), the half-open
+    probe request's lock, recent failures, the health probe's lock, and `down` (a health
+    probe failed during this opening)."""
     base = f"acs:cb:{{{url}}}"
-    return [f"{base}:open_until", f"{base}:probe", f"{base}:fails"]
+    return [
+        f"{base}:open_until",
+        f"{base}:probe",
+        f"{base}:fails",
+        f"{base}:health",
+        f"{base}:down",
+    ]
 
 
 _NOW = """
@@ -75,27 +92,38 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: open_until_i, probe_i, fails_i for each URL in round-robin order. ARGV: probe ms.
-# Returns {index (1-based) or 0, 'closed' | 'probe' | seconds until the first re-opens}.
+# KEYS: open_until_i, probe_i, health_i for each URL in round-robin order. ARGV: probe ms,
+# health probe interval ms. Returns {index (1-based), 'closed' | 'probe'}, or, when every
+# circuit is open, {0, 'open', the indexes of the URLs whose health this caller is to probe
+# now}.
 _PICK = (
     _NOW
     + """
-local soonest = nil
+local health = {}
 for i = 1, #KEYS / 3 do
   local open_until = redis.call('GET', KEYS[i * 3 - 2])
   if not open_until then return {i, 'closed'} end
-  open_until = tonumber(open_until)
-  if now >= open_until then
-    if redis.call('SET', KEYS[i * 3 - 1], '1', 'NX', 'PX', ARGV[1]) then return {i, 'probe'} end
-    open_until = now + tonumber(ARGV[1])
+  if now >= tonumber(open_until)
+      and redis.call('SET', KEYS[i * 3 - 1], '1', 'NX', 'PX', ARGV[1]) then
+    return {i, 'probe'}
   end
-  if not soonest or open_until < soonest then soonest = open_until end
+  if redis.call('SET', KEYS[i * 3], '1', 'NX', 'PX', ARGV[2]) then health[#health + 1] = i end
 end
-return {0, tostring(math.max(1, math.ceil((soonest - now) / 1000)))}
+return {0, 'open', unpack(health)}
 """
 )
 
-# KEYS: open_until, probe, fails. ARGV: member, threshold, window ms, open ms, was probe.
+# KEYS: circuit_keys(url). Closes the circuit if a health probe failed during this opening.
+_CLOSE_IF_BACK = """
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('DEL', unpack(KEYS))
+  return 1
+end
+return 0
+"""
+
+# KEYS: open_until, probe, fails (circuit_keys' first three). ARGV: member, threshold,
+# window ms, open ms, was probe.
 _FAILURE = (
     _NOW
     + """
@@ -143,6 +171,7 @@ def _scripts(client):
         scripts = _pick_scripts[client] = (
             client.register_script(_PICK),
             client.register_script(_FAILURE),
+            client.register_script(_CLOSE_IF_BACK),
         )
     return scripts
 
@@ -161,16 +190,20 @@ async def pick_target(urls: list[str]) -> Target:
     ordered = urls[start:] + urls[:start]
     if _trusted_closed_until.get(ordered[0], 0.0) > time.monotonic():
         return Target(url=ordered[0], probe=False)
-    pick, _ = _scripts(redis_async())
-    keys = [key for url in ordered for key in circuit_keys(url)]
-    index, state = await pick(keys=keys, args=[PROBE_MS])
+    pick = _scripts(redis_async())[0]
+    keys = [key for url in ordered for key in _pick_keys(url)]
+    index, state, *to_probe = await pick(keys=keys, args=[PROBE_MS, HEALTH_PROBE_INTERVAL_MS])
     state = state.decode() if isinstance(state, bytes) else state
     if index == 0:
+        for probed in to_probe:
+            url = ordered[int(probed) - 1]
+            if await _health_probe(url):
+                _trusted_closed_until[url] = time.monotonic() + CLOSED_TRUST_S
+                return Target(url=url, probe=False)
         raise ApiError(
             503,
             "circuit_open",
             "Every upstream of this model is failing; the gateway is letting them recover.",
-            retry_after=int(state),
         )
     url = ordered[index - 1]
     if state == "closed":
@@ -178,11 +211,27 @@ async def pick_target(urls: list[str]) -> Target:
     return Target(url=url, probe=state == "probe")
 
 
+def _pick_keys(url: str) -> list[str]:
+    open_until, probe, _, health, _ = circuit_keys(url)
+    return [open_until, probe, health]
+
+
+async def _health_probe(url: str) -> bool:
+    """Ask an open circuit's upstream for its health; True when this closed the circuit (the
+    upstream answers after a probe during this opening did not). A failed probe is noted."""
+    client = redis_async()
+    keys = circuit_keys(url)
+    if not (await _health_of(url, timeout=HEALTH_PROBE_TIMEOUT_S))["model_loaded"]:
+        await client.set(keys[4], "1", px=86_400_000)
+        return False
+    return bool(await _scripts(client)[2](keys=keys))
+
+
 async def record_failure(target: Target) -> None:
     _trusted_closed_until.pop(target.url, None)
-    _, failure = _scripts(redis_async())
+    failure = _scripts(redis_async())[1]
     await failure(
-        keys=circuit_keys(target.url),
+        keys=circuit_keys(target.url)[:3],
         args=[
             f"{time.time_ns()}-{secrets.token_hex(2)}",
             FAILURE_THRESHOLD,
@@ -450,21 +499,26 @@ async def _sse_payloads(target: Target, response: httpx.Response):
     await record_success(target)
 
 
+async def _health_of(url: str, *, timeout: float) -> dict:
+    """`{url, ok, model_loaded}` from the URL's /health (vLLM answers 200 with no body)."""
+    try:
+        response = await http_client().get(
+            url.rstrip("/") + "/health", headers=_auth_headers(), timeout=timeout
+        )
+        body = response.json() if response.content else {}
+    except (httpx.HTTPError, ValueError):
+        return {"url": url, "ok": False, "model_loaded": False}
+    loaded = (
+        response.status_code == 200
+        and isinstance(body, dict)
+        and body.get("model_loaded", True) is not False
+    )
+    return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
+
+
 async def upstream_health(urls: list[str]) -> dict:
     """`{"warm": bool, "upstreams": [{url, ok, model_loaded}]}` from each URL's /health."""
-
-    async def one(url):
-        try:
-            response = await http_client().get(
-                url.rstrip("/") + "/health", headers=_auth_headers(), timeout=HEALTH_TIMEOUT_S
-            )
-            body = response.json() if response.content else {}
-        except (httpx.HTTPError, ValueError):
-            return {"url": url, "ok": False, "model_loaded": False}
-        loaded = response.status_code == 200 and body.get("model_loaded", True) is not False
-        return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
-
-    states = await asyncio.gather(*(one(url) for url in urls))
+    states = await asyncio.gather(*(_health_of(url, timeout=HEALTH_TIMEOUT_S) for url in urls))
     return {"warm": any(s["model_loaded"] for s in states), "upstreams": list(states)}
 
 
