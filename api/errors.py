@@ -66,6 +66,14 @@ ERROR_CODES = {
         400, "The upstream found the prompt too long.", should_retry=False
     ),
     "vllm_invalid_request": ErrorCode(400, "The upstream refused the request.", should_retry=False),
+    "non_finite_output": ErrorCode(
+        400,
+        "The model's output under this request is NaN or infinite (steering whose values "
+        "times scale overflow the residual stream does that); lower the steering scale or "
+        "values. The tokens computed are billed.",
+        should_retry=False,
+        from_upstream=True,
+    ),
     "deadline_infeasible": ErrorCode(
         400, "Lower max_tokens, or stream the request.", should_retry=False
     ),
@@ -109,6 +117,12 @@ ERROR_CODES = {
     ),
     "internal_error": ErrorCode(500, "Report the request id."),
     "worker_lost": ErrorCode(500, "The worker running the job stopped too often."),
+    "result_unstorable": ErrorCode(
+        500,
+        "The job or playground run ran (and was billed once) but its result could not be "
+        "stored; the message says why.",
+        should_retry=False,
+    ),
     "upstream_unreachable": ErrorCode(502, "The upstream could not be reached.", retry_after=5),
     "vllm_engine_dead": ErrorCode(
         502, "The upstream closed the connection mid-response.", retry_after=10, from_upstream=True
@@ -171,9 +185,10 @@ ERROR_CODES = {
 class ApiError(Exception):
     """An error answered with the contract's envelope. `retry_after` (seconds) and
     `should_retry` (False adds `X-Should-Retry: false`) default to the code's entry in
-    ERROR_CODES."""
+    ERROR_CODES. `usage` is an upstream's `{prompt_tokens, completion_tokens}` for work it
+    did before failing (billed; never sent to the client)."""
 
-    def __init__(self, status, code, message, *, retry_after=None, should_retry=None):
+    def __init__(self, status, code, message, *, retry_after=None, should_retry=None, usage=None):
         super().__init__(message)
         entry = ERROR_CODES[code]
         self.status = status
@@ -181,6 +196,7 @@ class ApiError(Exception):
         self.message = message
         self.retry_after = entry.retry_after if retry_after is None else retry_after
         self.should_retry = entry.should_retry if should_retry is None else should_retry
+        self.usage = usage
 
     @property
     def error_type(self) -> str:
@@ -205,6 +221,21 @@ def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
     if isinstance(error, DatabaseBusy):
         return ApiError(503, "db_pool_exhausted", str(error))
     return ApiError(429, error.code, error.message)
+
+
+def result_unstorable(error: Exception, *, request_id: str) -> ApiError:
+    """The error of a job or playground run whose completion ran (and was billed) but whose
+    result the database refused, such as text holding \u0000, which PostgreSQL's JSON cannot
+    hold. Stored instead of the result, so that the work is neither lost silently nor run and
+    billed again."""
+    lines = str(error).strip().splitlines()
+    reason = lines[0] if lines else type(error).__name__
+    return ApiError(
+        500,
+        "result_unstorable",
+        f"The completion ran and was billed (request {request_id}), but its result could not "
+        f"be stored: {reason}",
+    )
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:

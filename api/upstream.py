@@ -253,11 +253,18 @@ async def record_success(target: Target) -> None:
 
 
 def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
-    """The contract's error for an upstream's non-2xx answer."""
+    """The contract's error for an upstream's non-2xx answer. An error code that passes
+    through keeps the `usage` the upstream reports beside it (the work it did, billed)."""
     upstream_code, message = _error_fields(content)
     retry_after = _retry_after(headers)
     if (passed := _passed_through(upstream_code)) is not None:
-        return ApiError(passed.status, upstream_code, message, retry_after=retry_after)
+        return ApiError(
+            passed.status,
+            upstream_code,
+            message,
+            retry_after=retry_after,
+            usage=_usage_beside_error(content),
+        )
     if status in (400, 422):
         if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
             upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
@@ -314,6 +321,50 @@ def _error_fields(content: bytes) -> tuple[str, str]:
     if isinstance(error, dict):
         return str(error.get("code") or ""), str(error.get("message") or "")
     return "", str(error or "")
+
+
+def _usage_beside_error(content: bytes) -> dict | None:
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _NonFinite(Exception):
+    pass
+
+
+def _refuse_non_finite(name: str):
+    raise _NonFinite(name)
+
+
+_FINITE_JSON = json.JSONDecoder(parse_constant=_refuse_non_finite)
+
+
+def finite_json(content: bytes, *, steered: bool):
+    """An upstream's JSON body or SSE frame, decoded. NaN and ±Infinity are not JSON, though
+    Python (and so an upstream) writes and reads them: they raise 400 non_finite_output (with
+    the upstream's `usage`, for billing), so no such value reaches a client or the database.
+    `steered`: the request carried steering vectors (the likely cause, said in the message).
+    Raises ValueError for anything else that is not JSON."""
+    try:
+        return _FINITE_JSON.decode(content.decode("utf-8", "surrogatepass"))
+    except _NonFinite:
+        pass
+    usage = json.loads(content).get("usage")
+    cause = (
+        "this request's steering (its vectors' values times scale) likely overflows the "
+        "residual stream; lower the scale or the values"
+        if steered
+        else "the upstream failed to compute this request"
+    )
+    raise ApiError(
+        400,
+        "non_finite_output",
+        f"The model's output holds NaN or infinite values, which JSON cannot carry: {cause}.",
+        usage=usage if isinstance(usage, dict) else None,
+    )
 
 
 def _error_type(content: bytes) -> str:
@@ -430,7 +481,10 @@ async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
     await _raise_for_status(target, response)
     content = response.content
     try:
-        body = json.loads(content)
+        body = finite_json(content, steered=bool(payload.get("apply_steering_vectors")))
+    except ApiError:
+        await record_success(target)  # it answered: a non-finite output is the request's
+        raise
     except ValueError as error:
         await record_failure(target)
         raise ApiError(502, "upstream_server_error", "The upstream sent invalid JSON.") from error

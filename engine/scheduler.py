@@ -27,6 +27,7 @@ from engine.outputs import (
     ChoiceDelta,
     ChoiceText,
     LogprobsChunk,
+    NonFiniteOutput,
     RequestDone,
     RequestFailed,
     echo_logprobs,
@@ -282,17 +283,27 @@ class Scheduler:
         groups, samples, prompts = prefill.groups, prefill.samples, prefill.prompts
         final_hidden = torch.cat(prefill.hidden_chunks, dim=1)
         logits = self._logits(final_hidden[:, -1])
-        logprobs = _reported_logprobs(logits, [group.request for group in groups])
+        requests = [group.request for group in groups]
+        logprobs = _reported_logprobs(logits, requests)
         sizes = torch.tensor([group.size for group in groups], device=self.device)
         if bool((sizes > 1).any()):
             prefill.cache.repeat_rows(sizes)
         new_rows = [sequence for sequences in samples for sequence in sequences]
         self._merge(prefill.cache, prefill.mask.repeat_interleave(sizes, dim=0), new_rows)
+        self._fail_non_finite(logits, requests)
         for row, (group, sequences) in enumerate(zip(groups, samples, strict=True)):
+            if group.request.cancelled:
+                continue  # its rows leave the batch before the next step
             # One prompt at a time, so that at most one prompt's scores are held before they
             # are emitted (full-vocabulary prompt_logprobs are large).
             prompt_hidden = final_hidden[row, prefill.padding[row] :]
-            first_delta = self._prompt_outputs(group.request.prepared, prompts[row], prompt_hidden)
+            try:
+                first_delta = self._prompt_outputs(
+                    group.request.prepared, prompts[row], prompt_hidden
+                )
+            except NonFiniteOutput:
+                self._fail_request(group.request, _non_finite_failure(group.request))
+                continue
             for sequence in sequences:
                 sequence.cached_tokens = len(prompts[row])
                 self._accept_token(sequence, logits[row], logprobs[row], first_delta)
@@ -345,7 +356,9 @@ class Scheduler:
         hooks = [sequence.hooks([sequence.cached_tokens]) for sequence in rows]
         final_hidden = self._forward(input_ids, self._mask, position_ids, self._cache, hooks)
         logits = self._logits(final_hidden[:, -1])
-        logprobs = _reported_logprobs(logits, [sequence.request for sequence in rows])
+        requests = [sequence.request for sequence in rows]
+        logprobs = _reported_logprobs(logits, requests)
+        self._fail_non_finite(logits, requests)
         for row, sequence in enumerate(rows):
             sequence.cached_tokens += 1
             if not sequence.dropped:
@@ -447,6 +460,34 @@ class Scheduler:
         self._mask = self._mask[:, first_used:]
         self._cache.keep_rows(index, first_used)
 
+    def _fail_non_finite(self, logits: torch.Tensor, requests: list[EngineRequest]) -> None:
+        """Fail the request of each row of `logits` [rows, vocab] that is not finite: a token
+        chosen from NaN logits would be noise, and NaN cannot be reported in JSON."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return
+        for row in (~finite).nonzero().flatten().tolist():
+            self._fail_request(requests[row], _non_finite_failure(requests[row]))
+
+    def _fail_request(self, request: EngineRequest, failure: RequestFailed) -> None:
+        """End one request with `failure`, reporting the tokens computed for it so far; its
+        rows leave the batch at the next step and its waiting prompts are dropped."""
+        if request.cancelled:
+            return
+        running = sum(
+            len(sequence.output_ids)
+            for sequence in self._active
+            if sequence.request is request and not sequence.finished
+        )
+        completion_tokens = request.completion_tokens + running
+        failure.usage = {
+            "prompt_tokens": request.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": request.prompt_tokens + completion_tokens,
+        }
+        request.emit(failure)
+        request.cancel()
+
     def _fail_active(self) -> None:
         failed = {sequence.request for sequence in self._active}
         if self._prefill is not None:
@@ -456,6 +497,24 @@ class Scheduler:
             request.emit(RequestFailed("internal_error", "the model step failed; see engine log"))
             request.cancel()
         self._active, self._cache, self._mask = [], None, None
+
+
+def _non_finite_failure(request: EngineRequest) -> RequestFailed:
+    """The error of a request whose logits came out NaN or infinite. Marked as the request's
+    own fault (a 400): steering is what makes the residual stream overflow, and the gateway
+    must not count it against the engine's health."""
+    cause = (
+        "this request's steering (its vectors' values times scale) overflows the residual "
+        "stream; lower the scale or the values"
+        if request.prepared.steering
+        else "the model's forward pass overflowed"
+    )
+    return RequestFailed(
+        "non_finite_output",
+        f"the model's logits became NaN or infinite: {cause}",
+        status=400,
+        error_type="invalid_request_error",
+    )
 
 
 # A prefill runs this many columns of its prompts per scheduler step, with a decode step of

@@ -28,7 +28,8 @@ class StubUpstream:
     `die_after` (close the connection after that many stream frames), `gap` (seconds
     between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
     `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
-    threading.Event completions wait for)."""
+    threading.Event completions wait for), `logprob` (report this logprob, e.g. NaN, for
+    every token, as Python's json writes it)."""
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
@@ -124,7 +125,7 @@ class StubUpstream:
                     choice = {
                         "index": i * n + j,
                         "text": text + " tok" * max_tokens,
-                        "logprobs": None,
+                        "logprobs": _logprobs(mode, max_tokens),
                         "finish_reason": "length",
                         "stop_reason": None,
                         "prompt_logprobs": None,
@@ -163,7 +164,7 @@ class StubUpstream:
                         {
                             "index": index,
                             "text": " tok",
-                            "logprobs": None,
+                            "logprobs": _logprobs(mode, 1),
                             "finish_reason": "length" if step == max_tokens - 1 else None,
                         }
                     ],
@@ -180,6 +181,18 @@ class StubUpstream:
 
     def stop(self) -> None:
         stop_server(self.server, self.thread)
+
+
+def _logprobs(mode: dict, tokens: int) -> dict | None:
+    if "logprob" not in mode:
+        return None
+    value = mode["logprob"]
+    return {
+        "tokens": [" tok"] * tokens,
+        "token_logprobs": [value] * tokens,
+        "top_logprobs": [{" tok": value}] * tokens,
+        "text_offset": [4 * i for i in range(tokens)],
+    }
 
 
 async def _frame(send, payload):
