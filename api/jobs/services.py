@@ -16,7 +16,7 @@ from datetime import timedelta
 import numpy as np
 from asgiref.sync import async_to_sync
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DataError, IntegrityError, transaction
 from django.db.models import Case, F, When
 from django.utils import timezone
 
@@ -26,7 +26,7 @@ from acs_client.codec import bfloat16_bits_to_float32
 from acs_portal.celery import task_send
 from api.auth import key_recheck
 from api.completions import completion_run
-from api.errors import ApiError, metering_refusal
+from api.errors import ApiError, metering_refusal, result_unstorable
 from api.models import LanguageModel
 from metering.budgets import (
     BudgetExceeded,
@@ -136,7 +136,9 @@ def completion_job_execute(*, job_id, now=None) -> None:
     account suspended, since the job was submitted fails it with the error the API would
     answer now, before any upstream work. A response the contract marks as
     retryable (it has Retry-After) re-queues the job after that delay, up to
-    ACS_JOB_MAX_ATTEMPTS attempts in all. Does nothing if the job is not queued."""
+    ACS_JOB_MAX_ATTEMPTS attempts in all. A result the database cannot store fails the job
+    with result_unstorable (it ran and was billed once). Does nothing if the job is not
+    queued."""
     now = now or timezone.now()
     job = _claim(
         CompletionJob,
@@ -177,14 +179,26 @@ def completion_job_execute(*, job_id, now=None) -> None:
         )
         task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
-    CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
-        status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
-        finished_at=timezone.now(),
-        lease_expires_at=None,
-        result_status=status,
-        result_body=body,
-        result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
-    )
+    try:
+        _completion_job_finish(job, status=status, body=body, headers=headers)
+    except DataError as refused:
+        # Run again, the job would be billed again and refused again: it fails, once.
+        logger.warning("completion job %s: result not stored: %s", job.pk, refused)
+        error = result_unstorable(refused, request_id=request_id)
+        _completion_job_finish(job, status=error.status, body=error.body(), headers=error.headers())
+
+
+def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
+    """Store a running job's outcome (DataError when the database cannot hold `body`)."""
+    with transaction.atomic():
+        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
+            status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
+            finished_at=timezone.now(),
+            lease_expires_at=None,
+            result_status=status,
+            result_body=body,
+            result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
+        )
 
 
 def _worker_lost_error(attempts: int) -> dict:
