@@ -229,7 +229,9 @@ async def _run(state: "_Request") -> "CompletionResult":
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             reply = await upstream.send_completion(
-                state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+                state.valid.urls,
+                state.valid.upstream_payload(max_tokens=max_tokens),
+                tenant=upstream.tenant_of(state.key.user_id),
             )
             state.upstream_ms = reply.upstream_ms
             state.ttft_ms = state.elapsed_ms()
@@ -325,7 +327,9 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
             state.upstream_started = time.perf_counter()
             frames = await stack.enter_async_context(
                 upstream.open_stream(
-                    state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+                    state.valid.urls,
+                    state.valid.upstream_payload(max_tokens=max_tokens),
+                    tenant=upstream.tenant_of(state.key.user_id),
                 )
             )
             status, error_code, opened = 200, "", True

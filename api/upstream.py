@@ -24,9 +24,12 @@ output-work cap allows (prompt_count x n <= 32,000 / max_tokens) and feeds them 
 batch as room frees up. A timeout is `upstream_deadline` and does not count either: a slow
 answer to a long request is not a sick upstream.
 
+Every completion names the account it is for in `X-Acs-Tenant` (an opaque id, no secret):
+the embedded engine shares its capacity between tenants (vLLM ignores the header).
+
 For other callers (a harvest worker capturing one prompt, completion jobs):
 
-    body = await upstream_completion(model, payload)
+    body = await upstream_completion(model, payload, tenant=tenant_of(user_id))
 
 sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
 `LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
@@ -414,16 +417,25 @@ def _endpoint(base: str, path: str) -> httpx.URL:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
+def tenant_of(user_id) -> str:
+    """The X-Acs-Tenant of an account's requests: the engine shares capacity per account,
+    so that many keys of one user share one turn."""
+    return str(user_id)
+
+
 def _auth_headers() -> dict:
     """The shared upstream token (ACS_ENGINE_TOKEN), sent on every request to an upstream."""
     token = settings.ACS_ENGINE_TOKEN
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-async def _post(urls, path, payload, *, timeout, stream=False):
+async def _post(urls, path, payload, *, timeout, stream=False, tenant=""):
     """POST to the next healthy URL (one retry on another URL when the connection fails)
     and return `(target, response)`; the response is open when `stream`, else read."""
     content = json.dumps(payload, separators=(",", ":")).encode()
+    headers = {**_JSON_HEADERS, **_auth_headers()}
+    if tenant:
+        headers["x-acs-tenant"] = tenant
     attempts = 2 if len(urls) > 1 else 1
     for attempt in range(attempts):
         target = await pick_target(urls)
@@ -431,7 +443,7 @@ async def _post(urls, path, payload, *, timeout, stream=False):
             "POST",
             _endpoint(target.url, path),
             content=content,
-            headers={**_JSON_HEADERS, **_auth_headers()},
+            headers=headers,
             extensions={"timeout": timeout.as_dict()},
         )
         try:
@@ -473,11 +485,12 @@ async def _raise_for_status(target: Target, response: httpx.Response) -> None:
     raise error
 
 
-async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
-    """A non-streaming completion; raises the contract's ApiError on any failure."""
+async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> UpstreamReply:
+    """A non-streaming completion for `tenant` (`tenant_of`); raises the contract's ApiError
+    on any failure."""
     started = time.perf_counter()
     timeout = httpx.Timeout(NON_STREAMING_TIMEOUT_S, connect=5.0)
-    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout)
+    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, tenant=tenant)
     await _raise_for_status(target, response)
     content = response.content
     try:
@@ -492,14 +505,16 @@ async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
     return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
 
 
-async def upstream_completion(model, payload: dict) -> dict:
-    """Send one non-streaming completion body to `model`'s upstream (the activation upstream
-    for capture or steering) and return the response dict; raises ApiError."""
+async def upstream_completion(model, payload: dict, *, tenant: str) -> dict:
+    """Send one non-streaming completion body for `tenant` to `model`'s upstream (the
+    activation upstream for capture or steering) and return the response dict; raises
+    ApiError."""
     activation = bool(payload.get("output_residual_stream")) or bool(
         payload.get("apply_steering_vectors")
     )
     payload = {**payload, "model": model.upstream_model_name}
-    return (await send_completion(model.urls_for(activation=activation), payload)).body
+    urls = model.urls_for(activation=activation)
+    return (await send_completion(urls, payload, tenant=tenant)).body
 
 
 async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
@@ -527,12 +542,14 @@ async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> 
 
 
 @asynccontextmanager
-async def open_stream(urls: list[str], payload: dict):
-    """Open a streaming completion; yields an async iterator of SSE `data:` payloads (bytes,
-    without the `data: ` prefix). Failures before the first byte raise ApiError here;
-    failures while iterating raise ApiError from the iterator."""
+async def open_stream(urls: list[str], payload: dict, *, tenant: str):
+    """Open a streaming completion for `tenant`; yields an async iterator of SSE `data:`
+    payloads (bytes, without the `data: ` prefix). Failures before the first byte raise
+    ApiError here; failures while iterating raise ApiError from the iterator."""
     timeout = httpx.Timeout(STREAM_IDLE_TIMEOUT_S, connect=5.0)
-    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, stream=True)
+    target, response = await _post(
+        urls, "/v1/completions", payload, timeout=timeout, stream=True, tenant=tenant
+    )
     try:
         await _raise_for_status(target, response)
         yield _sse_payloads(target, response)

@@ -19,9 +19,10 @@ def _env_hosts() -> frozenset[str]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """`ACS_ENGINE_MAX_ACTIVE` sequences decode together; up to `ACS_ENGINE_MAX_WAITING` more
-    wait (beyond that: 503 engine_overloaded, except that a request larger than the whole queue
-    is taken in when nothing else waits). `ACS_ENGINE_THREADS` torch threads.
+    """`ACS_ENGINE_MAX_ACTIVE` sequences decode together; each tenant (X-Acs-Tenant: the
+    gateway's account) may have up to `ACS_ENGINE_MAX_WAITING` more waiting (beyond that: 503
+    engine_overloaded for that tenant only, except that a tenant with nothing waiting may queue
+    a request of any size). `ACS_ENGINE_THREADS` torch threads.
 
     The engine has no user accounts, so it only answers requests whose Host is one of
     `ACS_ENGINE_ALLOWED_HOSTS` (host names, any port; a web page's DNS-rebound name is not),

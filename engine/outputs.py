@@ -75,6 +75,17 @@ class NonFiniteOutput(Exception):
     does that): no token can be chosen or reported from them."""
 
 
+def finite_rows(values: torch.Tensor) -> torch.Tensor:
+    """Per row of `values` [rows, n], whether all its values are finite. A row whose sum is
+    finite has only finite values; only the other rows are checked value by value (on a CPU,
+    torch.isfinite over a [48, 49152] tensor costs 35 ms, a sum 0.5 ms)."""
+    finite = torch.isfinite(values.sum(dim=-1))
+    if not bool(finite.all()):
+        suspect = (~finite).nonzero().flatten()
+        finite[suspect] = torch.isfinite(values[suspect]).all(dim=-1)
+    return finite
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete characters."""
 
@@ -195,7 +206,7 @@ def score_prompt(final_hidden, lm_head, prompt_ids: list[int], top_k: int, full_
     for start in range(0, len(targets), PROMPT_SCORING_CHUNK):
         rows = final_hidden[start : start + PROMPT_SCORING_CHUNK][: len(targets) - start]
         logprobs = torch.log_softmax(lm_head(rows).float(), dim=-1).cpu()
-        if not bool(torch.isfinite(logprobs).all()):
+        if not bool(finite_rows(logprobs).all()):
             raise NonFiniteOutput
         chunk_targets = targets[start : start + len(rows)]
         actual = logprobs.gather(1, chunk_targets[:, None])

@@ -29,6 +29,9 @@ from engine.scheduler import EngineRequest, Overloaded, Scheduler
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = object()  # event-queue marker: the HTTP client disconnected
+# Whom a request is for (the gateway sends its account's id): the scheduler shares capacity
+# between tenants. vLLM ignores the header.
+TENANT_HEADER = "x-acs-tenant"
 
 
 class EngineState:
@@ -234,7 +237,9 @@ async def completions(request: Request) -> Response:
         loaded, scheduler = request.app.state.engine.require_loaded()
         parsed = parse_model(CompletionRequest, await read_json(request))
         prepared = await run_in_threadpool(prepare_completion, parsed, loaded)
-        engine_request = EngineRequest(prepared, asyncio.get_running_loop())
+        engine_request = EngineRequest(
+            prepared, asyncio.get_running_loop(), tenant=request.headers.get(TENANT_HEADER, "")
+        )
         scheduler.submit(engine_request)
     except RequestError as error:
         return error_response(error)

@@ -28,6 +28,7 @@ from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, metering_refusal, result_unstorable
 from api.models import LanguageModel
+from api.upstream import tenant_of
 from metering.budgets import (
     BudgetExceeded,
     budget_activations_refund_steps,
@@ -506,7 +507,11 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         # An earlier attempt paid for this batch before its worker died: the new attempt
         # captures it again for its files, at no second charge.
         return async_to_sync(capture_batch)(
-            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+            model,
+            token_lists=token_lists,
+            layers=job.layers,
+            first_index=first_index,
+            tenant=tenant_of(job.user_id),
         )
     try:
         hold = budget_reserve(
@@ -520,7 +525,11 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         raise _HarvestRefused(metering_refusal(exceeded)) from None
     try:
         captures = async_to_sync(capture_batch)(
-            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+            model,
+            token_lists=token_lists,
+            layers=job.layers,
+            first_index=first_index,
+            tenant=tenant_of(job.user_id),
         )
     except BaseException:
         run_steps(lambda: _batch_settle_steps(hold, held=len(token_lists), captures=[]))

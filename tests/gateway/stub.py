@@ -36,6 +36,7 @@ class StubUpstream:
         self.tokenizer_json = self.tokenizer.to_str().encode()
         self.mode: dict = {"serve_tokenizer_json": True, "healthy": True}
         self.requests: list[dict] = []
+        self.tenants: list[str] = []  # the X-Acs-Tenant of each completion request
         self.in_flight = 0
         self.max_in_flight = 0
         self.paths: list[str] = []
@@ -74,6 +75,8 @@ class StubUpstream:
             count = self.count(payload["prompt"], payload.get("add_special_tokens", True))
             await _json(send, {"tokens": list(range(count)), "count": count})
         elif path == "/v1/completions":
+            headers = dict(scope["headers"])
+            self.tenants.append(headers.get(b"x-acs-tenant", b"").decode())
             await self.completions(json.loads(body), send)
         else:
             await _json(send, {"error": {"code": "not_found", "message": path}}, 404)
@@ -90,6 +93,7 @@ class StubUpstream:
     def reset(self) -> None:
         self.mode = {"serve_tokenizer_json": True, "healthy": True}
         self.requests.clear()
+        self.tenants.clear()
         self.paths.clear()
         self.max_in_flight = 0
 
