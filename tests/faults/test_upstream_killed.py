@@ -114,7 +114,7 @@ def test_engine_killed_mid_stream_meters_sent_tokens_and_breaker_recovers(
     recovered = time.monotonic()
     assert recovered - back_at <= 5, f"recovery took {recovered - back_at:.1f} s"
     fault_table.add(
-        fault="engine SIGKILLed mid-stream",
+        fault="engine SIGKILLed mid-stream, then restarted",
         client_saw=f"200 stream, {seen['tokens']} tokens, then an in-band `vllm_engine_dead`"
         f" frame (no [DONE]); then {codes.count('upstream_unreachable')}×"
         f" `upstream_unreachable`, then `circuit_open`",
