@@ -229,7 +229,9 @@ async def _run(state: "_Request") -> "CompletionResult":
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             reply = await upstream.send_completion(
-                state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+                state.valid.urls,
+                state.valid.upstream_payload(max_tokens=max_tokens),
+                tenant=upstream.tenant_of(state.key.user_id),
             )
             state.upstream_ms = reply.upstream_ms
             state.ttft_ms = state.elapsed_ms()
@@ -245,6 +247,8 @@ async def _run(state: "_Request") -> "CompletionResult":
         return CompletionResult(200, body, headers, content)
     except ApiError as error:
         state.status, state.error_code = error.status, error.code
+        if (usage := _usage_tokens({"usage": error.usage})) is not None:
+            state.prompt_tokens, state.completion_tokens = usage
         return CompletionResult(error.status, error.body(), error.headers())
     except Exception as failure:
         logger.exception("completion %s failed", state.request_id)
@@ -316,12 +320,15 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
             state.valid.request.stream_options and state.valid.request.stream_options.include_usage
         )
         rename = state.valid.model.upstream_model_name != state.valid.model.name
+        steered = bool(state.valid.request.apply_steering_vectors)
         async with contextlib.AsyncExitStack() as stack:
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             frames = await stack.enter_async_context(
                 upstream.open_stream(
-                    state.valid.urls, state.valid.upstream_payload(max_tokens=max_tokens)
+                    state.valid.urls,
+                    state.valid.upstream_payload(max_tokens=max_tokens),
+                    tenant=upstream.tenant_of(state.key.user_id),
                 )
             )
             status, error_code, opened = 200, "", True
@@ -340,7 +347,7 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
                     finished = True
                     yield b"data: [DONE]\n\n"
                     break
-                frame = json.loads(raw)
+                frame = upstream.finite_json(raw, steered=steered)
                 if "error" in frame:
                     raise upstream.map_stream_error(frame)
                 usage = _usage_tokens(frame)

@@ -72,6 +72,14 @@ ERROR_CODES = {
     "host_not_allowed": ErrorCode(
         400, "The Host header names no host this server answers for.", should_retry=False
     ),
+    "non_finite_output": ErrorCode(
+        400,
+        "The model's output under this request is NaN or infinite (steering whose values "
+        "times scale overflow the residual stream does that); lower the steering scale or "
+        "values. The tokens computed are billed.",
+        should_retry=False,
+        from_upstream=True,
+    ),
     "deadline_infeasible": ErrorCode(
         400, "Lower max_tokens, or stream the request.", should_retry=False
     ),
@@ -121,6 +129,12 @@ ERROR_CODES = {
     ),
     "internal_error": ErrorCode(500, "Report the request id."),
     "worker_lost": ErrorCode(500, "The worker running the job stopped too often."),
+    "result_unstorable": ErrorCode(
+        500,
+        "The job or playground run ran (and was billed once) but its result could not be "
+        "stored; the message says why.",
+        should_retry=False,
+    ),
     "upstream_unreachable": ErrorCode(502, "The upstream could not be reached.", retry_after=5),
     "vllm_engine_dead": ErrorCode(
         502, "The upstream closed the connection mid-response.", retry_after=10, from_upstream=True
@@ -136,7 +150,11 @@ ERROR_CODES = {
     "capture_rows_missing": ErrorCode(
         502, "Check each steering vector's hidden size.", should_retry=False, from_upstream=True
     ),
-    "circuit_open": ErrorCode(503, "Every upstream of the model is failing.", retry_after=30),
+    "circuit_open": ErrorCode(
+        503,
+        "Every upstream of the model is failing; the gateway checks their health every second.",
+        retry_after=2,
+    ),
     "capture_preempted": ErrorCode(
         503, "The upstream preempted the capture; retry.", retry_after=5, from_upstream=True
     ),
@@ -184,9 +202,10 @@ ERROR_CODES = {
 class ApiError(Exception):
     """An error answered with the contract's envelope. `retry_after` (seconds) and
     `should_retry` (False adds `X-Should-Retry: false`) default to the code's entry in
-    ERROR_CODES."""
+    ERROR_CODES. `usage` is an upstream's `{prompt_tokens, completion_tokens}` for work it
+    did before failing (billed; never sent to the client)."""
 
-    def __init__(self, status, code, message, *, retry_after=None, should_retry=None):
+    def __init__(self, status, code, message, *, retry_after=None, should_retry=None, usage=None):
         super().__init__(message)
         entry = ERROR_CODES[code]
         self.status = status
@@ -194,6 +213,7 @@ class ApiError(Exception):
         self.message = message
         self.retry_after = entry.retry_after if retry_after is None else retry_after
         self.should_retry = entry.should_retry if should_retry is None else should_retry
+        self.usage = usage
 
     @property
     def error_type(self) -> str:
@@ -238,6 +258,21 @@ def unexpected_error(error: Exception, request_id: str) -> ApiError:
     if isinstance(error, RedisError):
         return redis_unavailable()
     return ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
+
+
+def result_unstorable(error: Exception, *, request_id: str) -> ApiError:
+    """The error of a job or playground run whose completion ran (and was billed) but whose
+    result the database refused, such as text holding \u0000, which PostgreSQL's JSON cannot
+    hold. Stored instead of the result, so that the work is neither lost silently nor run and
+    billed again."""
+    lines = str(error).strip().splitlines()
+    reason = lines[0] if lines else type(error).__name__
+    return ApiError(
+        500,
+        "result_unstorable",
+        f"The completion ran and was billed (request {request_id}), but its result could not "
+        f"be stored: {reason}",
+    )
 
 
 def error_response(error: ApiError, request_id: str) -> JsonResponse:

@@ -69,7 +69,7 @@ def upstream_states() -> list[dict]:
                 ("activations", url) for url in model.activation_upstream_urls
             ]
             for kind, url in kinds:
-                open_key, _, fails_key = circuit_keys(url)
+                open_key, _, fails_key, *_ = circuit_keys(url)
                 pipe = client.pipeline()
                 pipe.get(open_key)
                 pipe.zcount(fails_key, now_ms - FAILURE_WINDOW_MS, "+inf")

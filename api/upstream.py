@@ -4,8 +4,14 @@ Upstreams speak vLLM's HTTP API (the embedded engine does too). A model's base U
 round-robin; a circuit breaker in Redis, shared by all replicas (each trusting a closed
 circuit for CLOSED_TRUST_S between checks), skips a URL that keeps failing
 (`FAILURE_THRESHOLD` failures within `FAILURE_WINDOW_MS` open it for `OPEN_MS`; then one
-probe request is let through, and its outcome closes or re-opens it). Failures are mapped to
-the contract's error codes as `ApiError`.
+probe request is let through, and its outcome closes or re-opens it). While it is open, the
+gateway asks the URL's /health at most once per `HEALTH_PROBE_INTERVAL_MS` (all replicas
+together), and closes the circuit as soon as the upstream is seen coming back: a probe that
+answers after one during this opening did not (an engine restarting, a network healed). An
+upstream whose /health never failed while its completions did waits for `OPEN_MS`, so a
+broken upstream with a healthy /health is not retried every second. No user request is
+involved: a client's request can neither hold the probe nor decide it. Failures are mapped
+to the contract's error codes as `ApiError`.
 
 Only what says the upstream is unwell counts as a failure: a transport error, a 5xx, invalid
 JSON. An answer about the request itself never counts, so no user can open the circuit for
@@ -18,9 +24,12 @@ output-work cap allows (prompt_count x n <= 32,000 / max_tokens) and feeds them 
 batch as room frees up. A timeout is `upstream_deadline` and does not count either: a slow
 answer to a long request is not a sick upstream.
 
+Every completion names the account it is for in `X-Acs-Tenant` (an opaque id, no secret):
+the embedded engine shares its capacity between tenants (vLLM ignores the header).
+
 For other callers (a harvest worker capturing one prompt, completion jobs):
 
-    body = await upstream_completion(model, payload)
+    body = await upstream_completion(model, payload, tenant=tenant_of(user_id))
 
 sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
 `LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
@@ -51,6 +60,8 @@ FAILURE_THRESHOLD = 5
 FAILURE_WINDOW_MS = 30_000
 OPEN_MS = 30_000
 PROBE_MS = 15_000
+HEALTH_PROBE_INTERVAL_MS = 1_000
+HEALTH_PROBE_TIMEOUT_S = 2.0
 NON_STREAMING_TIMEOUT_S = 14 * 60
 STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
@@ -66,8 +77,17 @@ _OOM_WORDS = re.compile(r"out of memory|\boom\b", re.IGNORECASE)
 
 
 def circuit_keys(url: str) -> list[str]:
+    """The URL's circuit state in Redis: open_until (ms; absent when closed), the half-open
+    probe request's lock, recent failures, the health probe's lock, and `down` (a health
+    probe failed during this opening)."""
     base = f"acs:cb:{{{url}}}"
-    return [f"{base}:open_until", f"{base}:probe", f"{base}:fails"]
+    return [
+        f"{base}:open_until",
+        f"{base}:probe",
+        f"{base}:fails",
+        f"{base}:health",
+        f"{base}:down",
+    ]
 
 
 _NOW = """
@@ -75,27 +95,38 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: open_until_i, probe_i, fails_i for each URL in round-robin order. ARGV: probe ms.
-# Returns {index (1-based) or 0, 'closed' | 'probe' | seconds until the first re-opens}.
+# KEYS: open_until_i, probe_i, health_i for each URL in round-robin order. ARGV: probe ms,
+# health probe interval ms. Returns {index (1-based), 'closed' | 'probe'}, or, when every
+# circuit is open, {0, 'open', the indexes of the URLs whose health this caller is to probe
+# now}.
 _PICK = (
     _NOW
     + """
-local soonest = nil
+local health = {}
 for i = 1, #KEYS / 3 do
   local open_until = redis.call('GET', KEYS[i * 3 - 2])
   if not open_until then return {i, 'closed'} end
-  open_until = tonumber(open_until)
-  if now >= open_until then
-    if redis.call('SET', KEYS[i * 3 - 1], '1', 'NX', 'PX', ARGV[1]) then return {i, 'probe'} end
-    open_until = now + tonumber(ARGV[1])
+  if now >= tonumber(open_until)
+      and redis.call('SET', KEYS[i * 3 - 1], '1', 'NX', 'PX', ARGV[1]) then
+    return {i, 'probe'}
   end
-  if not soonest or open_until < soonest then soonest = open_until end
+  if redis.call('SET', KEYS[i * 3], '1', 'NX', 'PX', ARGV[2]) then health[#health + 1] = i end
 end
-return {0, tostring(math.max(1, math.ceil((soonest - now) / 1000)))}
+return {0, 'open', unpack(health)}
 """
 )
 
-# KEYS: open_until, probe, fails. ARGV: member, threshold, window ms, open ms, was probe.
+# KEYS: circuit_keys(url). Closes the circuit if a health probe failed during this opening.
+_CLOSE_IF_BACK = """
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('DEL', unpack(KEYS))
+  return 1
+end
+return 0
+"""
+
+# KEYS: open_until, probe, fails (circuit_keys' first three). ARGV: member, threshold,
+# window ms, open ms, was probe.
 _FAILURE = (
     _NOW
     + """
@@ -143,6 +174,7 @@ def _scripts(client):
         scripts = _pick_scripts[client] = (
             client.register_script(_PICK),
             client.register_script(_FAILURE),
+            client.register_script(_CLOSE_IF_BACK),
         )
     return scripts
 
@@ -161,16 +193,20 @@ async def pick_target(urls: list[str]) -> Target:
     ordered = urls[start:] + urls[:start]
     if _trusted_closed_until.get(ordered[0], 0.0) > time.monotonic():
         return Target(url=ordered[0], probe=False)
-    pick, _ = _scripts(redis_async())
-    keys = [key for url in ordered for key in circuit_keys(url)]
-    index, state = await pick(keys=keys, args=[PROBE_MS])
+    pick = _scripts(redis_async())[0]
+    keys = [key for url in ordered for key in _pick_keys(url)]
+    index, state, *to_probe = await pick(keys=keys, args=[PROBE_MS, HEALTH_PROBE_INTERVAL_MS])
     state = state.decode() if isinstance(state, bytes) else state
     if index == 0:
+        for probed in to_probe:
+            url = ordered[int(probed) - 1]
+            if await _health_probe(url):
+                _trusted_closed_until[url] = time.monotonic() + CLOSED_TRUST_S
+                return Target(url=url, probe=False)
         raise ApiError(
             503,
             "circuit_open",
             "Every upstream of this model is failing; the gateway is letting them recover.",
-            retry_after=int(state),
         )
     url = ordered[index - 1]
     if state == "closed":
@@ -178,11 +214,27 @@ async def pick_target(urls: list[str]) -> Target:
     return Target(url=url, probe=state == "probe")
 
 
+def _pick_keys(url: str) -> list[str]:
+    open_until, probe, _, health, _ = circuit_keys(url)
+    return [open_until, probe, health]
+
+
+async def _health_probe(url: str) -> bool:
+    """Ask an open circuit's upstream for its health; True when this closed the circuit (the
+    upstream answers after a probe during this opening did not). A failed probe is noted."""
+    client = redis_async()
+    keys = circuit_keys(url)
+    if not (await _health_of(url, timeout=HEALTH_PROBE_TIMEOUT_S))["model_loaded"]:
+        await client.set(keys[4], "1", px=86_400_000)
+        return False
+    return bool(await _scripts(client)[2](keys=keys))
+
+
 async def record_failure(target: Target) -> None:
     _trusted_closed_until.pop(target.url, None)
-    _, failure = _scripts(redis_async())
+    failure = _scripts(redis_async())[1]
     await failure(
-        keys=circuit_keys(target.url),
+        keys=circuit_keys(target.url)[:3],
         args=[
             f"{time.time_ns()}-{secrets.token_hex(2)}",
             FAILURE_THRESHOLD,
@@ -204,11 +256,18 @@ async def record_success(target: Target) -> None:
 
 
 def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
-    """The contract's error for an upstream's non-2xx answer."""
+    """The contract's error for an upstream's non-2xx answer. An error code that passes
+    through keeps the `usage` the upstream reports beside it (the work it did, billed)."""
     upstream_code, message = _error_fields(content)
     retry_after = _retry_after(headers)
     if (passed := _passed_through(upstream_code)) is not None:
-        return ApiError(passed.status, upstream_code, message, retry_after=retry_after)
+        return ApiError(
+            passed.status,
+            upstream_code,
+            message,
+            retry_after=retry_after,
+            usage=_usage_beside_error(content),
+        )
     if status in (400, 422):
         if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
             upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
@@ -267,6 +326,50 @@ def _error_fields(content: bytes) -> tuple[str, str]:
     return "", str(error or "")
 
 
+def _usage_beside_error(content: bytes) -> dict | None:
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _NonFinite(Exception):
+    pass
+
+
+def _refuse_non_finite(name: str):
+    raise _NonFinite(name)
+
+
+_FINITE_JSON = json.JSONDecoder(parse_constant=_refuse_non_finite)
+
+
+def finite_json(content: bytes, *, steered: bool):
+    """An upstream's JSON body or SSE frame, decoded. NaN and ±Infinity are not JSON, though
+    Python (and so an upstream) writes and reads them: they raise 400 non_finite_output (with
+    the upstream's `usage`, for billing), so no such value reaches a client or the database.
+    `steered`: the request carried steering vectors (the likely cause, said in the message).
+    Raises ValueError for anything else that is not JSON."""
+    try:
+        return _FINITE_JSON.decode(content.decode("utf-8", "surrogatepass"))
+    except _NonFinite:
+        pass
+    usage = json.loads(content).get("usage")
+    cause = (
+        "this request's steering (its vectors' values times scale) likely overflows the "
+        "residual stream; lower the scale or the values"
+        if steered
+        else "the upstream failed to compute this request"
+    )
+    raise ApiError(
+        400,
+        "non_finite_output",
+        f"The model's output holds NaN or infinite values, which JSON cannot carry: {cause}.",
+        usage=usage if isinstance(usage, dict) else None,
+    )
+
+
 def _error_type(content: bytes) -> str:
     try:
         error = json.loads(content).get("error")
@@ -314,16 +417,25 @@ def _endpoint(base: str, path: str) -> httpx.URL:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
+def tenant_of(user_id) -> str:
+    """The X-Acs-Tenant of an account's requests: the engine shares capacity per account,
+    so that many keys of one user share one turn."""
+    return str(user_id)
+
+
 def _auth_headers() -> dict:
     """The shared upstream token (ACS_ENGINE_TOKEN), sent on every request to an upstream."""
     token = settings.ACS_ENGINE_TOKEN
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-async def _post(urls, path, payload, *, timeout, stream=False):
+async def _post(urls, path, payload, *, timeout, stream=False, tenant=""):
     """POST to the next healthy URL (one retry on another URL when the connection fails)
     and return `(target, response)`; the response is open when `stream`, else read."""
     content = json.dumps(payload, separators=(",", ":")).encode()
+    headers = {**_JSON_HEADERS, **_auth_headers()}
+    if tenant:
+        headers["x-acs-tenant"] = tenant
     attempts = 2 if len(urls) > 1 else 1
     for attempt in range(attempts):
         target = await pick_target(urls)
@@ -331,7 +443,7 @@ async def _post(urls, path, payload, *, timeout, stream=False):
             "POST",
             _endpoint(target.url, path),
             content=content,
-            headers={**_JSON_HEADERS, **_auth_headers()},
+            headers=headers,
             extensions={"timeout": timeout.as_dict()},
         )
         try:
@@ -373,15 +485,19 @@ async def _raise_for_status(target: Target, response: httpx.Response) -> None:
     raise error
 
 
-async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
-    """A non-streaming completion; raises the contract's ApiError on any failure."""
+async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> UpstreamReply:
+    """A non-streaming completion for `tenant` (`tenant_of`); raises the contract's ApiError
+    on any failure."""
     started = time.perf_counter()
     timeout = httpx.Timeout(NON_STREAMING_TIMEOUT_S, connect=5.0)
-    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout)
+    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, tenant=tenant)
     await _raise_for_status(target, response)
     content = response.content
     try:
-        body = json.loads(content)
+        body = finite_json(content, steered=bool(payload.get("apply_steering_vectors")))
+    except ApiError:
+        await record_success(target)  # it answered: a non-finite output is the request's
+        raise
     except ValueError as error:
         await record_failure(target)
         raise ApiError(502, "upstream_server_error", "The upstream sent invalid JSON.") from error
@@ -389,14 +505,16 @@ async def send_completion(urls: list[str], payload: dict) -> UpstreamReply:
     return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
 
 
-async def upstream_completion(model, payload: dict) -> dict:
-    """Send one non-streaming completion body to `model`'s upstream (the activation upstream
-    for capture or steering) and return the response dict; raises ApiError."""
+async def upstream_completion(model, payload: dict, *, tenant: str) -> dict:
+    """Send one non-streaming completion body for `tenant` to `model`'s upstream (the
+    activation upstream for capture or steering) and return the response dict; raises
+    ApiError."""
     activation = bool(payload.get("output_residual_stream")) or bool(
         payload.get("apply_steering_vectors")
     )
     payload = {**payload, "model": model.upstream_model_name}
-    return (await send_completion(model.urls_for(activation=activation), payload)).body
+    urls = model.urls_for(activation=activation)
+    return (await send_completion(urls, payload, tenant=tenant)).body
 
 
 async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
@@ -424,12 +542,14 @@ async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> 
 
 
 @asynccontextmanager
-async def open_stream(urls: list[str], payload: dict):
-    """Open a streaming completion; yields an async iterator of SSE `data:` payloads (bytes,
-    without the `data: ` prefix). Failures before the first byte raise ApiError here;
-    failures while iterating raise ApiError from the iterator."""
+async def open_stream(urls: list[str], payload: dict, *, tenant: str):
+    """Open a streaming completion for `tenant`; yields an async iterator of SSE `data:`
+    payloads (bytes, without the `data: ` prefix). Failures before the first byte raise
+    ApiError here; failures while iterating raise ApiError from the iterator."""
     timeout = httpx.Timeout(STREAM_IDLE_TIMEOUT_S, connect=5.0)
-    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, stream=True)
+    target, response = await _post(
+        urls, "/v1/completions", payload, timeout=timeout, stream=True, tenant=tenant
+    )
     try:
         await _raise_for_status(target, response)
         yield _sse_payloads(target, response)
@@ -450,21 +570,26 @@ async def _sse_payloads(target: Target, response: httpx.Response):
     await record_success(target)
 
 
+async def _health_of(url: str, *, timeout: float) -> dict:
+    """`{url, ok, model_loaded}` from the URL's /health (vLLM answers 200 with no body)."""
+    try:
+        response = await http_client().get(
+            url.rstrip("/") + "/health", headers=_auth_headers(), timeout=timeout
+        )
+        body = response.json() if response.content else {}
+    except (httpx.HTTPError, ValueError):
+        return {"url": url, "ok": False, "model_loaded": False}
+    loaded = (
+        response.status_code == 200
+        and isinstance(body, dict)
+        and body.get("model_loaded", True) is not False
+    )
+    return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
+
+
 async def upstream_health(urls: list[str]) -> dict:
     """`{"warm": bool, "upstreams": [{url, ok, model_loaded}]}` from each URL's /health."""
-
-    async def one(url):
-        try:
-            response = await http_client().get(
-                url.rstrip("/") + "/health", headers=_auth_headers(), timeout=HEALTH_TIMEOUT_S
-            )
-            body = response.json() if response.content else {}
-        except (httpx.HTTPError, ValueError):
-            return {"url": url, "ok": False, "model_loaded": False}
-        loaded = response.status_code == 200 and body.get("model_loaded", True) is not False
-        return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
-
-    states = await asyncio.gather(*(one(url) for url in urls))
+    states = await asyncio.gather(*(_health_of(url, timeout=HEALTH_TIMEOUT_S) for url in urls))
     return {"warm": any(s["model_loaded"] for s in states), "upstreams": list(states)}
 
 

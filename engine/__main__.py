@@ -1,11 +1,13 @@
-"""`python -m engine serve [--host 127.0.0.1] [--port 8001]`: run the embedded model server."""
+"""`python -m engine serve [--host 127.0.0.1] [--port 8001]`: run the embedded model server.
+
+It refuses to listen beyond loopback unless ACS_ENGINE_TOKEN is set (`config.bind_refusal`)."""
 
 import argparse
 import logging
 
 import uvicorn
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, bind_refusal
 from engine.server import create_app
 
 
@@ -17,10 +19,11 @@ def main() -> None:
     serve.add_argument("--port", type=int, default=8001)
     serve.add_argument("--log-level", default="info")
     args = parser.parse_args()
+    config = EngineConfig()
+    if (refusal := bind_refusal(args.host, config)) is not None:
+        parser.error(refusal)
     logging.basicConfig(level=args.log_level.upper())
-    uvicorn.run(
-        create_app(EngineConfig()), host=args.host, port=args.port, log_level=args.log_level
-    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

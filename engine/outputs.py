@@ -59,8 +59,31 @@ class RequestDone:
 
 @dataclass
 class RequestFailed:
+    """The request ended in an error: `status` and `error_type` as the HTTP answer says them
+    (a 4xx type marks it as the request's own fault); `usage`, when set, is the work done
+    before the failure, reported so the gateway bills it."""
+
     code: str
     message: str
+    status: int = 500
+    error_type: str = "server_error"
+    usage: dict | None = None
+
+
+class NonFiniteOutput(Exception):
+    """The model's logits came out NaN or infinite (steering that overflows the residual stream
+    does that): no token can be chosen or reported from them."""
+
+
+def finite_rows(values: torch.Tensor) -> torch.Tensor:
+    """Per row of `values` [rows, n], whether all its values are finite. A row whose sum is
+    finite has only finite values; only the other rows are checked value by value (on a CPU,
+    torch.isfinite over a [48, 49152] tensor costs 35 ms, a sum 0.5 ms)."""
+    finite = torch.isfinite(values.sum(dim=-1))
+    if not bool(finite.all()):
+        suspect = (~finite).nonzero().flatten()
+        finite[suspect] = torch.isfinite(values[suspect]).all(dim=-1)
+    return finite
 
 
 class IncrementalDetokenizer:
@@ -175,13 +198,16 @@ def score_prompt(final_hidden, lm_head, prompt_ids: list[int], top_k: int, full_
     """Raw-distribution scores of the prompt's own tokens from the final (normed) hidden states.
 
     `final_hidden` is [P, hidden] (on the model's device); position t is predicted from row
-    t - 1. The scores are computed on the CPU, chunk by chunk.
+    t - 1. The scores are computed on the CPU, chunk by chunk. NonFiniteOutput when a
+    position's scores are NaN or infinite.
     """
     targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
     scores = PromptScores([], [], [], [], [] if full_vocab else None)
     for start in range(0, len(targets), PROMPT_SCORING_CHUNK):
         rows = final_hidden[start : start + PROMPT_SCORING_CHUNK][: len(targets) - start]
         logprobs = torch.log_softmax(lm_head(rows).float(), dim=-1).cpu()
+        if not bool(finite_rows(logprobs).all()):
+            raise NonFiniteOutput
         chunk_targets = targets[start : start + len(rows)]
         actual = logprobs.gather(1, chunk_targets[:, None])
         scores.token_logprobs += actual[:, 0].tolist()

@@ -6,6 +6,14 @@ cache row is copied for its n samples and merged into the running batch), then r
 decode step over every active sequence. Every batch is left-padded: each row's padding is
 masked out and each row gets its own position ids, so a sequence's output does not depend on
 its batch beyond floating-point noise.
+
+Capacity is shared between tenants (the account a request is for, which the gateway names in
+X-Acs-Tenant; requests without it share one tenant). Each tenant's prompts wait in a queue of
+its own, and the queues are served round-robin, a prompt at a time, so a request of thousands
+of sequences is taken in slices while other tenants' requests start beside it. A tenant with
+sequences running never takes the batch's last `reserved` slots: they are kept for a tenant
+with none, so long generations of one tenant cannot hold every slot either. The waiting limit
+is per tenant: one tenant's queue, however long, never refuses another's request.
 """
 
 import asyncio
@@ -14,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +35,11 @@ from engine.outputs import (
     ChoiceDelta,
     ChoiceText,
     LogprobsChunk,
+    NonFiniteOutput,
     RequestDone,
     RequestFailed,
     echo_logprobs,
+    finite_rows,
     generated_entry,
     score_prompt,
     vllm_prompt_logprobs,
@@ -42,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
-    """The engine holds as many waiting sequences as it may; retry later."""
+    """The tenant already has as many waiting sequences as it may; retry later."""
 
 
 @dataclass(eq=False)
@@ -53,6 +63,7 @@ class EngineRequest:
     prepared: PreparedRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tenant: str = ""
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     cancelled: bool = False
@@ -85,6 +96,76 @@ class PromptGroup:
     def size(self) -> int:
         return self.request.prepared.n
 
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prepared.prompts[self.prompt_index]
+
+
+class TenantQueues:
+    """The waiting prompt groups: one queue per tenant, each in arrival order, and the tenants
+    in turn order. A tenant served goes to the back; a tenant that had nothing waiting joins
+    at the front (it is the one served least recently). Not thread-safe: the scheduler holds
+    its lock."""
+
+    def __init__(self):
+        self._queues: OrderedDict[str, deque[PromptGroup]] = OrderedDict()
+        self._sequences: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        """Tenants with something waiting."""
+        return len(self._queues)
+
+    @property
+    def sequences(self) -> int:
+        return sum(self._sequences.values())
+
+    def waiting(self, tenant: str) -> int:
+        """Sequences of `tenant` waiting."""
+        return self._sequences[tenant]
+
+    def add(self, request: EngineRequest) -> None:
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            queue = self._queues[request.tenant] = deque()
+            self._queues.move_to_end(request.tenant, last=False)
+        queue.extend(PromptGroup(request, index) for index in range(len(request.prepared.prompts)))
+        self._sequences[request.tenant] += request.prepared.sequence_count
+
+    def remove(self, request: EngineRequest) -> None:
+        """Drop every waiting group of `request`."""
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            return
+        kept = deque(group for group in queue if group.request is not request)
+        self._sequences[request.tenant] -= (len(queue) - len(kept)) * request.prepared.n
+        self._queues[request.tenant] = kept
+        self._forget_if_empty(request.tenant)
+
+    def heads(self) -> list[PromptGroup]:
+        """The first waiting group of each tenant, in turn order (cancelled groups dropped)."""
+        heads = []
+        for tenant in list(self._queues):
+            queue = self._queues[tenant]
+            while queue and queue[0].request.cancelled:
+                self._sequences[tenant] -= queue.popleft().size
+            if queue:
+                heads.append(queue[0])
+            else:
+                self._forget_if_empty(tenant)
+        return heads
+
+    def pop(self, group: PromptGroup) -> None:
+        """Dequeue `group` (one of `heads()`); its tenant goes to the back of the turn order."""
+        tenant = group.request.tenant
+        self._queues[tenant].popleft()
+        self._sequences[tenant] -= group.size
+        self._queues.move_to_end(tenant)
+        self._forget_if_empty(tenant)
+
+    def _forget_if_empty(self, tenant: str) -> None:
+        if not self._queues[tenant]:
+            del self._queues[tenant], self._sequences[tenant]
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -114,9 +195,11 @@ class Scheduler:
         self.max_active = max_active
         self.max_waiting = max_waiting
         self.threads = threads
+        # Slots a tenant with sequences running leaves to others: a quarter of the batch, at
+        # most 16 (the largest n, so any other tenant's prompt can start at once).
+        self.reserved = min(16, max_active // 4)
         self._condition = threading.Condition()
-        self._waiting: deque[PromptGroup] = deque()
-        self._waiting_sequences = 0
+        self._waiting = TenantQueues()
         self._stopping = False
         self._active: list[Sequence] = []
         self._cache: KVCache | None = None
@@ -134,11 +217,12 @@ class Scheduler:
         self._thread.join(timeout=10)
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue a request. Overloaded (busy: retry later) when other requests wait and its
-        sequences would take the queue past `max_waiting`; a request larger than the whole
-        queue is taken in once nothing else waits (its prompts are then admitted as room frees
-        up, at most `max_active` sequences running), so no request is refused for its size
-        alone. RequestError when its n samples of one prompt could never run together."""
+        """Queue a request in its tenant's queue. Overloaded (busy: retry later) when the
+        tenant already has sequences waiting and this request's would take them past
+        `max_waiting`; a tenant with nothing waiting may queue a request of any size (its
+        prompts are then admitted in turn with other tenants'), so no request is refused for
+        its size alone, and no tenant's queue refuses another's requests. RequestError when
+        its n samples of one prompt could never run together."""
         if request.prepared.n > self.max_active:
             raise RequestError(
                 f"n = {request.prepared.n} samples of a prompt run together, and this engine "
@@ -146,45 +230,50 @@ class Scheduler:
             )
         request.unfinished = request.prepared.sequence_count
         with self._condition:
-            if (
-                self._waiting_sequences
-                and self._waiting_sequences + request.unfinished > self.max_waiting
-            ):
-                raise Overloaded(f"engine queue is full ({self.max_waiting} waiting sequences)")
-            for prompt_index in range(len(request.prepared.prompts)):
-                self._waiting.append(PromptGroup(request, prompt_index))
-            self._waiting_sequences += request.unfinished
+            waiting = self._waiting.waiting(request.tenant)
+            if waiting and waiting + request.unfinished > self.max_waiting:
+                raise Overloaded(
+                    f"this tenant's queue is full ({waiting} sequences waiting; at most "
+                    f"{self.max_waiting} beyond a first request)"
+                )
+            self._waiting.add(request)
             self._condition.notify()
 
     def cancel(self, request: EngineRequest) -> None:
         """Drop a request: its waiting prompts at once, its running sequences at the next step."""
         with self._condition:
             request.cancel()
-            kept = [group for group in self._waiting if group.request is not request]
-            self._waiting_sequences -= sum(group.size for group in self._waiting) - sum(
-                group.size for group in kept
-            )
-            self._waiting = deque(kept)
+            self._waiting.remove(request)
             self._condition.notify()
 
     def stats(self) -> dict:
         with self._condition:
             active = sum(1 for sequence in self._active if not sequence.dropped)
-            return {"active_sequences": active, "waiting_sequences": self._waiting_sequences}
+            return {
+                "active_sequences": active,
+                "waiting_sequences": self._waiting.sequences,
+                "waiting_tenants": len(self._waiting),
+            }
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
-                    self._advance_prefill()
-                    self._drop_finished()
-                    if self._active:
-                        self._decode_step()
-                        self._drop_finished()
+                    self.step()
                 except Exception:
                     log.exception("model step failed")
                     self._fail_active()
+
+    def step(self) -> None:
+        """One iteration of the loop: start or advance a prefill, then one decode step of the
+        running batch. Called by the scheduler's thread (tests call it themselves, on a
+        scheduler never started, under torch.inference_mode)."""
+        self._advance_prefill()
+        self._drop_finished()
+        if self._active:
+            self._decode_step()
+            self._drop_finished()
 
     def _wait_for_work(self) -> bool:
         with self._condition:
@@ -214,35 +303,37 @@ class Scheduler:
             self._prefill_finish(prefill)
 
     def _take_admissible(self) -> list[PromptGroup]:
-        """Dequeue the waiting groups, in queue order, that fit beside the active sequences
-        and in one prefill batch (see `_padding_acceptable`); cancelled groups are dropped on
-        the way."""
+        """Dequeue waiting groups for one prefill batch, a group at a time from each tenant in
+        turn (each tenant's in arrival order), while they fit: beside the active sequences (a
+        tenant with sequences running leaves the last `reserved` slots to others) and in one
+        batch (see `_padding_acceptable`). A tenant whose next group does not fit is passed
+        over, keeping its turn."""
         room = self.max_active - len(self._active)
+        running = Counter(sequence.request.tenant for sequence in self._active)
         admitted, longest, real_tokens = [], 0, 0
+
+        def fits(group: PromptGroup) -> bool:
+            length = len(group.prompt_ids)
+            if group.size > room - (self.reserved if running[group.request.tenant] else 0):
+                return False
+            if not admitted:
+                return True
+            return _padding_acceptable(
+                len(admitted) + 1, max(longest, length), real_tokens + length
+            )
+
         with self._condition:
-            while self._waiting:
-                group = self._waiting[0]
-                length = len(group.request.prepared.prompts[group.prompt_index])
-                if not group.request.cancelled and (
-                    group.size > room
-                    or (
-                        admitted
-                        and not _padding_acceptable(
-                            len(admitted) + 1, max(longest, length), real_tokens + length
-                        )
-                    )
-                ):
-                    break
-                self._waiting.popleft()
-                self._waiting_sequences -= group.size
-                if not group.request.cancelled:
-                    admitted.append(group)
-                    room -= group.size
-                    longest, real_tokens = max(longest, length), real_tokens + length
+            while group := next(filter(fits, self._waiting.heads()), None):
+                self._waiting.pop(group)
+                admitted.append(group)
+                room -= group.size
+                running[group.request.tenant] += group.size
+                longest = max(longest, len(group.prompt_ids))
+                real_tokens += len(group.prompt_ids)
         return admitted
 
     def _prefill_start(self, groups: list[PromptGroup]) -> "Prefill":
-        prompts = [group.request.prepared.prompts[group.prompt_index] for group in groups]
+        prompts = [group.prompt_ids for group in groups]
         input_ids, mask = _padded_prompts(prompts, self.device)
         return Prefill(
             groups=groups,
@@ -282,24 +373,34 @@ class Scheduler:
         groups, samples, prompts = prefill.groups, prefill.samples, prefill.prompts
         final_hidden = torch.cat(prefill.hidden_chunks, dim=1)
         logits = self._logits(final_hidden[:, -1])
-        logprobs = _reported_logprobs(logits, [group.request for group in groups])
+        requests = [group.request for group in groups]
+        logprobs = _reported_logprobs(logits, requests)
         sizes = torch.tensor([group.size for group in groups], device=self.device)
         if bool((sizes > 1).any()):
             prefill.cache.repeat_rows(sizes)
         new_rows = [sequence for sequences in samples for sequence in sequences]
         self._merge(prefill.cache, prefill.mask.repeat_interleave(sizes, dim=0), new_rows)
+        self._fail_non_finite(logits, requests)
         for row, (group, sequences) in enumerate(zip(groups, samples, strict=True)):
+            if group.request.cancelled:
+                continue  # its rows leave the batch before the next step
             # One prompt at a time, so that at most one prompt's scores are held before they
             # are emitted (full-vocabulary prompt_logprobs are large).
             prompt_hidden = final_hidden[row, prefill.padding[row] :]
-            first_delta = self._prompt_outputs(group.request.prepared, prompts[row], prompt_hidden)
+            try:
+                first_delta = self._prompt_outputs(
+                    group.request.prepared, prompts[row], prompt_hidden
+                )
+            except NonFiniteOutput:
+                self._fail_request(group.request, _non_finite_failure(group.request))
+                continue
             for sequence in sequences:
                 sequence.cached_tokens = len(prompts[row])
                 self._accept_token(sequence, logits[row], logprobs[row], first_delta)
 
     def _new_sequence(self, group: PromptGroup, sample: int) -> Sequence:
         prepared = group.request.prepared
-        prompt_ids = prepared.prompts[group.prompt_index]
+        prompt_ids = group.prompt_ids
         params = prepared.params
         echo_text = self.loaded.tokenizer.decode(prompt_ids) if params.echo else ""
         capture = {layer: [] for layer in prepared.capture_layers or ()} or None
@@ -345,7 +446,9 @@ class Scheduler:
         hooks = [sequence.hooks([sequence.cached_tokens]) for sequence in rows]
         final_hidden = self._forward(input_ids, self._mask, position_ids, self._cache, hooks)
         logits = self._logits(final_hidden[:, -1])
-        logprobs = _reported_logprobs(logits, [sequence.request for sequence in rows])
+        requests = [sequence.request for sequence in rows]
+        logprobs = _reported_logprobs(logits, requests)
+        self._fail_non_finite(logits, requests)
         for row, sequence in enumerate(rows):
             sequence.cached_tokens += 1
             if not sequence.dropped:
@@ -447,6 +550,34 @@ class Scheduler:
         self._mask = self._mask[:, first_used:]
         self._cache.keep_rows(index, first_used)
 
+    def _fail_non_finite(self, logits: torch.Tensor, requests: list[EngineRequest]) -> None:
+        """Fail the request of each row of `logits` [rows, vocab] that is not finite: a token
+        chosen from NaN logits would be noise, and NaN cannot be reported in JSON."""
+        finite = finite_rows(logits)
+        if bool(finite.all()):
+            return
+        for row in (~finite).nonzero().flatten().tolist():
+            self._fail_request(requests[row], _non_finite_failure(requests[row]))
+
+    def _fail_request(self, request: EngineRequest, failure: RequestFailed) -> None:
+        """End one request with `failure`, reporting the tokens computed for it so far; its
+        rows leave the batch at the next step and its waiting prompts are dropped."""
+        if request.cancelled:
+            return
+        running = sum(
+            len(sequence.output_ids)
+            for sequence in self._active
+            if sequence.request is request and not sequence.finished
+        )
+        completion_tokens = request.completion_tokens + running
+        failure.usage = {
+            "prompt_tokens": request.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": request.prompt_tokens + completion_tokens,
+        }
+        request.emit(failure)
+        request.cancel()
+
     def _fail_active(self) -> None:
         failed = {sequence.request for sequence in self._active}
         if self._prefill is not None:
@@ -456,6 +587,24 @@ class Scheduler:
             request.emit(RequestFailed("internal_error", "the model step failed; see engine log"))
             request.cancel()
         self._active, self._cache, self._mask = [], None, None
+
+
+def _non_finite_failure(request: EngineRequest) -> RequestFailed:
+    """The error of a request whose logits came out NaN or infinite. Marked as the request's
+    own fault (a 400): steering is what makes the residual stream overflow, and the gateway
+    must not count it against the engine's health."""
+    cause = (
+        "this request's steering (its vectors' values times scale) overflows the residual "
+        "stream; lower the scale or the values"
+        if request.prepared.steering
+        else "the model's forward pass overflowed"
+    )
+    return RequestFailed(
+        "non_finite_output",
+        f"the model's logits became NaN or infinite: {cause}",
+        status=400,
+        error_type="invalid_request_error",
+    )
 
 
 # A prefill runs this many columns of its prompts per scheduler step, with a decode step of

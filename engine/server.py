@@ -29,6 +29,9 @@ from engine.scheduler import EngineRequest, Overloaded, Scheduler
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = object()  # event-queue marker: the HTTP client disconnected
+# Whom a request is for (the gateway sends its account's id): the scheduler shares capacity
+# between tenants. vLLM ignores the header.
+TENANT_HEADER = "x-acs-tenant"
 
 
 class EngineState:
@@ -156,9 +159,18 @@ def json_response(body: dict, status: int = 200, headers: dict | None = None) ->
     )
 
 
-def error_response(error: RequestError) -> Response:
+def error_response(error: RequestError, usage: dict | None = None) -> Response:
+    """The error's JSON answer; `usage` (the work done before a request failed) goes beside
+    the error object so that the gateway bills it."""
     headers = {"Retry-After": "1"} if error.status == 503 else None
-    return json_response(error.body(), status=error.status, headers=headers)
+    body = error.body() if usage is None else {**error.body(), "usage": usage}
+    return json_response(body, status=error.status, headers=headers)
+
+
+def failure_error(failure: RequestFailed) -> RequestError:
+    return RequestError(
+        failure.message, failure.code, status=failure.status, error_type=failure.error_type
+    )
 
 
 async def health(request: Request) -> Response:
@@ -225,7 +237,9 @@ async def completions(request: Request) -> Response:
         loaded, scheduler = request.app.state.engine.require_loaded()
         parsed = parse_model(CompletionRequest, await read_json(request))
         prepared = await run_in_threadpool(prepare_completion, parsed, loaded)
-        engine_request = EngineRequest(prepared, asyncio.get_running_loop())
+        engine_request = EngineRequest(
+            prepared, asyncio.get_running_loop(), tenant=request.headers.get(TENANT_HEADER, "")
+        )
         scheduler.submit(engine_request)
     except RequestError as error:
         return error_response(error)
@@ -279,8 +293,7 @@ async def complete(engine_request: EngineRequest) -> Response:
         if isinstance(event, ChoiceDelta):
             add_delta(choices[event.index], event, prepared.params.logprobs is not None)
         elif isinstance(event, RequestFailed):
-            error = RequestError(event.message, event.code, status=500, error_type="server_error")
-            return error_response(error)
+            return error_response(failure_error(event), usage=event.usage)
         elif isinstance(event, RequestDone):
             body = completion_header(engine_request)
             body["choices"] = choices
@@ -337,7 +350,7 @@ async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.F
                 frame["choices"] = [delta_json(event)]
                 yield sse(frame)
             elif isinstance(event, RequestFailed):
-                yield sse(RequestError(event.message, event.code, error_type="server_error").body())
+                yield sse(failure_error(event).body())
                 return
             elif isinstance(event, RequestDone):
                 if engine_request.prepared.include_usage:

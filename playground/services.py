@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 from cryptography.fernet import Fernet
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -24,6 +24,7 @@ from acs_client.client import AcsApiError, AcsClient
 from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send
 from acs_portal.redis import redis_sync
+from api.errors import result_unstorable
 
 from . import figures, scoring, streams
 from .models import (
@@ -224,7 +225,14 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
             code="playground_error",
             message="The playground worker could not process the answer; see the worker log.",
         )
-    run = _run_succeed(run=run, **result)
+    try:
+        run = _run_succeed(run=run, **result)
+    except DataError as refused:
+        logger.warning("playground run %s: result not stored: %s", run.id, refused)
+        error = result_unstorable(refused, request_id=result["request_id"])
+        return run_fail(
+            run=run, code=error.code, message=error.message, request_id=result["request_id"]
+        )
     if run.kind == RunKind.CONTRAST:
         steering_vector_from_contrast(group=run.group)
     if run.kind in STEERING_KINDS:
@@ -312,19 +320,22 @@ def merge_stream_frames(frames: list[dict]) -> dict:
 
 
 def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
+    """Store the run's response (DataError when the database cannot hold it) and end its
+    stream."""
     # Tokenized after the answer, off the path to the first token.
     tokens = run_tokens(run.request, response)
     now = timezone.now()
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.SUCCEEDED,
-        response=response,
-        tokens=tokens,
-        usage=response.get("usage"),
-        request_id=request_id,
-        gateway_ms=timing.get("gateway"),
-        upstream_ms=timing.get("upstream"),
-        finished_at=now,
-    )
+    with transaction.atomic():
+        Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.SUCCEEDED,
+            response=response,
+            tokens=tokens,
+            usage=response.get("usage"),
+            request_id=request_id,
+            gateway_ms=timing.get("gateway"),
+            upstream_ms=timing.get("upstream"),
+            finished_at=now,
+        )
     streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
     run.refresh_from_db()
     return run

@@ -71,8 +71,10 @@ def wait_ready(
         time.sleep(0.3)
 
 
-def engine_command(port: int, python: str | Path = ENGINE_PYTHON) -> list[str]:
-    return [str(python), "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port)]
+def engine_command(
+    port: int, python: str | Path = ENGINE_PYTHON, host: str = "127.0.0.1"
+) -> list[str]:
+    return [str(python), "-m", "engine", "serve", "--host", host, "--port", str(port)]
 
 
 def stop(process: subprocess.Popen) -> None:

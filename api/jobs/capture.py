@@ -68,19 +68,24 @@ def _check_capturable(model, *, tokens: list[int], layers: list[int], index: int
 
 
 async def capture_batch(
-    model, *, token_lists: list[list[int]], layers: list[int], first_index: int
+    model, *, token_lists: list[list[int]], layers: list[int], first_index: int, tenant: str
 ) -> list[Capture]:
     """The capture of each tokenized prompt, sent concurrently so the upstream can batch
-    them. `first_index` numbers prompts in errors."""
+    them (for `tenant`, `upstream.tenant_of` the job's account). `first_index` numbers
+    prompts in errors."""
     return await asyncio.gather(
         *(
-            capture_prompt(model, tokens=tokens, layers=layers, index=first_index + offset)
+            capture_prompt(
+                model, tokens=tokens, layers=layers, index=first_index + offset, tenant=tenant
+            )
             for offset, tokens in enumerate(token_lists)
         )
     )
 
 
-async def capture_prompt(model, *, tokens: list[int], layers: list[int], index: int) -> Capture:
+async def capture_prompt(
+    model, *, tokens: list[int], layers: list[int], index: int, tenant: str
+) -> Capture:
     body = await upstream.upstream_completion(
         model,
         {
@@ -89,6 +94,7 @@ async def capture_prompt(model, *, tokens: list[int], layers: list[int], index: 
             "temperature": 0,
             "output_residual_stream": list(layers),
         },
+        tenant=tenant,
     )
     try:
         bits = decode_bfloat16_bits(body["activations"]["residual_stream"])

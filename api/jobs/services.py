@@ -16,7 +16,7 @@ from datetime import timedelta
 import numpy as np
 from asgiref.sync import async_to_sync
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DataError, IntegrityError, transaction
 from django.db.models import Case, F, When
 from django.utils import timezone
 
@@ -27,9 +27,10 @@ from acs_client.downloads import capture_metadata, file_metadata
 from acs_portal.celery import task_send
 from api.auth import key_recheck
 from api.completions import completion_run
-from api.errors import ApiError, metering_refusal
+from api.errors import ApiError, metering_refusal, result_unstorable
 from api.models import LanguageModel
 from api.tokenizer import token_strings
+from api.upstream import tenant_of
 from metering.budgets import (
     BudgetExceeded,
     budget_activations_refund_steps,
@@ -139,7 +140,9 @@ def completion_job_execute(*, job_id, now=None) -> None:
     account suspended, since the job was submitted fails it with the error the API would
     answer now, before any upstream work. A response the contract marks as
     retryable (it has Retry-After) re-queues the job after that delay, up to
-    ACS_JOB_MAX_ATTEMPTS attempts in all. Does nothing if the job is not queued."""
+    ACS_JOB_MAX_ATTEMPTS attempts in all. A result the database cannot store fails the job
+    with result_unstorable (it ran and was billed once). Does nothing if the job is not
+    queued."""
     now = now or timezone.now()
     job = _claim(
         CompletionJob,
@@ -180,14 +183,26 @@ def completion_job_execute(*, job_id, now=None) -> None:
         )
         task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
-    CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
-        status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
-        finished_at=timezone.now(),
-        lease_expires_at=None,
-        result_status=status,
-        result_body=body,
-        result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
-    )
+    try:
+        _completion_job_finish(job, status=status, body=body, headers=headers)
+    except DataError as refused:
+        # Run again, the job would be billed again and refused again: it fails, once.
+        logger.warning("completion job %s: result not stored: %s", job.pk, refused)
+        error = result_unstorable(refused, request_id=request_id)
+        _completion_job_finish(job, status=error.status, body=error.body(), headers=error.headers())
+
+
+def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
+    """Store a running job's outcome (DataError when the database cannot hold `body`)."""
+    with transaction.atomic():
+        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
+            status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
+            finished_at=timezone.now(),
+            lease_expires_at=None,
+            result_status=status,
+            result_body=body,
+            result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
+        )
 
 
 def _worker_lost_error(attempts: int) -> dict:
@@ -537,7 +552,11 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         # An earlier attempt paid for this batch before its worker died: the new attempt
         # captures it again for its files, at no second charge.
         return async_to_sync(capture_batch)(
-            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+            model,
+            token_lists=token_lists,
+            layers=job.layers,
+            first_index=first_index,
+            tenant=tenant_of(job.user_id),
         )
     try:
         hold = budget_reserve(
@@ -551,7 +570,11 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         raise _HarvestRefused(metering_refusal(exceeded)) from None
     try:
         captures = async_to_sync(capture_batch)(
-            model, token_lists=token_lists, layers=job.layers, first_index=first_index
+            model,
+            token_lists=token_lists,
+            layers=job.layers,
+            first_index=first_index,
+            tenant=tenant_of(job.user_id),
         )
     except BaseException:
         run_steps(lambda: _batch_settle_steps(hold, held=len(token_lists), captures=[]))

@@ -147,7 +147,9 @@ def test_batched_prefill_in_bfloat16_leaves_no_nan(reference):
 def test_prefill_batch_takes_only_the_groups_that_fit_beside_the_active_ones(exact):
     bodies = [dict(prompt=SHORT_PROMPT, max_tokens=2, temperature=0, n=2) for _ in range(3)]
     with recorded_forwards(exact) as forwards:
-        together = run_together(exact, bodies, max_active=4)
+        # 5 slots, of which a tenant with sequences running leaves 1 to other tenants: the
+        # first two groups (4 sequences) fit, the third waits for them.
+        together = run_together(exact, bodies, max_active=5)
     prefills = [call.shape for call in forwards if call.shape[1] > 1]
     length = prompt_length(exact, SHORT_PROMPT)
     assert prefills == [(2, length), (1, length)]

@@ -3,9 +3,15 @@ a foreign Host (DNS rebinding), a body that is not application/json (a preflight
 cross-site POST), and, when ACS_ENGINE_TOKEN is set, a request without the shared token."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import MODEL, EngineProcess
+from conftest import MODEL, REPO_ROOT, EngineProcess
+
+from engine.config import EngineConfig, bind_refusal
+from tests.servers import engine_command, free_port, stop, wait_ready
 
 BODY = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
 TOKEN = "engine-test-token-0123456789"
@@ -85,3 +91,44 @@ def test_allowed_hosts_setting_replaces_the_default_names(guarded_engine):
     assert served.status_code == 200, served.text
     refused = client.get("/v1/models", headers={**auth, "host": "localhost"})
     assert_refused(refused, 421, "host_not_allowed")
+
+
+def serve(host: str, env: dict) -> tuple[subprocess.Popen, int]:
+    """`python -m engine serve --host HOST` on a free port, with `env` as its environment."""
+    port = free_port()
+    return subprocess.Popen(
+        engine_command(port, sys.executable, host=host),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ), port
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.7", "engine.internal"])
+def test_engine_refuses_to_listen_beyond_loopback_without_a_token(host):
+    env = {name: value for name, value in os.environ.items() if name != "ACS_ENGINE_TOKEN"}
+    process, _ = serve(host, env)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert f"refusing to listen on {host!r} without ACS_ENGINE_TOKEN" in stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_addresses_need_no_token(host):
+    assert bind_refusal(host, EngineConfig(token="")) is None
+
+
+def test_engine_listens_beyond_loopback_with_a_token():
+    process, port = serve("0.0.0.0", {**os.environ, "ACS_ENGINE_TOKEN": TOKEN})
+    try:
+        # /health answers (503 while the model loads): the server is up on every interface.
+        wait_ready(
+            f"http://127.0.0.1:{port}/health",
+            process,
+            "the engine",
+            ready=lambda response: response.status_code in (200, 503),
+        )
+    finally:
+        stop(process)

@@ -28,13 +28,15 @@ class StubUpstream:
     `die_after` (close the connection after that many stream frames), `gap` (seconds
     between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
     `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
-    threading.Event completions wait for)."""
+    threading.Event completions wait for), `logprob` (report this logprob, e.g. NaN, for
+    every token, as Python's json writes it)."""
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
         self.tokenizer_json = self.tokenizer.to_str().encode()
         self.mode: dict = {"serve_tokenizer_json": True, "healthy": True}
         self.requests: list[dict] = []
+        self.tenants: list[str] = []  # the X-Acs-Tenant of each completion request
         self.in_flight = 0
         self.max_in_flight = 0
         self.paths: list[str] = []
@@ -73,6 +75,8 @@ class StubUpstream:
             count = self.count(payload["prompt"], payload.get("add_special_tokens", True))
             await _json(send, {"tokens": list(range(count)), "count": count})
         elif path == "/v1/completions":
+            headers = dict(scope["headers"])
+            self.tenants.append(headers.get(b"x-acs-tenant", b"").decode())
             await self.completions(json.loads(body), send)
         else:
             await _json(send, {"error": {"code": "not_found", "message": path}}, 404)
@@ -89,6 +93,7 @@ class StubUpstream:
     def reset(self) -> None:
         self.mode = {"serve_tokenizer_json": True, "healthy": True}
         self.requests.clear()
+        self.tenants.clear()
         self.paths.clear()
         self.max_in_flight = 0
 
@@ -124,7 +129,7 @@ class StubUpstream:
                     choice = {
                         "index": i * n + j,
                         "text": text + " tok" * max_tokens,
-                        "logprobs": None,
+                        "logprobs": _logprobs(mode, max_tokens),
                         "finish_reason": "length",
                         "stop_reason": None,
                         "prompt_logprobs": None,
@@ -163,7 +168,7 @@ class StubUpstream:
                         {
                             "index": index,
                             "text": " tok",
-                            "logprobs": None,
+                            "logprobs": _logprobs(mode, 1),
                             "finish_reason": "length" if step == max_tokens - 1 else None,
                         }
                     ],
@@ -180,6 +185,18 @@ class StubUpstream:
 
     def stop(self) -> None:
         stop_server(self.server, self.thread)
+
+
+def _logprobs(mode: dict, tokens: int) -> dict | None:
+    if "logprob" not in mode:
+        return None
+    value = mode["logprob"]
+    return {
+        "tokens": [" tok"] * tokens,
+        "token_logprobs": [value] * tokens,
+        "top_logprobs": [{" tok": value}] * tokens,
+        "text_offset": [4 * i for i in range(tokens)],
+    }
 
 
 async def _frame(send, payload):

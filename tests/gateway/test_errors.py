@@ -1,6 +1,7 @@
 """Every error code the gateway produces, with its status and retry headers."""
 
 import base64
+import time
 
 import numpy as np
 import pytest
@@ -387,7 +388,7 @@ def test_failing_upstream_opens_the_circuit_then_recovers(client, stub, monkeypa
     for _ in range(upstream.FAILURE_THRESHOLD):
         assert client.post("/v1/completions", json=BASE).status_code == 502
     response = client.post("/v1/completions", json=BASE)
-    error = assert_error(response, 503, "circuit_open", retry_after=30)
+    error = assert_error(response, 503, "circuit_open", retry_after=2)
     assert "failing" in error["message"]
     assert len(stub.requests) == upstream.FAILURE_THRESHOLD
     # After the open period one probe goes through; its success closes the circuit.
@@ -400,6 +401,51 @@ def test_failing_upstream_opens_the_circuit_then_recovers(client, stub, monkeypa
     assert client.post("/v1/completions", json=BASE).status_code == 200
     assert r.get(upstream.circuit_keys(stub.url)[0]) is None
     assert client.post("/v1/completions", json=BASE).status_code == 200
+
+
+def test_an_open_circuit_closes_as_soon_as_the_upstream_health_comes_back(
+    client, stub, monkeypatch
+):
+    import redis
+    from django.conf import settings
+
+    from api import upstream
+
+    monkeypatch.setattr(upstream, "HEALTH_PROBE_INTERVAL_MS", 100)
+    stub.mode.update({"status": 500, "healthy": False})
+    for _ in range(upstream.FAILURE_THRESHOLD):
+        assert client.post("/v1/completions", json=BASE).status_code == 502
+    # The circuit is open (for OPEN_MS); a request finds /health failing and is refused.
+    assert_error(client.post("/v1/completions", json=BASE), 503, "circuit_open", retry_after=2)
+    assert stub.paths.count("/health") == 1
+    # Within the probe interval nobody asks again: the probe is shared by all clients.
+    assert_error(client.post("/v1/completions", json=BASE), 503, "circuit_open", retry_after=2)
+    assert stub.paths.count("/health") == 1
+    stub.mode.clear()
+    time.sleep(0.15)
+    # The next request's probe finds the upstream back: the circuit closes and it is served.
+    assert client.post("/v1/completions", json=BASE).status_code == 200
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    assert not any(r.exists(key) for key in upstream.circuit_keys(stub.url))
+    assert len(stub.requests) == upstream.FAILURE_THRESHOLD + 1
+
+
+def test_a_healthy_health_check_does_not_close_a_circuit_its_completions_opened(
+    client, stub, monkeypatch
+):
+    """/health answering all along is no sign of recovery: the circuit stays open for
+    OPEN_MS, so an upstream failing behind a healthy /health is not retried every second."""
+    from api import upstream
+
+    monkeypatch.setattr(upstream, "HEALTH_PROBE_INTERVAL_MS", 100)
+    stub.mode.update({"status": 500})
+    for _ in range(upstream.FAILURE_THRESHOLD):
+        assert client.post("/v1/completions", json=BASE).status_code == 502
+    for _ in range(3):
+        assert_error(client.post("/v1/completions", json=BASE), 503, "circuit_open", retry_after=2)
+        time.sleep(0.15)
+    assert stub.paths.count("/health") == 3
+    assert len(stub.requests) == upstream.FAILURE_THRESHOLD
 
 
 @pytest.mark.parametrize(

@@ -14,18 +14,27 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def test_upstream_completion_returns_the_body_with_the_served_model_name(stub, model):
     row = LanguageModel.objects.get(name=model)
     row.served_model_name = "served"
-    body = async_to_sync(upstream_completion)(row, {"prompt": "hello", "max_tokens": 2})
+    body = async_to_sync(upstream_completion)(row, {"prompt": "hello", "max_tokens": 2}, tenant="7")
     assert body["choices"][0]["text"] == " tok tok"
     assert stub.requests[-1]["model"] == "served"
+    assert stub.tenants[-1] == "7"
 
 
 def test_upstream_completion_raises_the_contract_error(stub, model):
     stub.mode.update({"status": 500, "error": {"code": "x", "message": "out of memory"}})
     with pytest.raises(ApiError) as raised:
         async_to_sync(upstream_completion)(
-            LanguageModel.objects.get(name=model), {"prompt": "hello"}
+            LanguageModel.objects.get(name=model), {"prompt": "hello"}, tenant="7"
         )
     assert (raised.value.status, raised.value.code) == (502, "vllm_oom")
+
+
+def test_completions_name_the_keys_account_as_the_upstreams_tenant(client, stub, api_key):
+    """The engine shares its capacity per account: every key of a user is one tenant."""
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={**body, "stream": True}).status_code == 200
+    assert stub.tenants == [str(api_key.user_id)] * 2
 
 
 def test_activation_requests_go_to_the_activation_upstreams(client, stub):
