@@ -81,8 +81,9 @@ class ModelStatus:
 
 @dataclass
 class BudgetWindow:
-    """One budget window in tokens; `limit` and `remaining` are None where it has no limit.
-    `reserved` counts the worst cases of requests still running."""
+    """One budget window, counted in what its `label` names (tokens, activation requests or
+    harvest jobs); `limit` and `remaining` are None where it has no limit. `reserved` counts
+    the worst cases of requests still running."""
 
     name: str
     label: str

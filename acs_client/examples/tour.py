@@ -36,7 +36,10 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def tour(client: AcsClient, *, model_id: str | None, out: str, progress: bool) -> None:
     models = client.models()
-    model = next(m for m in models if m.id == model_id or (model_id is None and m.default))
+    matching = [m for m in models if (m.id == model_id if model_id else m.default)]
+    if not matching:
+        raise SystemExit(f"No model {model_id!r} here; the API offers {[m.id for m in models]}.")
+    model = matching[0]
     n_layers = model.capabilities.n_layers
     print(f"model: {model.id}, {n_layers} layers, hidden size {model.capabilities.hidden_size}")
 
@@ -51,15 +54,18 @@ def tour(client: AcsClient, *, model_id: str | None, out: str, progress: bool) -
     norms = np.linalg.norm(residual[0], axis=-1)
     print(f"capture: layer {layer}, shape {list(residual.shape)}, norms {np.round(norms, 1)}")
 
-    # Steer towards the capture's last position at that layer (its direction, norm 1, × 8).
-    direction = residual[0, -1] / np.linalg.norm(residual[0, -1])
+    # Steer along the prompt's mean direction at that layer (position 0 left out: its norm is
+    # an outlier), scaled to the stream's typical norm there, so the two are equally large.
+    rows = residual[0, 1:]
+    direction = rows.mean(axis=0) / np.linalg.norm(rows.mean(axis=0))
+    scale = float(np.round(np.linalg.norm(rows, axis=-1).mean()))
     body = {"model": model.id, "prompt": STEERED_PROMPT, "max_tokens": 12, "temperature": 0}
     baseline = client.completions(body)
     steered = client.completions(
-        body, apply_steering_vectors=[steering_vector(direction, layers=[layer], scale=8.0)]
+        body, apply_steering_vectors=[steering_vector(direction, layers=[layer], scale=scale)]
     )
     print(f"baseline: {STEERED_PROMPT!r} → {baseline.text!r}")
-    print(f"steered:  {STEERED_PROMPT!r} → {steered.text!r}")
+    print(f"steered:  {STEERED_PROMPT!r} → {steered.text!r} (layer {layer}, scale {scale})")
 
     job = client.submit_harvest(model=model.id, prompts=HARVEST_PROMPTS, layers=[layer])
     print(f"harvest: job {job.job_id} {job.status}")
@@ -74,8 +80,8 @@ def tour(client: AcsClient, *, model_id: str | None, out: str, progress: bool) -
         print(f"  prompt {captured.index}: layer {layer} {list(block.shape)}, tokens {tokens}")
 
     for window in client.usage().windows:
-        limit = "no limit" if window.limit is None else f"{window.remaining} of {window.limit} left"
-        print(f"budget {window.name}: {window.used} tokens used, {limit}")
+        left = "no limit" if window.limit is None else f"{window.remaining} of {window.limit} left"
+        print(f"budget {window.label}: {window.used} used, {left}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,8 +108,10 @@ def test_the_wheel_installs_in_a_fresh_virtualenv_and_its_tour_runs_on_the_syste
     )
     printed = tour.stdout
     assert f"model: {MODEL}, 30 layers, hidden size 576" in printed
-    # The harvest's progress bar ran to all its prompts.
+    # The harvest's progress bar ran to all its prompts; budgets say what they count.
     assert "2/2" in tour.stderr
+    assert "budget Activation requests, this month: 4 used" in printed
+    assert "budget Harvest jobs, this month: 1 used" in printed
 
     with httpx.Client(
         base_url=system.web_url, headers={"Authorization": f"Bearer {api_secret}"}, timeout=120
@@ -128,20 +130,24 @@ def test_the_wheel_installs_in_a_fresh_virtualenv_and_its_tour_runs_on_the_syste
         printed_norms = np.array(norms.group(2).split(), dtype=float)
         np.testing.assert_allclose(printed_norms, np.linalg.norm(capture, axis=-1), atol=0.051)
 
-        # The steered completion: the capture's last row as a unit direction, × 8 at layer 15.
-        direction = capture[-1] / np.linalg.norm(capture[-1])
+        # The steered completion: the capture's mean direction over positions 1.., scaled
+        # to the mean norm of those rows (rounded to a whole number), at layer 15.
+        rows = capture[1:]
+        direction = rows.mean(axis=0) / np.linalg.norm(rows.mean(axis=0))
+        scale = float(np.round(np.linalg.norm(rows, axis=-1).mean()))
         steering = {
             "activations": bfloat16_codec_object(direction[None, :]),
             "layer_indices": [LAYER],
-            "scale": 8.0,
+            "scale": scale,
         }
         body = {"model": MODEL, "prompt": STEERED_PROMPT, "max_tokens": 12, "temperature": 0}
         baseline = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
         steered = http.post(
             "/v1/completions", json={**body, "apply_steering_vectors": [steering]}
         ).json()["choices"][0]["text"]
+        assert steered != baseline
         assert f"baseline: {STEERED_PROMPT!r} → {baseline!r}" in printed
-        assert f"steered:  {STEERED_PROMPT!r} → {steered!r}" in printed
+        assert f"steered:  {STEERED_PROMPT!r} → {steered!r} (layer 15, scale {scale})" in printed
 
         # The harvest's files, read with the safetensors library: each prompt's rows equal
         # its capture through /v1/completions (within bfloat16 rounding of batched work).
