@@ -259,7 +259,103 @@ class CompletionStream:
         self.close()
 
 
-class AcsClient(_Base):
+def _json(result_type):
+    """Parse a JSON answer into `result_type` (a dataclass of `acs_client.results`)."""
+    return lambda response: result_type.from_wire(response.json())
+
+
+def _models(response: httpx.Response) -> list[Model]:
+    return [Model.from_wire(entry) for entry in response.json()["data"]]
+
+
+def _job_result(response: httpx.Response) -> Completion | None:
+    return None if response.status_code == 202 else _completion(response)
+
+
+class _Operations:
+    """The `/v1` operations, each defined once for both clients: `_call` sends the request
+    and parses the answer, returning the result in `AcsClient` and an awaitable of it in
+    `AsyncAcsClient`."""
+
+    # Models and usage
+
+    def models(self) -> list[Model]:
+        """GET /v1/models: the models this key may use, with their limits."""
+        return self._call("GET", "/v1/models", parse=_models)
+
+    def model(self, model_id: str) -> Model:
+        """GET /v1/models/{id} (404 `model_not_found` for an unknown id)."""
+        return self._call("GET", f"/v1/models/{model_id}", parse=_json(Model))
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        """GET /v1/models/{id}/status: whether an upstream has the model loaded."""
+        return self._call("GET", f"/v1/models/{model_id}/status", parse=_json(ModelStatus))
+
+    def usage(self) -> KeyUsage:
+        """GET /v1/usage: the key's and its account's budget windows, in what each one counts."""
+        return self._call("GET", "/v1/usage", parse=_json(KeyUsage))
+
+    # Completions
+
+    def completions(self, body: dict | None = None, /, **fields) -> Completion:
+        """POST /v1/completions without streaming. Capture with `output_residual_stream`
+        (then `result.residual_stream()`), steer with `apply_steering_vectors` (entries from
+        `steering_vector`)."""
+        return self._call("POST", "/v1/completions", parse=_completion, json=_body(body, fields))
+
+    # Completion jobs
+
+    def submit_completion_job(
+        self, body: dict | None = None, /, *, idempotency_key: str | None = None, **fields
+    ) -> CompletionJob:
+        """POST /v1/completion-jobs. The same `idempotency_key` and body sent again returns
+        the same job; without one, a new random key is used (so a resend makes a new job)."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        return self._call(
+            "POST",
+            "/v1/completion-jobs",
+            parse=_json(CompletionJob),
+            json=_body(body, fields),
+            headers=headers,
+        )
+
+    def completion_job(self, job_id: str) -> CompletionJob:
+        """GET /v1/completion-jobs/{id}."""
+        return self._call("GET", f"/v1/completion-jobs/{job_id}", parse=_json(CompletionJob))
+
+    def completion_job_result(self, job_id: str) -> Completion | None:
+        """GET /v1/completion-jobs/{id}/result: the stored completion, None while the job
+        waits or runs. A job that failed raises its stored error."""
+        return self._call("GET", f"/v1/completion-jobs/{job_id}/result", parse=_job_result)
+
+    # Harvest jobs
+
+    def submit_harvest(
+        self, body: dict | None = None, /, *, idempotency_key: str | None = None, **fields
+    ) -> HarvestJob:
+        """POST /v1/harvest (`model`, `prompts`, optional `layers`: a list or "all"; the
+        quartile layers when left out). With an `idempotency_key`, the same key and body sent
+        again returns the same job."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._call(
+            "POST",
+            "/v1/harvest",
+            parse=_json(HarvestJob),
+            json=_body(body, fields),
+            headers=headers,
+        )
+
+    def harvest(self, job_id: str) -> HarvestJob:
+        """GET /v1/harvest/{id}: status, progress and, once there are files, their URLs."""
+        return self._call("GET", f"/v1/harvest/{job_id}", parse=_json(HarvestJob))
+
+    def cancel_harvest(self, job_id: str) -> HarvestJob:
+        """DELETE /v1/harvest/{id}: cancel a pending or running job (409
+        `harvest_not_cancellable` once it ended); the batches it wrote are kept."""
+        return self._call("DELETE", f"/v1/harvest/{job_id}", parse=_json(HarvestJob))
+
+
+class AcsClient(_Operations, _Base):
     """Synchronous client. Each call opens its own connection; keep none between calls."""
 
     def _client(self) -> httpx.Client:
@@ -275,32 +371,8 @@ class AcsClient(_Base):
             raise error_from_response(response, response.content)
         return response
 
-    # Models and usage
-
-    def models(self) -> list[Model]:
-        """GET /v1/models: the models this key may use, with their limits."""
-        response = self._request("GET", "/v1/models")
-        return [Model.from_wire(entry) for entry in response.json()["data"]]
-
-    def model(self, model_id: str) -> Model:
-        """GET /v1/models/{id} (404 `model_not_found` for an unknown id)."""
-        return Model.from_wire(self._request("GET", f"/v1/models/{model_id}").json())
-
-    def model_status(self, model_id: str) -> ModelStatus:
-        """GET /v1/models/{id}/status: whether an upstream has the model loaded."""
-        return ModelStatus.from_wire(self._request("GET", f"/v1/models/{model_id}/status").json())
-
-    def usage(self) -> KeyUsage:
-        """GET /v1/usage: the key's and its account's budget windows, in tokens."""
-        return KeyUsage.from_wire(self._request("GET", "/v1/usage").json())
-
-    # Completions
-
-    def completions(self, body: dict | None = None, /, **fields) -> Completion:
-        """POST /v1/completions without streaming. Capture with `output_residual_stream`
-        (then `result.residual_stream()`), steer with `apply_steering_vectors` (entries from
-        `steering_vector`)."""
-        return _completion(self._request("POST", "/v1/completions", json=_body(body, fields)))
+    def _call(self, method: str, path: str, *, parse, **kwargs):
+        return parse(self._request(method, path, **kwargs))
 
     def stream_completions(self, body: dict | None = None, /, **fields) -> CompletionStream:
         """POST /v1/completions with `stream: true` (set here); use as a context manager."""
@@ -309,29 +381,6 @@ class AcsClient(_Base):
             "POST", "/v1/completions", json={**_body(body, fields), "stream": True}
         )
         return CompletionStream(client, request)
-
-    # Completion jobs
-
-    def submit_completion_job(
-        self, body: dict | None = None, /, *, idempotency_key: str | None = None, **fields
-    ) -> CompletionJob:
-        """POST /v1/completion-jobs. The same `idempotency_key` and body sent again returns
-        the same job; without one, a new random key is used (so a resend makes a new job)."""
-        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        response = self._request(
-            "POST", "/v1/completion-jobs", json=_body(body, fields), headers=headers
-        )
-        return CompletionJob.from_wire(response.json())
-
-    def completion_job(self, job_id: str) -> CompletionJob:
-        """GET /v1/completion-jobs/{id}."""
-        return CompletionJob.from_wire(self._request("GET", f"/v1/completion-jobs/{job_id}").json())
-
-    def completion_job_result(self, job_id: str) -> Completion | None:
-        """GET /v1/completion-jobs/{id}/result: the stored completion, None while the job
-        waits or runs. A job that failed raises its stored error."""
-        response = self._request("GET", f"/v1/completion-jobs/{job_id}/result")
-        return None if response.status_code == 202 else _completion(response)
 
     def wait_for_job(
         self,
@@ -355,27 +404,6 @@ class AcsClient(_Base):
                 bar.set_postfix_str(response.json().get("status", ""))
                 delay = _retry_after(response.headers) or poll_interval
                 _sleep_before(deadline, delay, f"completion job {job_id}")
-
-    # Harvest jobs
-
-    def submit_harvest(
-        self, body: dict | None = None, /, *, idempotency_key: str | None = None, **fields
-    ) -> HarvestJob:
-        """POST /v1/harvest (`model`, `prompts`, optional `layers`: a list or "all"; the
-        quartile layers when left out). With an `idempotency_key`, the same key and body sent
-        again returns the same job."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        response = self._request("POST", "/v1/harvest", json=_body(body, fields), headers=headers)
-        return HarvestJob.from_wire(response.json())
-
-    def harvest(self, job_id: str) -> HarvestJob:
-        """GET /v1/harvest/{id}: status, progress and, once there are files, their URLs."""
-        return HarvestJob.from_wire(self._request("GET", f"/v1/harvest/{job_id}").json())
-
-    def cancel_harvest(self, job_id: str) -> HarvestJob:
-        """DELETE /v1/harvest/{id}: cancel a pending or running job (409
-        `harvest_not_cancellable` once it ended); the batches it wrote are kept."""
-        return HarvestJob.from_wire(self._request("DELETE", f"/v1/harvest/{job_id}").json())
 
     def wait_for_harvest(
         self,
@@ -484,8 +512,9 @@ class AsyncCompletionStream:
         await self.aclose()
 
 
-class AsyncAcsClient(_Base):
-    """Asynchronous client with the same methods as `AcsClient`."""
+class AsyncAcsClient(_Operations, _Base):
+    """Asynchronous client: the same `/v1` methods as `AcsClient`, awaited (the polling and
+    download helpers are `AcsClient`'s)."""
 
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(**self._client_options())
@@ -500,13 +529,8 @@ class AsyncAcsClient(_Base):
             raise error_from_response(response, response.content)
         return response
 
-    async def models(self) -> list[Model]:
-        response = await self._request("GET", "/v1/models")
-        return [Model.from_wire(entry) for entry in response.json()["data"]]
-
-    async def completions(self, body: dict | None = None, /, **fields) -> Completion:
-        response = await self._request("POST", "/v1/completions", json=_body(body, fields))
-        return _completion(response)
+    async def _call(self, method: str, path: str, *, parse, **kwargs):
+        return parse(await self._request(method, path, **kwargs))
 
     def stream_completions(self, body: dict | None = None, /, **fields) -> AsyncCompletionStream:
         """Use as `async with client.stream_completions(body) as stream`."""

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from acs_client.client import AcsApiError, AcsClient, steering_vector
+from acs_client.client import AcsApiError, AcsClient, AsyncAcsClient, steering_vector
 from acs_client.codec import decode, encode_vector
 from acs_client.results import Completion
 from api.jobs import tasks
@@ -206,3 +206,21 @@ def test_another_users_or_an_unknown_job_is_not_found(ada):
     with pytest.raises(AcsApiError) as caught:
         ada.completion_job("00000000-0000-0000-0000-000000000000")
     assert caught.value.code == "not_found"
+
+
+async def test_async_client_has_the_same_typed_operations(
+    gateway_url, api_secret, model, sent_tasks
+):
+    client = AsyncAcsClient(base_url=gateway_url, api_key=api_secret)
+    [listed] = await client.models()
+    assert listed == await client.model("stub-model")
+    assert (await client.model_status("stub-model")).warm is True
+    result = await client.completions(model="stub-model", prompt="Hello", max_tokens=2)
+    assert result.usage.completion_tokens == 2
+    job = await client.submit_completion_job(model="stub-model", prompt="Hello", max_tokens=2)
+    assert (await client.completion_job(job.id)).status == "queued"
+    assert await client.completion_job_result(job.id) is None
+    harvest = await client.submit_harvest(model="stub-model", prompts=["Hello there."])
+    assert (await client.harvest(harvest.job_id)).layers == [1, 2, 3]
+    assert (await client.cancel_harvest(harvest.job_id)).status == "cancelled"
+    assert (await client.usage()).windows[0].name == "key_monthly"
