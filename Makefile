@@ -10,7 +10,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-web test-engine test-browser test-deploy lint format bench services
+.PHONY: run test test-web test-engine test-browser test-deploy lint format bench services client-wheel
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || "$$(scripts/python-for-web)" -m venv $(VENV)
@@ -29,6 +29,10 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 
 services:
 	scripts/ensure-redis
+
+# The client library as a wheel of its own (acs_client/pyproject.toml), in dist/.
+client-wheel: $(VENV)/.installed
+	$(PY) -m pip wheel -q --no-deps -w dist ./acs_client
 
 # The settings default to production (DEBUG off, which needs real secrets): `make run` is the
 # local development server.

@@ -29,6 +29,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +38,8 @@ VERSION = 1
 METADATA_KEY = "acs"
 CAPTURE_CONVENTION = "output of decoder block k, before the final norm"
 UNKNOWN_TOKEN_ID = -1
+# The file of a harvest that lists its shards (as the gateway names it).
+MANIFEST_NAME = "manifest.json"
 
 # A safetensors header larger than this is not one of ours (ours are a few kB per capture).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -211,6 +214,53 @@ def load_activations(source) -> ActivationsFile:
             )
         )
     return loaded
+
+
+def load_tensors(source) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file (a path or its bytes) by name, bfloat16 widened to
+    float32: e.g. a harvest's `stats.safetensors` (per layer `mean`, `std` [layers, hidden],
+    `norm_mean` [layers], and `positions`, the count they were computed over)."""
+    content = _read_bytes(source)
+    header, start = _header(content)
+    return {
+        name: _tensor(content, start, name, entry)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+@dataclass
+class HarvestDownload:
+    """A harvest job's files in `directory`: `manifest.json` (model, layers, shards),
+    the shards and the stats file, as `AcsClient.download_harvest` writes them."""
+
+    directory: Path
+    manifest: dict
+
+    @classmethod
+    def open(cls, directory) -> "HarvestDownload":
+        """The files of a harvest downloaded earlier into `directory`."""
+        directory = Path(directory)
+        return cls(directory, json.loads((directory / MANIFEST_NAME).read_text()))
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [self.directory / shard["name"] for shard in self.manifest["shards"]]
+
+    @property
+    def stats_path(self) -> Path:
+        return self.directory / self.manifest["stats"]["name"]
+
+    def shards(self) -> list[ActivationsFile]:
+        """Each shard loaded with its metadata, in the manifest's order."""
+        return [load_activations(path) for path in self.shard_paths]
+
+    def captures(self) -> list[CapturedPrompt]:
+        """Every prompt's capture, in prompt order."""
+        return [capture for shard in self.shards() for capture in shard.captures]
+
+    def stats(self) -> dict[str, np.ndarray]:
+        return load_tensors(self.stats_path)
 
 
 def describe(download: ActivationsFile) -> str:

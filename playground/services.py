@@ -921,13 +921,13 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(submission.user))
     try:
         if submission.kind == JobKind.COMPLETION:
-            answer = client.submit_completion_job(
+            job_id = client.submit_completion_job(
                 submission.request, idempotency_key=str(submission.id)
-            )
-            job_id = answer["id"]
+            ).id
         else:
-            answer = client.submit_harvest(submission.request, idempotency_key=str(submission.id))
-            job_id = answer["job_id"]
+            job_id = client.submit_harvest(
+                submission.request, idempotency_key=str(submission.id)
+            ).job_id
     except AcsApiError as error:
         countdown = error.retry_after if error.retry_after is not None else 1
         if (
@@ -989,7 +989,7 @@ def language_models_fetch(*, user) -> tuple[list[dict], str]:
     _, secret = playground_key_get_or_create(user=user)
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=secret, timeout=5.0)
     try:
-        models = client.models()
+        models = [model.raw for model in client.models()]
     except AcsApiError as error:
         logger.warning("playground could not read /v1/models: %s", error)
         return [], f"The model list could not be read ({error.code}: {error.message})."

@@ -10,7 +10,10 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from safetensors import deserialize
 
-MANIFEST_NAME = "manifest.json"
+# The name clients look for (`acs_client.downloads.HarvestDownload`), imported from here by the
+# gateway.
+from acs_client.downloads import MANIFEST_NAME as MANIFEST_NAME
+
 STATS_NAME = "stats.safetensors"
 
 _DTYPE_NAMES = {

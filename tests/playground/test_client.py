@@ -12,6 +12,22 @@ from acs_client.client import (
 from .conftest import recorded
 
 TIMING = "gateway;dur=12.5, upstream;dur=10"
+MODEL_CARD = {
+    "id": "m",
+    "object": "model",
+    "default": True,
+    "status": "live",
+    "capabilities": {
+        "max_model_len": 64,
+        "max_logprobs": 100,
+        "full_vocab_max_prompt_tokens": 256,
+        "activations": False,
+        "n_layers": 4,
+        "hidden_size": 8,
+        "vocab_size": 1000,
+        "max_steering_vectors": 0,
+    },
+}
 
 
 def client_answering(handler, cls=AcsClient):
@@ -131,13 +147,13 @@ def test_sse_lines_other_than_data_are_ignored():
 async def test_async_client_completes_and_streams():
     def handler(request):
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
+            return httpx.Response(200, json={"object": "list", "data": [MODEL_CARD]})
         if b'"stream": true' in request.content or b'"stream":true' in request.content:
             return httpx.Response(200, text=recorded("stream.txt"))
         return httpx.Response(200, json=recorded("completion_logprobs.json"))
 
     client = client_answering(handler, AsyncAcsClient)
-    assert [m["id"] for m in await client.models()] == ["m"]
+    assert [m.id for m in await client.models()] == ["m"]
     result = await client.completions({"prompt": "x"})
     assert result.body["usage"]["completion_tokens"] == 6
     async with client.stream_completions({"stream": True}) as stream:
