@@ -118,7 +118,7 @@ class ApiKey(models.Model):
     encrypted_secret = models.TextField(blank=True)
     # The secret of a key created for the user (at approval, or by a form that redirects),
     # encrypted, until the API keys page shows it once and clears it. See
-    # `services.api_key_reveal_store` / `api_key_reveals_take`.
+    # `services.keys.api_key_reveal_store` / `api_key_reveals_take`.
     pending_reveal = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     last_used_at = models.DateTimeField(null=True, blank=True)

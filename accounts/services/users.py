@@ -10,6 +10,7 @@ from .audit import audit_log
 
 
 def user_state(user: User) -> dict:
+    """What an audit row of a change of an account's access records before and after."""
     return {
         "status": user.status,
         "monthly_token_budget": user.monthly_token_budget,
@@ -18,6 +19,7 @@ def user_state(user: User) -> dict:
 
 
 def user_status_change(user: User, status: str) -> None:
+    """Set a (locked) account's status and when it changed; the caller audits it."""
     user.status = status
     user.status_changed_at = timezone.now()
     user.save(update_fields=["status", "status_changed_at"])
