@@ -5,18 +5,8 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.core.exceptions import ValidationError
 
-from . import services
-from .models import (
-    AccessApplication,
-    ApiKey,
-    AuditLog,
-    BudgetReservation,
-    ServiceSettings,
-    UsageDaily,
-    UsagePeriod,
-    UsageRecord,
-    User,
-)
+from .models import AccessApplication, ApiKey, AuditLog, ServiceSettings, User
+from .services import applications, keys, users
 
 
 def _service_action(name, description, call):
@@ -71,12 +61,12 @@ class UserAdmin(BaseUserAdmin):
         _service_action(
             "suspend",
             "Suspend selected accounts",
-            lambda user, actor: services.user_suspend(user=user, acting_user=actor),
+            lambda user, actor: users.user_suspend(user=user, acting_user=actor),
         ),
         _service_action(
             "reactivate",
             "Reactivate selected accounts",
-            lambda user, actor: services.user_reactivate(user=user, acting_user=actor),
+            lambda user, actor: users.user_reactivate(user=user, acting_user=actor),
         ),
     ]
 
@@ -92,12 +82,12 @@ class AccessApplicationAdmin(admin.ModelAdmin):
         _service_action(
             "approve",
             "Approve selected applications",
-            lambda app, actor: services.application_approve(application=app, acting_user=actor),
+            lambda app, actor: applications.application_approve(application=app, acting_user=actor),
         ),
         _service_action(
             "reject",
             "Reject selected applications",
-            lambda app, actor: services.application_reject(application=app, acting_user=actor),
+            lambda app, actor: applications.application_reject(application=app, acting_user=actor),
         ),
     ]
 
@@ -113,17 +103,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
         _service_action(
             "disable",
             "Pause selected keys",
-            lambda key, actor: services.api_key_disable(key=key, acting_user=actor),
+            lambda key, actor: keys.api_key_disable(key=key, acting_user=actor),
         ),
         _service_action(
             "enable",
             "Resume selected keys",
-            lambda key, actor: services.api_key_enable(key=key, acting_user=actor),
+            lambda key, actor: keys.api_key_enable(key=key, acting_user=actor),
         ),
         _service_action(
             "revoke",
             "Revoke selected keys",
-            lambda key, actor: services.api_key_revoke(key=key, acting_user=actor),
+            lambda key, actor: keys.api_key_revoke(key=key, acting_user=actor),
         ),
     ]
 
@@ -140,35 +130,6 @@ class AuditLogAdmin(ReadOnlyAdmin):
     list_filter = ["action", "target_type"]
     search_fields = ["target_repr", "actor__email", "action"]
     list_select_related = ["actor"]
-
-
-@admin.register(UsagePeriod)
-class UsagePeriodAdmin(ReadOnlyAdmin):
-    list_display = ["user", "key", "period", "start", "used_tokens", "reserved_tokens"]
-    list_filter = ["period"]
-    search_fields = ["user__email", "key__prefix"]
-    list_select_related = ["user", "key"]
-
-
-@admin.register(BudgetReservation)
-class BudgetReservationAdmin(ReadOnlyAdmin):
-    list_display = ["id", "key", "status", "created_at", "prompt_tokens", "output_tokens"]
-    list_filter = ["status"]
-    list_select_related = ["key"]
-
-
-@admin.register(UsageRecord)
-class UsageRecordAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "user", "key", "model", "endpoint", "status_code", "error_code"]
-    list_filter = ["status_code", "endpoint"]
-    search_fields = ["request_id", "user__email", "key__prefix"]
-    list_select_related = ["user", "key"]
-
-
-@admin.register(UsageDaily)
-class UsageDailyAdmin(ReadOnlyAdmin):
-    list_display = ["day", "user", "key", "model", "status_code", "requests"]
-    list_select_related = ["user", "key"]
 
 
 @admin.register(ServiceSettings)

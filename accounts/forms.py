@@ -7,7 +7,7 @@ from django.contrib.auth import password_validation
 from django.contrib.auth.forms import AuthenticationForm
 
 from . import login_throttle
-from .models import ApiKey, LoginThrottleScope, User, UserStatus
+from .models import LoginThrottleScope, User, UserStatus
 
 USAGE_RULES = (
     "I will use ACS for research only, will not try to extract the model weights or attack "
@@ -111,38 +111,6 @@ class KeyCreateForm(forms.Form):
 
 class KeyRenameForm(forms.Form):
     name = forms.CharField(max_length=100)
-
-
-def _budget_field(label, *, required=True, help_text=""):
-    return forms.IntegerField(label=label, min_value=0, required=required, help_text=help_text)
-
-
-class KeyBudgetForm(forms.Form):
-    """The token budgets a key's owner may set (each ≤ the account's monthly budget; the
-    service checks that and its errors land on the fields)."""
-
-    monthly_token_budget = _budget_field("Monthly tokens")
-    daily_token_budget = _budget_field("Daily tokens")
-    monthly_input_budget = _budget_field(
-        "Monthly input tokens", required=False, help_text="Empty: no separate limit."
-    )
-    monthly_output_budget = _budget_field(
-        "Monthly output tokens", required=False, help_text="Empty: no separate limit."
-    )
-
-    @classmethod
-    def for_key(cls, key: ApiKey, data=None, prefix=None):
-        initial = {name: getattr(key, name) for name in cls.base_fields}
-        return cls(data, initial=initial, prefix=prefix or f"budget-{key.pk}")
-
-
-class StaffKeyBudgetForm(KeyBudgetForm):
-    monthly_activation_quota = _budget_field("Monthly activation requests")
-    monthly_harvest_quota = _budget_field("Monthly harvest jobs")
-
-
-class UserBudgetForm(forms.Form):
-    monthly_token_budget = _budget_field("Account monthly tokens")
 
 
 class DecisionForm(forms.Form):

@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from .models import LoginThrottle, User
 from .models import LoginThrottleScope as Scope
-from .services import login_lock_audit
+from .services.login import login_lock_audit
 
 # The setting that holds each scope's failure limit.
 _LIMITS = {

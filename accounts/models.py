@@ -1,9 +1,6 @@
-"""Accounts, access applications, API keys, budgets and usage records.
-
-Budgets are in tokens and reset in UTC. "Remaining in this window" is one cheap read of a
-`UsagePeriod` roll-up row (per key and UTC month or day, plus one per user and month), which
-`metering.budgets.budget_reserve` / `budget_settle` update under a row lock.
-"""
+"""Accounts, access applications, API keys (with their budget limits), the audit log and
+service-wide settings. The budget windows' rows, reservations, leases and usage records are
+`metering`'s models."""
 
 from django.contrib.auth.models import AbstractBaseUser, BaseUserManager, PermissionsMixin
 from django.db import models
@@ -121,7 +118,7 @@ class ApiKey(models.Model):
     encrypted_secret = models.TextField(blank=True)
     # The secret of a key created for the user (at approval, or by a form that redirects),
     # encrypted, until the API keys page shows it once and clears it. See
-    # `services.api_key_reveal_store` / `api_key_reveals_take`.
+    # `services.keys.api_key_reveal_store` / `api_key_reveals_take`.
     pending_reveal = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     last_used_at = models.DateTimeField(null=True, blank=True)
@@ -145,113 +142,14 @@ class ApiKey(models.Model):
     def __str__(self):
         return f"acs-{self.prefix} ({self.name})"
 
-
-class Period(models.TextChoices):
-    MONTH = "month", "Month"
-    DAY = "day", "Day"
-
-
-class UsagePeriod(models.Model):
-    """Budget roll-up: tokens used and reserved in one UTC period, for one key (`key` set) or
-    for a user's whole account (`key` null, month only). Updated only under a row lock."""
-
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="usage_periods")
-    key = models.ForeignKey(
-        ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="usage_periods"
-    )
-    period = models.CharField(max_length=8, choices=Period.choices)
-    start = models.DateField()
-    used_tokens = models.BigIntegerField(default=0)
-    reserved_tokens = models.BigIntegerField(default=0)
-    used_input = models.BigIntegerField(default=0)
-    reserved_input = models.BigIntegerField(default=0)
-    used_output = models.BigIntegerField(default=0)
-    reserved_output = models.BigIntegerField(default=0)
-    activation_requests = models.IntegerField(default=0)
-    harvest_jobs = models.IntegerField(default=0)
-    requests = models.IntegerField(default=0)
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["key", "period", "start"],
-                condition=Q(key__isnull=False),
-                name="usage_period_key_unique",
-            ),
-            models.UniqueConstraint(
-                fields=["user", "period", "start"],
-                condition=Q(key__isnull=True),
-                name="usage_period_account_unique",
-            ),
-        ]
-
-    def __str__(self):
-        owner = f"key {self.key_id}" if self.key_id else f"account {self.user_id}"
-        return f"{owner} {self.period} {self.start}"
-
-
-class ReservationStatus(models.TextChoices):
-    RESERVED = "reserved", "Reserved"
-    SETTLED = "settled", "Settled"
-    RELEASED = "released", "Released"
-
-
-class BudgetReservation(models.Model):
-    """Tokens held for one request between `budget_reserve` and `budget_settle`. Its gateway
-    process refreshes `alive_at` while the request runs (`metering.gateway`); a reservation not
-    refreshed for long (its holder crashed) is released by a periodic sweep, and a settle
-    that comes after all still charges what the request used."""
-
-    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="reservations")
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
-    created_at = models.DateTimeField(default=timezone.now)
-    # When its process last said the request is still running (the sweep's clock).
-    alive_at = models.DateTimeField(default=timezone.now)
-    month_start = models.DateField()
-    day_start = models.DateField()
-    prompt_tokens = models.BigIntegerField()
-    output_tokens = models.BigIntegerField()
-    max_tokens_requested = models.IntegerField()
-    max_tokens_applied = models.IntegerField()
-    # How many activation requests the hold counted against the monthly quota.
-    activation_requests = models.PositiveIntegerField(default=0)
-    status = models.CharField(
-        max_length=10, choices=ReservationStatus.choices, default=ReservationStatus.RESERVED
-    )
-    settled_prompt_tokens = models.BigIntegerField(null=True, blank=True)
-    settled_completion_tokens = models.BigIntegerField(null=True, blank=True)
-    settled_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        indexes = [models.Index(fields=["status", "alive_at"])]
-
-    @property
-    def clamped(self):
-        return self.max_tokens_applied < self.max_tokens_requested
-
-
-class BudgetLease(models.Model):
-    """Tokens one gateway process holds against a key's and account's windows, to serve
-    many requests from memory instead of one reservation each (see `metering.leases`).
-
-    `held_tokens` count as reserved in the windows until they are spent (moved to used by a
-    flush) or given back; a lease its process stopped refreshing (`alive_at`: the process
-    died) is released by the same sweep as stale reservations."""
-
-    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="leases")
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
-    created_at = models.DateTimeField(default=timezone.now)
-    alive_at = models.DateTimeField(default=timezone.now)
-    month_start = models.DateField()
-    day_start = models.DateField()
-    held_tokens = models.BigIntegerField(default=0)
-    spent_prompt_tokens = models.BigIntegerField(default=0)
-    spent_completion_tokens = models.BigIntegerField(default=0)
-    requests = models.IntegerField(default=0)
-    returned_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        indexes = [models.Index(fields=["returned_at", "alive_at"])]
+    def limits(self) -> dict:
+        """The key's budgets and quotas by field name (for audit): its fields named
+        `*_budget` or `*_quota`, each the limit of a budget window (`metering.windows`)."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in self._meta.concrete_fields
+            if field.name.endswith(("_budget", "_quota"))
+        }
 
 
 class ServiceSettings(models.Model):
@@ -365,60 +263,3 @@ def _audit_value(fields: dict, field: str) -> str:
     if isinstance(value, list):
         return ", ".join(str(item) for item in value) or "none"
     return str(value)
-
-
-class UsageRecord(models.Model):
-    """One row per /v1 request: metadata only, never prompt or completion text."""
-
-    created_at = models.DateTimeField(default=timezone.now)
-    request_id = models.CharField(max_length=64)
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="usage_records")
-    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage_records")
-    model = models.CharField(max_length=64, blank=True)
-    endpoint = models.CharField(max_length=64)
-    status_code = models.PositiveSmallIntegerField()
-    error_code = models.CharField(max_length=64, blank=True)
-    prompt_tokens = models.IntegerField(default=0)
-    completion_tokens = models.IntegerField(default=0)
-    latency_ms = models.FloatField()
-    upstream_latency_ms = models.FloatField(null=True, blank=True)
-    ttft_ms = models.FloatField(null=True, blank=True)
-    stream = models.BooleanField(default=False)
-    activation_layers = models.JSONField(null=True, blank=True)
-    workload = models.CharField(max_length=16, blank=True)
-
-    class Meta:
-        indexes = [
-            models.Index(fields=["user", "-created_at"]),
-            models.Index(fields=["key", "-created_at"]),
-            models.Index(fields=["model", "-created_at"]),
-            models.Index(fields=["-created_at"]),
-        ]
-
-
-class UsageDaily(models.Model):
-    """Roll-up of `UsageRecord` per UTC day, key, model, status and error code, so usage pages
-    never scan the raw records. Updated by `metering.usage.usage_record_create` with an upsert."""
-
-    day = models.DateField()
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
-    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="+")
-    model = models.CharField(max_length=64, blank=True)
-    status_code = models.PositiveSmallIntegerField()
-    error_code = models.CharField(max_length=64, blank=True)
-    requests = models.IntegerField(default=0)
-    prompt_tokens = models.BigIntegerField(default=0)
-    completion_tokens = models.BigIntegerField(default=0)
-    latency_ms_sum = models.FloatField(default=0)
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["day", "key", "model", "status_code", "error_code"],
-                name="usage_daily_unique",
-            )
-        ]
-        indexes = [
-            models.Index(fields=["user", "day"]),
-            models.Index(fields=["day"]),
-        ]

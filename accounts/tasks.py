@@ -4,8 +4,9 @@ import smtplib
 
 from celery import shared_task
 
-from . import login_throttle, services
+from . import login_throttle
 from .models import AccessApplication
+from .services import applications
 
 
 @shared_task(
@@ -18,7 +19,7 @@ def application_decision_email_send_task(application_id: int) -> None:
     application = AccessApplication.objects.select_related("user").filter(pk=application_id)
     application = application.first()
     if application is not None:
-        services.application_decision_email_send(application=application)
+        applications.application_decision_email_send(application=application)
 
 
 @shared_task(ignore_result=True)

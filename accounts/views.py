@@ -14,7 +14,7 @@ from django.templatetags.static import static
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.http import reswap, retarget
 
-from . import selectors, services
+from . import selectors
 from .access import staff_required
 from .forms import (
     ApplicationForm,
@@ -29,6 +29,7 @@ from .models import (
     ServiceSettings,
     UserStatus,
 )
+from .services import applications, service
 
 # ---------------------------------------------------------------------------------------
 # Landing page and dashboard
@@ -51,9 +52,9 @@ def apply(request):
     if request.method == "POST" and form.is_valid():
         try:
             if user.is_authenticated:
-                services.application_submit(user=user, **form.cleaned_data)
+                applications.application_submit(user=user, **form.cleaned_data)
             else:
-                user = services.user_signup(**form.cleaned_data)
+                user = applications.user_signup(**form.cleaned_data)
                 login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         except ValidationError as error:
             form.add_error(None, error)
@@ -94,7 +95,7 @@ def staff_application_decide(request, application_id):
     rejecting = form.cleaned_data["decision"] == "reject"
     if rejecting and not form.cleaned_data["confirmed"]:
         return _reject_confirmation(request, application, note=form.cleaned_data["note"])
-    decide = services.application_reject if rejecting else services.application_approve
+    decide = applications.application_reject if rejecting else applications.application_approve
     try:
         decide(application=application, acting_user=request.user, note=form.cleaned_data["note"])
     except ValidationError as error:
@@ -172,7 +173,7 @@ def staff_spend_cap(request):
     if request.method == "POST":
         form = SpendCapForm(request.POST)
         if form.is_valid():
-            services.service_spend_cap_set(
+            service.service_spend_cap_set(
                 paused=form.cleaned_data["paused"],
                 reason=form.cleaned_data["reason"],
                 acting_user=request.user,

@@ -21,7 +21,12 @@ import redis
 from django.db import transaction
 
 from accounts.models import ApiKey, Scope, User
-from accounts.services import AuthError, api_key_authenticate, api_key_recheck, user_access_check
+from accounts.services.auth import (
+    AuthError,
+    api_key_authenticate,
+    api_key_recheck,
+    user_access_check,
+)
 from acs_portal.redis import redis_async, redis_sync
 from metering.sql import run_db
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from django.utils import timezone
 
-from accounts.models import UsageRecord
 from metering import gateway
 from metering.budgets import BudgetExceeded
+from metering.models import UsageRecord
 from metering.sql import DatabaseBusy
 
 from . import upstream

@@ -71,7 +71,7 @@ def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
     from django.core.management import call_command
 
     from accounts.models import User, UserStatus
-    from accounts.services import api_key_create
+    from accounts.services.keys import api_key_create
     from api.models import LanguageModel
     from api.services import language_model_tokenizer_set
     from tests.gateway.stub import build_tokenizer

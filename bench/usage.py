@@ -67,7 +67,8 @@ def main() -> int:
     from django.test import Client
     from django.utils import timezone
 
-    from accounts.models import UsageDaily, UsageRecord, User, UserStatus
+    from accounts.models import User, UserStatus
+    from metering.models import UsageDaily, UsageRecord
     from metering.selectors import RequestLogFilter, request_log_page
     from portal.usage_forms import cursor_encode
 

@@ -6,22 +6,17 @@ exists once for the sync callers (jobs, sweeps) and the async gateway. The windo
 limits come from `metering.windows`.
 """
 
+from functools import reduce
+from operator import or_
+
 from django.db import connection
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
-from accounts.models import (
-    ApiKey,
-    BudgetLease,
-    BudgetReservation,
-    Period,
-    ReservationStatus,
-    ServiceSettings,
-    UsagePeriod,
-)
-from accounts.periods import day_start, month_start
+from accounts.models import ApiKey, ServiceSettings
 
 from . import windows
+from .models import BudgetLease, BudgetReservation, ReservationStatus, UsagePeriod
 from .sql import COMMIT, NO_FLUSH_WAIT, Statements, run_steps
 
 
@@ -35,7 +30,7 @@ class BudgetExceeded(Exception):
         self.message = message
 
 
-_PERIODS = UsagePeriod._meta.db_table
+_ROWS_TABLE = UsagePeriod._meta.db_table
 _PERIOD_COLUMNS = [field.attname for field in UsagePeriod._meta.concrete_fields]
 _RESERVATIONS = BudgetReservation._meta.db_table
 _LEASES = BudgetLease._meta.db_table
@@ -50,18 +45,18 @@ class _Locked:
         self.ids = [period.pk for period in periods]
 
 
-def _lock_windows_steps(*, key_id, user_id, month, day):
+def _lock_windows_steps(*, key_id, user_id, day):
     """Steps: lock and read the key's and account's window rows; returns `(_Locked,
     spend_cap_paused)`, the service's spend-cap flag being read in the same round trip."""
     columns = ", ".join(_PERIOD_COLUMNS)
     rows = yield [
         (
             windows.locking_select(f"{columns}, ({_SPEND_CAP_PAUSED})"),
-            windows.params(key_id=key_id, user_id=user_id, month=month, day=day),
+            windows.params(key_id=key_id, user_id=user_id, day=day),
         )
     ]
     if len(rows) < len(windows.rows()):
-        raise windows.WindowsMissing(key_id=key_id, user_id=user_id, month=month, day=day)
+        raise windows.WindowsMissing(key_id=key_id, user_id=user_id, day=day)
     periods = [UsagePeriod(**dict(zip(_PERIOD_COLUMNS, row, strict=False))) for row in rows]
     return _Locked(periods), bool(rows[0][-1])
 
@@ -105,11 +100,12 @@ def _tightest_windows(*, key, locked: _Locked, spend_cap_paused, activation):
     (input and output None when the key has no such budget); raises BudgetExceeded when the
     spend cap or the activation quota refuses the request (`activation` requests of it)."""
     _spend_cap_check(spend_cap_paused)
-    activations_left = windows.left(key, locked.row, windows.ACTIVATION_REQUESTS)
-    if activation and activations_left is not None and activations_left < activation:
+    activations = windows.tightest(key, locked.row, windows.ACTIVATION_REQUESTS)
+    if activation and activations is not None and activations[0] < activation:
         raise BudgetExceeded(
             "activation_quota_exceeded",
-            "This key's monthly activation-request quota is spent; it resets on the 1st.",
+            f"This key's {activations[1].period.adjective} activation-request quota is spent;"
+            f" it resets {activations[1].period.resets} (UTC).",
         )
     return (
         windows.left(key, locked.row, windows.TOKENS),
@@ -124,9 +120,9 @@ def _id_list(ids) -> str:
 
 def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activation, now):
     """`budget_reserve` as steps (see `sql.run_steps`)."""
-    month, day = month_start(now), day_start(now)
+    day = windows.utc_day(now)
     locked, spend_cap_paused = yield from _lock_windows_steps(
-        key_id=key.pk, user_id=key.user_id, month=month, day=day
+        key_id=key.pk, user_id=key.user_id, day=day
     )
     total_left, input_left, output_left = _tightest_windows(
         key=key, locked=locked, spend_cap_paused=spend_cap_paused, activation=activation
@@ -146,7 +142,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
         user_id=key.user_id,
         created_at=now,
         alive_at=now,
-        month_start=month,
+        month_start=windows.MONTH.start(day),
         day_start=day,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
@@ -156,7 +152,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
     )
     ops = connection.ops
     hold = (
-        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s,"
+        f"UPDATE {_ROWS_TABLE} SET reserved_tokens = reserved_tokens + %s,"
         " reserved_input = reserved_input + %s, reserved_output = reserved_output + %s,"
         " requests = requests + 1, activation_requests = activation_requests + %s"
         f" WHERE id IN ({_id_list(locked.ids)})",
@@ -178,7 +174,7 @@ def budget_reserve_steps(*, key, prompt_tokens, max_tokens, completions, activat
             key.user_id,
             ops.adapt_datetimefield_value(now),
             ops.adapt_datetimefield_value(now),
-            ops.adapt_datefield_value(month),
+            ops.adapt_datefield_value(reservation.month_start),
             ops.adapt_datefield_value(day),
             prompt_tokens,
             output_tokens,
@@ -216,7 +212,7 @@ def _reservation_status_change(*, reservation_id, source, target, prompt_tokens,
         f"UPDATE {_RESERVATIONS} SET status = %s, settled_prompt_tokens = %s,"
         " settled_completion_tokens = %s, settled_at = %s"
         " WHERE id = %s AND status = %s"
-        " RETURNING key_id, user_id, month_start, day_start, prompt_tokens, output_tokens,"
+        " RETURNING key_id, user_id, day_start, prompt_tokens, output_tokens,"
         " activation_requests",
         [
             target,
@@ -257,16 +253,16 @@ def budget_settle_steps(*, reservation_id, prompt_tokens, completion_tokens, rel
         ]
     if not rows:
         return False
-    key_id, user_id, month, day, held_prompt, held_output, activations = rows[0]
+    key_id, user_id, day, held_prompt, held_output, activations = rows[0]
     if not still_held:
         held_prompt = held_output = 0
     # A hold the sweep frees gives its activation requests back (no capture reached its
     # caller, whose process died: a harvest re-run counts the batch again); a late
     # settlement of such a hold counts them once more.
     activations_change = -activations if release else (0 if still_held else activations)
-    params = windows.params(key_id=key_id, user_id=user_id, month=month, day=day)
+    params = windows.params(key_id=key_id, user_id=user_id, day=day)
     move = (
-        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens - %s,"
+        f"UPDATE {_ROWS_TABLE} SET reserved_tokens = reserved_tokens - %s,"
         " reserved_input = reserved_input - %s, reserved_output = reserved_output - %s,"
         " used_tokens = used_tokens + %s, used_input = used_input + %s,"
         " used_output = used_output + %s, activation_requests = activation_requests + %s"
@@ -335,14 +331,12 @@ LEASE_MIN_REQUESTS = 4
 
 
 def _lease_windows(lease) -> list:
-    return windows.params(
-        key_id=lease.key_id, user_id=lease.user_id, month=lease.month_start, day=lease.day_start
-    )
+    return windows.params(key_id=lease.key_id, user_id=lease.user_id, day=lease.day_start)
 
 
 def _windows_reserved_change(lease, tokens: int):
     return (
-        f"UPDATE {_PERIODS} SET reserved_tokens = reserved_tokens + %s WHERE {windows.where()}",
+        f"UPDATE {_ROWS_TABLE} SET reserved_tokens = reserved_tokens + %s WHERE {windows.where()}",
         [tokens, *_lease_windows(lease)],
     )
 
@@ -355,7 +349,7 @@ def budget_lease_steps(*, key, lease: BudgetLease, retiring, give_back: int, wor
     `lease` gets the ids of its windows as `window_ids`. Raises BudgetExceeded(spend_cap)
     when the service is paused (then nothing is given back)."""
     locked, spend_cap_paused = yield from _lock_windows_steps(
-        key_id=key.pk, user_id=key.user_id, month=lease.month_start, day=lease.day_start
+        key_id=key.pk, user_id=key.user_id, day=lease.day_start
     )
     total_left, _, _ = _tightest_windows(
         key=key, locked=locked, spend_cap_paused=spend_cap_paused, activation=False
@@ -429,7 +423,7 @@ def budget_lease_spend_steps(*, spends: list[dict]):
     lease_ids = [spend["lease"].pk for spend in spends]
     rows = yield [
         NO_FLUSH_WAIT,
-        (f"SELECT id FROM {_PERIODS} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [window_ids]),
+        (f"SELECT id FROM {_ROWS_TABLE} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [window_ids]),
         (f"SELECT id FROM {_LEASES} WHERE id = ANY(%s) AND returned_at IS NULL", [lease_ids]),
     ]
     held = {lease_id for (lease_id,) in rows}
@@ -444,7 +438,7 @@ def budget_lease_spend_steps(*, spends: list[dict]):
             totals[2] += completion
             totals[3] += spend["requests"]
     move = (
-        f"UPDATE {_PERIODS} AS w SET reserved_tokens = w.reserved_tokens - d.released,"
+        f"UPDATE {_ROWS_TABLE} AS w SET reserved_tokens = w.reserved_tokens - d.released,"
         " used_tokens = w.used_tokens + d.prompt + d.completion,"
         " used_input = w.used_input + d.prompt, used_output = w.used_output + d.completion,"
         " requests = w.requests + d.requests"
@@ -477,31 +471,38 @@ def harvest_quota_consume(*, key: ApiKey, now=None) -> None:
 
 def _harvest_quota_steps(*, key: ApiKey, now):
     locked, spend_cap_paused = yield from _lock_windows_steps(
-        key_id=key.pk, user_id=key.user_id, month=month_start(now), day=day_start(now)
+        key_id=key.pk, user_id=key.user_id, day=windows.utc_day(now)
     )
     _spend_cap_check(spend_cap_paused)
     quotas = windows.windows_of(windows.HARVEST_JOBS)
-    harvests_left = windows.left(key, locked.row, windows.HARVEST_JOBS)
-    if harvests_left is not None and harvests_left < 1:
+    harvests = windows.tightest(key, locked.row, windows.HARVEST_JOBS)
+    if harvests is not None and harvests[0] < 1:
         raise BudgetExceeded(
             "harvest_quota_exceeded",
-            "This key's monthly harvest-job quota is spent; it resets on the 1st.",
+            f"This key's harvest-job quota is spent; it resets {harvests[1].period.resets} (UTC).",
         )
     ids = [locked.row[window.row].pk for window in quotas]
     yield [
         (
-            f"UPDATE {_PERIODS} SET harvest_jobs = harvest_jobs + 1 WHERE id IN ({_id_list(ids)})",
+            f"UPDATE {_ROWS_TABLE} SET harvest_jobs = harvest_jobs + 1"
+            f" WHERE id IN ({_id_list(ids)})",
             ids,
         )
     ]
 
 
-def harvest_quota_refund(*, key_id: int, month) -> None:
-    """Give back one harvest job counted against the key's quota of `month` (the first day
-    of the month it was submitted in), for a job that ended without delivering files."""
-    UsagePeriod.objects.filter(
-        key_id=key_id, period=Period.MONTH, start=month, harvest_jobs__gt=0
-    ).update(harvest_jobs=F("harvest_jobs") - 1)
+def harvest_quota_refund(*, key_id: int, submitted_at) -> None:
+    """Give back one harvest job counted against the key's quotas when it was submitted (at
+    `submitted_at`), for a job that ended without delivering files."""
+    day = windows.utc_day(submitted_at)
+    rows = reduce(
+        or_,
+        (
+            Q(key_id=key_id, period=window.period.name, start=window.period.start(day))
+            for window in windows.windows_of(windows.HARVEST_JOBS)
+        ),
+    )
+    UsagePeriod.objects.filter(rows, harvest_jobs__gt=0).update(harvest_jobs=F("harvest_jobs") - 1)
 
 
 def budget_activations_refund_steps(*, reservation: BudgetReservation, count: int):
@@ -509,15 +510,12 @@ def budget_activations_refund_steps(*, reservation: BudgetReservation, count: in
     captures it held that did no work (a harvest batch that failed). Compose after the
     reservation's `budget_settle_steps`, in the same transaction."""
     params = windows.params(
-        key_id=reservation.key_id,
-        user_id=reservation.user_id,
-        month=reservation.month_start,
-        day=reservation.day_start,
+        key_id=reservation.key_id, user_id=reservation.user_id, day=reservation.day_start
     )
     yield [
         (windows.locking_select("id"), params),
         (
-            f"UPDATE {_PERIODS} SET activation_requests = activation_requests - %s"
+            f"UPDATE {_ROWS_TABLE} SET activation_requests = activation_requests - %s"
             f" WHERE {windows.where()}",
             [count, *params],
         ),

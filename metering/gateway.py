@@ -15,10 +15,9 @@ from django.conf import settings
 from django.db import OperationalError
 from django.utils import timezone
 
-from accounts.models import UsageRecord
-
 from . import background, leases
 from .budgets import budget_holds_alive_steps, budget_reserve_steps, budget_settle_steps
+from .models import UsageRecord
 from .sql import DatabaseBusy, run_steps_async
 from .usage import usage_record_written_steps, usage_records_steps
 

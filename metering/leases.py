@@ -33,11 +33,9 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from accounts.models import BudgetLease, UsageRecord
-from accounts.periods import day_start, month_start
-
 from . import background, windows
 from .budgets import budget_lease_return_steps, budget_lease_spend_steps, budget_lease_steps
+from .models import BudgetLease, UsageRecord
 from .sql import on_postgresql, run_steps_async
 from .usage import usage_record_written_steps, usage_records_steps
 
@@ -72,7 +70,7 @@ class Lease:
         return (
             not self.retired
             and self.key is key
-            and self.row.day_start == day_start(now)
+            and self.row.day_start == windows.utc_day(now)
             and time.monotonic() - self.granted_at < LEASE_TAKE_S
         )
 
@@ -142,8 +140,8 @@ class _Leases:
         row = BudgetLease(
             key_id=key.pk,
             user_id=key.user_id,
-            month_start=month_start(now),
-            day_start=day_start(now),
+            month_start=windows.MONTH.start(windows.utc_day(now)),
+            day_start=windows.utc_day(now),
         )
         give_back = 0
         if retiring is not None:

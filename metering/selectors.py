@@ -17,10 +17,10 @@ from django.db import connection
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from accounts.models import ApiKey, Period, UsageDaily, UsagePeriod, UsageRecord, User
-from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
+from accounts.models import ApiKey, User
 
 from . import windows
+from .models import UsageDaily, UsagePeriod, UsageRecord
 
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 REQUEST_LOG_PAGE_SIZE = 50
@@ -36,15 +36,13 @@ def budget_windows(*, key: ApiKey, now=None) -> list[dict]:
     None for a window with no limit. `reserved` counts the worst cases of running requests and
     the unspent tokens of the gateway's budget leases (given back 2 s after a key's last
     request; see `metering.leases`). Used by the dashboard, the keys page and GET /v1/usage."""
-    now = now or timezone.now()
-    starts = {Period.MONTH: month_start(now), Period.DAY: day_start(now)}
-    resets = {Period.MONTH: next_month_reset(now), Period.DAY: next_day_reset(now)}
+    day = windows.utc_day(now or timezone.now())
     owners = {windows.KEY: Q(key=key), windows.ACCOUNT: Q(key__isnull=True, user_id=key.user_id)}
     rows = UsagePeriod.objects.filter(
         reduce(
             or_,
             (
-                owners[scope] & Q(period=period, start=starts[period])
+                owners[scope] & Q(period=period.name, start=period.start(day))
                 for scope, period in windows.rows()
             ),
         )
@@ -62,7 +60,7 @@ def budget_windows(*, key: ApiKey, now=None) -> list[dict]:
                 "reserved": reserved,
                 "limit": limit,
                 "remaining": None if limit is None else max(limit - used - reserved, 0),
-                "resets_at": resets[window.period],
+                "resets_at": window.period.next_reset(day),
             }
         )
     return result

@@ -5,10 +5,11 @@ import json
 from django.db import connection
 from django.utils import timezone
 
-from accounts.models import ApiKey, UsageDaily, UsageRecord
-from accounts.periods import day_start
+from accounts.models import ApiKey
 
+from .models import UsageDaily, UsageRecord
 from .sql import NO_FLUSH_WAIT, run_steps
+from .windows import utc_day
 
 _RECORD_COLUMNS = [
     field.attname for field in UsageRecord._meta.concrete_fields if field.attname != "id"
@@ -80,7 +81,7 @@ def usage_records_steps(*, records: list[UsageRecord]):
             row[layers] = json.dumps(record.activation_layers)
         values.append(row)
         group = (
-            ops.adapt_datefield_value(day_start(record.created_at)),
+            ops.adapt_datefield_value(utc_day(record.created_at)),
             record.key_id,
             record.model,
             record.status_code,

@@ -19,7 +19,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from accounts.models import ApiKey, User
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from acs_client.client import AcsApiError, AcsClient
 from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send

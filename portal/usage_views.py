@@ -11,10 +11,10 @@ from django.utils.safestring import mark_safe
 from accounts.access import approved_required, staff_required
 from accounts.htmx import varies_on_htmx, wants_fragment
 from accounts.models import ApiKey, ServiceSettings, User
-from accounts.periods import day_start
 from accounts.selectors import pending_applications_count
 from api import selectors as api_selectors
 from metering import selectors as usage_selectors
+from metering.windows import utc_day
 from playground.models import Run
 
 from .billing import billed
@@ -41,7 +41,7 @@ TABLE_COLUMNS = [
 def _usage_form(request, subject: User) -> UsageFilterForm:
     return UsageFilterForm(
         request.GET,
-        today=day_start(timezone.now()),
+        today=utc_day(timezone.now()),
         keys=ApiKey.objects.filter(user=subject).order_by("name", "pk"),
         models=usage_selectors.usage_models(user_id=subject.pk),
     )
@@ -169,7 +169,7 @@ def request_detail(request, record_id: int):
 @staff_required
 def staff_overview(request):
     now = timezone.now()
-    form = UsageFilterForm(request.GET, today=day_start(now))
+    form = UsageFilterForm(request.GET, today=utc_day(now))
     context = {"form": form}
     if form.is_valid():
         window = form.window(user_id=None)

@@ -13,16 +13,14 @@ from django.urls import reverse
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
-from accounts import selectors, services
+from accounts import selectors
 from accounts.access import approved_required, forbidden, staff_required
-from accounts.forms import (
-    KeyBudgetForm,
-    KeyCreateForm,
-    KeyRenameForm,
-    StaffKeyBudgetForm,
-    UserBudgetForm,
-)
+from accounts.forms import KeyCreateForm, KeyRenameForm
 from accounts.models import ApiKey, AuditLog, KeyStatus, User
+from accounts.services import keys as key_services
+from accounts.services import users
+from metering import limits, windows
+from metering.forms import account_budget_form, key_budget_form
 from metering.selectors import budget_panel
 
 # ---------------------------------------------------------------------------------------
@@ -40,6 +38,7 @@ def home(request):
                 for key in selectors.user_keys(user=user)
                 if key.status != KeyStatus.REVOKED
             ]
+            context["budget_resets"] = windows.period_resets()
         if user.is_staff:
             context["pending_applications"] = selectors.pending_applications_count()
     return render(request, "accounts/home.html", context)
@@ -54,7 +53,7 @@ def _key_row(key, **overrides) -> dict:
         "key": key,
         "panel": budget_panel(key=key),
         "rename_form": KeyRenameForm(initial={"name": key.name}, prefix=f"rename-{key.pk}"),
-        "budget_form": KeyBudgetForm.for_key(key),
+        "budget_form": key_budget_form(key),
         "errors": [],
         **overrides,
     }
@@ -67,7 +66,7 @@ def _key_rows(user, overrides=None):
 
 def _render_keys(request, *, create_form=None, overrides=None):
     context = {
-        "reveals": services.api_key_reveals_take(user=request.user),
+        "reveals": key_services.api_key_reveals_take(user=request.user),
         "rows": _key_rows(request.user, overrides),
         "create_form": create_form or KeyCreateForm(),
         "account_budget": request.user.monthly_token_budget,
@@ -98,10 +97,10 @@ def keys(request):
     form = KeyCreateForm(request.POST)
     if not form.is_valid():
         return _render_keys(request, create_form=form)
-    key, secret = services.api_key_create(
+    key, secret = key_services.api_key_create(
         user=request.user, name=form.cleaned_data["name"], acting_user=request.user
     )
-    services.api_key_reveal_store(key=key, secret=secret)
+    key_services.api_key_reveal_store(key=key, secret=secret)
     return _keys_done(request)
 
 
@@ -127,7 +126,7 @@ def key_rename(request, key_id):
     form = KeyRenameForm(request.POST, prefix=f"rename-{key.pk}")
     if form.is_valid():
         try:
-            services.api_key_rename(
+            key_services.api_key_rename(
                 key=key, acting_user=request.user, name=form.cleaned_data["name"]
             )
             return _keys_done(request)
@@ -142,10 +141,10 @@ def key_budget(request, key_id):
     """Set a key's budgets. For htmx the answer is the key's card (see `_key_card`), with the
     confirmation just above the button that saved them, or the form with its errors."""
     key = _owned_key(request, key_id)
-    form = KeyBudgetForm.for_key(key, request.POST)
+    form = key_budget_form(key, request.POST)
     if form.is_valid():
         try:
-            key = services.api_key_budget_set(
+            key = limits.api_key_budget_set(
                 key=key, acting_user=request.user, budgets=form.cleaned_data
             )
             notice = f"Budgets of “{key.name}” saved."
@@ -191,10 +190,10 @@ def _key_card(request, key, **overrides):
     return response
 
 
-key_disable = _key_status_view(services.api_key_disable, managed_allowed=True)
-key_enable = _key_status_view(services.api_key_enable, managed_allowed=True)
+key_disable = _key_status_view(key_services.api_key_disable, managed_allowed=True)
+key_enable = _key_status_view(key_services.api_key_enable, managed_allowed=True)
 _key_revoke_post = _key_status_view(
-    services.api_key_revoke,
+    key_services.api_key_revoke,
     managed_allowed=False,
     notice="Revoked “{key.name}” (acs-{key.prefix}-…): programs using it now get key_revoked.",
 )
@@ -236,13 +235,11 @@ def _render_staff_user(request, user, *, account_form=None, key_forms=None, erro
             {
                 "key": key,
                 "panel": budget_panel(key=key),
-                "budget_form": key_forms.get(key.pk)
-                or StaffKeyBudgetForm.for_key(key, prefix=f"staff-budget-{key.pk}"),
+                "budget_form": key_forms.get(key.pk) or key_budget_form(key, staff=True),
             }
             for key in keys
         ],
-        "account_form": account_form
-        or UserBudgetForm(initial={"monthly_token_budget": user.monthly_token_budget}),
+        "account_form": account_form or account_budget_form(user),
         "audit": audit,
         "errors": errors,
     }
@@ -258,7 +255,7 @@ def staff_user_detail(request, user_id):
 @require_POST
 def staff_user_status(request, user_id):
     user = get_object_or_404(User, pk=user_id)
-    actions = {"suspend": services.user_suspend, "reactivate": services.user_reactivate}
+    actions = {"suspend": users.user_suspend, "reactivate": users.user_reactivate}
     action = actions.get(request.POST.get("action"))
     if action is None:
         return _render_staff_user(request, user, errors=["Choose suspend or reactivate."])
@@ -274,14 +271,10 @@ def staff_user_status(request, user_id):
 @require_POST
 def staff_user_budget(request, user_id):
     user = get_object_or_404(User, pk=user_id)
-    form = UserBudgetForm(request.POST)
+    form = account_budget_form(user, request.POST)
     if form.is_valid():
         try:
-            services.user_budget_set(
-                user=user,
-                acting_user=request.user,
-                monthly_token_budget=form.cleaned_data["monthly_token_budget"],
-            )
+            limits.user_budget_set(user=user, acting_user=request.user, budgets=form.cleaned_data)
             messages.success(request, "Account budget saved.")
             return redirect("staff_user_detail", user_id=user.pk)
         except ValidationError as error:
@@ -293,12 +286,10 @@ def staff_user_budget(request, user_id):
 @require_POST
 def staff_key_budget(request, key_id):
     key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
-    form = StaffKeyBudgetForm.for_key(key, request.POST, prefix=f"staff-budget-{key.pk}")
+    form = key_budget_form(key, request.POST, staff=True)
     if form.is_valid():
         try:
-            services.api_key_budget_set(
-                key=key, acting_user=request.user, budgets=form.cleaned_data
-            )
+            limits.api_key_budget_set(key=key, acting_user=request.user, budgets=form.cleaned_data)
             messages.success(request, f"Budgets of {key} saved.")
             return redirect("staff_user_detail", user_id=key.user_id)
         except ValidationError as error:
@@ -311,9 +302,9 @@ def staff_key_budget(request, key_id):
 def staff_key_status(request, key_id):
     key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
     actions = {
-        "disable": services.api_key_disable,
-        "enable": services.api_key_enable,
-        "revoke": services.api_key_revoke,
+        "disable": key_services.api_key_disable,
+        "enable": key_services.api_key_enable,
+        "revoke": key_services.api_key_revoke,
     }
     name = request.POST.get("action")
     action = actions.get(name)

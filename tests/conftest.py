@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import connections
 
 from accounts.models import AccessApplication, User, UserStatus
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 
 from .servers import engine_server
 

@@ -1,7 +1,7 @@
 import pytest
 
 from accounts.models import KeyStatus, UserStatus
-from accounts.services import AuthError, api_key_authenticate, api_key_hash
+from accounts.services.auth import AuthError, api_key_authenticate, api_key_hash
 
 
 def refused(header):

@@ -5,14 +5,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from accounts.models import (
-    BudgetReservation,
-    Period,
-    ReservationStatus,
-    ServiceSettings,
-    UsagePeriod,
-)
-from accounts.periods import day_start, month_start, next_day_reset, next_month_reset
+from accounts.models import ServiceSettings
+from metering import windows
 from metering.budgets import (
     BudgetExceeded,
     budget_holds_alive_steps,
@@ -21,6 +15,7 @@ from metering.budgets import (
     budget_settle,
     harvest_quota_consume,
 )
+from metering.models import BudgetReservation, ReservationStatus, UsagePeriod
 from metering.sql import run_steps
 
 
@@ -30,7 +25,7 @@ def key_window(key, period):
 
 def test_reservation_holds_worst_case_and_settle_records_actual(api_key):
     reservation = budget_reserve(key=api_key, prompt_tokens=10, max_tokens=20, completions=2)
-    month = key_window(api_key, Period.MONTH)
+    month = key_window(api_key, windows.MONTH.name)
     assert (month.reserved_tokens, month.used_tokens) == (50, 0)
     assert budget_settle(reservation_id=reservation.pk, prompt_tokens=10, completion_tokens=7)
     month.refresh_from_db()
@@ -44,7 +39,7 @@ def test_settling_twice_counts_once(api_key):
     reservation = budget_reserve(key=api_key, prompt_tokens=5, max_tokens=5)
     assert budget_settle(reservation_id=reservation.pk, prompt_tokens=5, completion_tokens=5)
     assert not budget_settle(reservation_id=reservation.pk, prompt_tokens=5, completion_tokens=5)
-    assert key_window(api_key, Period.DAY).used_tokens == 10
+    assert key_window(api_key, windows.DAY.name).used_tokens == 10
 
 
 def test_max_tokens_is_clamped_to_remaining_budget(api_key):
@@ -64,7 +59,7 @@ def test_request_whose_prompt_does_not_fit_is_refused(api_key):
 
 
 def test_account_budget_spans_all_keys(api_key):
-    from accounts.services import api_key_create
+    from accounts.services.keys import api_key_create
 
     user = api_key.user
     user.monthly_token_budget = 100
@@ -118,12 +113,12 @@ def test_stale_reservations_are_released(api_key):
         alive_at=reservation.created_at - dt.timedelta(hours=1)
     )
     assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 1
-    assert key_window(api_key, Period.MONTH).reserved_tokens == 0
+    assert key_window(api_key, windows.MONTH.name).reserved_tokens == 0
 
 
 def test_the_sweep_gives_back_a_dead_holds_activation_requests(api_key):
     reservation = budget_reserve(key=api_key, prompt_tokens=8, max_tokens=1, activation=3)
-    assert key_window(api_key, Period.MONTH).activation_requests == 3
+    assert key_window(api_key, windows.MONTH.name).activation_requests == 3
     BudgetReservation.objects.filter(pk=reservation.pk).update(
         alive_at=reservation.created_at - dt.timedelta(hours=1)
     )
@@ -159,7 +154,7 @@ def test_a_hold_marked_alive_is_not_swept(api_key):
         lambda: budget_holds_alive_steps(reservation_ids=[reservation.pk], now=timezone.now())
     )
     assert budget_release_stale(older_than=dt.timedelta(minutes=30)) == 0
-    assert key_window(api_key, Period.MONTH).reserved_tokens == 20
+    assert key_window(api_key, windows.MONTH.name).reserved_tokens == 20
 
 
 def test_daily_window_resets_at_utc_midnight_and_monthly_on_the_first(api_key):
@@ -173,22 +168,43 @@ def test_daily_window_resets_at_utc_midnight_and_monthly_on_the_first(api_key):
     budget_reserve(key=api_key, prompt_tokens=90, max_tokens=10, now=next_day)
     starts = set(UsagePeriod.objects.filter(key=api_key).values_list("period", "start"))
     assert starts == {
-        (Period.MONTH, dt.date(2026, 1, 1)),
-        (Period.DAY, dt.date(2026, 1, 31)),
-        (Period.MONTH, dt.date(2026, 2, 1)),
-        (Period.DAY, dt.date(2026, 2, 1)),
+        (windows.MONTH.name, dt.date(2026, 1, 1)),
+        (windows.DAY.name, dt.date(2026, 1, 31)),
+        (windows.MONTH.name, dt.date(2026, 2, 1)),
+        (windows.DAY.name, dt.date(2026, 2, 1)),
     }
 
 
 def test_period_helpers_use_utc():
     tokyo = dt.timezone(dt.timedelta(hours=9))
     moment = dt.datetime(2026, 3, 1, 8, 0, tzinfo=tokyo)  # 2026-02-28 23:00 UTC
-    assert day_start(moment) == dt.date(2026, 2, 28)
-    assert month_start(moment) == dt.date(2026, 2, 1)
-    assert next_day_reset(moment) == dt.datetime(2026, 3, 1, tzinfo=dt.UTC)
-    assert next_month_reset(dt.datetime(2026, 12, 15, tzinfo=dt.UTC)) == dt.datetime(
-        2027, 1, 1, tzinfo=dt.UTC
-    )
+    day = windows.utc_day(moment)
+    assert day == dt.date(2026, 2, 28)
+    assert windows.MONTH.start(day) == dt.date(2026, 2, 1)
+    assert windows.DAY.next_reset(day) == dt.datetime(2026, 3, 1, tzinfo=dt.UTC)
+    assert windows.MONTH.next_reset(dt.date(2026, 12, 15)) == dt.datetime(2027, 1, 1, tzinfo=dt.UTC)
+
+
+@pytest.mark.parametrize(
+    ("day", "start", "reset"),
+    [
+        (dt.date(2026, 12, 2), dt.date(2026, 11, 30), dt.date(2026, 12, 7)),  # a Wednesday
+        (dt.date(2026, 11, 30), dt.date(2026, 11, 30), dt.date(2026, 12, 7)),  # its Monday
+        (dt.date(2027, 1, 3), dt.date(2026, 12, 28), dt.date(2027, 1, 4)),  # across a year
+    ],
+)
+def test_a_week_runs_from_monday_to_the_next_monday_in_utc(day, start, reset):
+    assert windows.WEEK.start(day) == start
+    assert windows.WEEK.next_reset(day) == dt.datetime.combine(reset, dt.time.min, tzinfo=dt.UTC)
+
+
+def test_every_period_starts_on_or_before_its_day_and_resets_after_it():
+    day = dt.date(2026, 1, 1)
+    for _ in range(800):
+        for period in windows.PERIODS:
+            assert period.start(day) <= day < period.following(day)
+            assert period.start(period.following(day)) == period.following(day)
+        day += dt.timedelta(days=1)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -219,7 +235,7 @@ def test_concurrent_reservations_never_overspend(api_key):
         thread.join()
     assert outcomes.count("ok") == 10
     assert outcomes.count("refused") == 40
-    day = key_window(api_key, Period.DAY)
+    day = key_window(api_key, windows.DAY.name)
     assert day.reserved_tokens == 100
     assert BudgetReservation.objects.filter(key=api_key).count() == 10
 
@@ -240,7 +256,7 @@ def test_budget_windows_report_used_remaining_and_reset(api_key):
 
 def test_spend_cap_switch_is_audited(api_key, staff_user):
     from accounts.models import AuditLog
-    from accounts.services import service_spend_cap_set
+    from accounts.services.service import service_spend_cap_set
 
     service_spend_cap_set(paused=True, acting_user=staff_user, reason="monthly cap reached")
     with pytest.raises(BudgetExceeded):

@@ -20,8 +20,7 @@ from django.db import DataError, IntegrityError, transaction
 from django.db.models import Case, F, When
 from django.utils import timezone
 
-from accounts.models import ApiKey, BudgetReservation, UsageRecord
-from accounts.periods import month_start
+from accounts.models import ApiKey
 from acs_client.codec import bfloat16_bits_to_float32
 from acs_client.downloads import capture_metadata, file_metadata
 from acs_portal.celery import task_send
@@ -39,6 +38,7 @@ from metering.budgets import (
     harvest_quota_consume,
     harvest_quota_refund,
 )
+from metering.models import BudgetReservation, UsageRecord
 from metering.sql import run_steps
 from metering.usage import usage_records_steps
 
@@ -374,7 +374,7 @@ def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
 def _harvest_quota_give_back(job: HarvestJob) -> None:
     """A job that ended without files (cancelled, or failed before it had any to keep) does
     not count against the harvest quota; its captures were paid batch by batch."""
-    harvest_quota_refund(key_id=job.key_id, month=month_start(job.created_at))
+    harvest_quota_refund(key_id=job.key_id, submitted_at=job.created_at)
 
 
 class _HarvestStopped(Exception):

@@ -6,6 +6,7 @@ from django.urls import reverse
 
 from accounts import models
 from accounts.models import AuditLog, KeyStatus
+from metering import models as metering_models
 
 from .support import logged_in
 
@@ -21,19 +22,19 @@ MODELS = [
     models.User,
     models.AccessApplication,
     models.ApiKey,
-    models.UsagePeriod,
-    models.BudgetReservation,
     models.ServiceSettings,
     models.AuditLog,
-    models.UsageRecord,
-    models.UsageDaily,
+    metering_models.UsagePeriod,
+    metering_models.BudgetReservation,
+    metering_models.UsageRecord,
+    metering_models.UsageDaily,
 ]
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_has_a_working_changelist(superuser, api_key, model):
     assert admin.site.is_registered(model)
-    url = reverse(f"admin:accounts_{model._meta.model_name}_changelist")
+    url = reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_changelist")
     assert logged_in(superuser).get(url).status_code == 200
 
 

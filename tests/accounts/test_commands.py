@@ -12,7 +12,7 @@ from django.core import mail
 from django.core.management import CommandError, call_command
 
 from accounts.models import ApiKey, AuditLog, KeyStatus, User
-from accounts.services import AuthError, api_key_authenticate
+from accounts.services.auth import AuthError, api_key_authenticate
 
 
 def run(*args):

@@ -4,10 +4,11 @@ import datetime as dt
 
 from django.urls import reverse
 
-from accounts.models import KeyStatus, Period, UsagePeriod
-from accounts.periods import month_start
-from accounts.services import api_key_create
+from accounts.models import KeyStatus
+from accounts.services.keys import api_key_create
+from metering import windows
 from metering.budgets import budget_reserve, budget_settle
+from metering.models import UsagePeriod
 from metering.selectors import budget_panel
 
 
@@ -37,8 +38,8 @@ def test_budget_panel_reports_used_remaining_and_next_utc_reset(api_key):
     UsagePeriod.objects.create(
         user=api_key.user,
         key=api_key,
-        period=Period.MONTH,
-        start=month_start(now),
+        period=windows.MONTH.name,
+        start=windows.MONTH.start(windows.utc_day(now)),
         used_tokens=api_key.monthly_token_budget // 2,
         reserved_tokens=0,
     )

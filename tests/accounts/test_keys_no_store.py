@@ -3,7 +3,7 @@
 import pytest
 from django.urls import reverse
 
-from accounts.services import api_key_create, api_key_reveal_store
+from accounts.services.keys import api_key_create, api_key_reveal_store
 
 from .support import HTMX, secrets_in
 

@@ -5,7 +5,8 @@ import pytest
 from django.urls import reverse
 
 from accounts.models import ApiKey, AuditLog, KeyStatus
-from accounts.services import AuthError, api_key_authenticate, api_key_create
+from accounts.services.auth import AuthError, api_key_authenticate
+from accounts.services.keys import api_key_create
 
 from .support import HTMX, logged_in, secrets_in
 

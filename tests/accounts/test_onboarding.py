@@ -7,7 +7,7 @@ from django.test import Client
 from django.urls import reverse
 
 from accounts.models import AccessApplication, ApiKey, ApplicationStatus, AuditLog, User
-from accounts.services import api_key_authenticate
+from accounts.services.auth import api_key_authenticate
 
 from .support import logged_in, secrets_in
 

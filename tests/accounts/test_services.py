@@ -7,14 +7,12 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection
 
-from accounts.models import AccessApplication, ApiKey, User, UserStatus
-from accounts.services import (
-    api_key_budget_set,
-    api_key_create,
-    api_key_reveal_store,
-    api_key_reveals_take,
-    application_approve,
-)
+from accounts.models import AccessApplication, ApiKey, AuditLog, User, UserStatus
+from accounts.services.applications import application_approve
+from accounts.services.keys import api_key_create, api_key_reveal_store, api_key_reveals_take
+from metering import windows
+from metering.forms import account_budget_form, key_budget_form
+from metering.limits import api_key_budget_set, user_budget_set
 
 
 def run_concurrently(count, work):
@@ -63,6 +61,42 @@ def test_owner_cannot_raise_staff_quotas(approved_user, api_key):
             key=api_key, acting_user=approved_user, budgets={"monthly_harvest_quota": 10**6}
         )
     assert "monthly_harvest_quota" in error.value.message_dict
+
+
+@pytest.mark.parametrize("acting", ["owner", "staff", "system"])
+def test_an_unknown_budget_is_a_validation_error_naming_it(
+    approved_user, staff_user, api_key, acting
+):
+    actor = {"owner": approved_user, "staff": staff_user, "system": None}[acting]
+    with pytest.raises(ValidationError) as error:
+        api_key_budget_set(key=api_key, acting_user=actor, budgets={"hourly_budget": 5})
+    assert error.value.messages == [
+        "Unknown budget hourly_budget; the budgets are monthly_token_budget,"
+        " daily_token_budget, monthly_input_budget, monthly_output_budget,"
+        " monthly_activation_quota, monthly_harvest_quota."
+    ]
+    with pytest.raises(ValidationError) as error:
+        user_budget_set(user=approved_user, acting_user=actor, budgets={"daily_token_budget": 5})
+    assert error.value.messages == [
+        "Unknown budget daily_token_budget; the budgets are monthly_token_budget."
+    ]
+    assert not AuditLog.objects.filter(action__endswith="budget_set").exists()
+
+
+def test_budget_forms_have_a_field_per_window_that_their_reader_may_set(api_key):
+    key_windows = [w for w in windows.WINDOWS if w.scope == windows.KEY]
+    assert list(key_budget_form(api_key).fields) == [
+        "monthly_token_budget",
+        "daily_token_budget",
+        "monthly_input_budget",
+        "monthly_output_budget",
+    ]
+    assert list(key_budget_form(api_key, staff=True).fields) == [w.limit for w in key_windows]
+    assert list(account_budget_form(api_key.user).fields) == ["monthly_token_budget"]
+    optional = {
+        name for name, field in key_budget_form(api_key).fields.items() if not field.required
+    }
+    assert optional == {"monthly_input_budget", "monthly_output_budget"}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -5,7 +5,7 @@ from django.test import Client
 from django.urls import reverse
 
 from accounts.models import AccessApplication, AuditLog, ServiceSettings, UserStatus
-from accounts.services import AuthError, api_key_authenticate
+from accounts.services.auth import AuthError, api_key_authenticate
 
 from .support import HTMX, logged_in
 

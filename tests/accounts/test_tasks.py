@@ -5,8 +5,8 @@ import datetime as dt
 from django.conf import settings
 from django.utils import timezone
 
-from accounts.models import BudgetReservation, ReservationStatus
 from metering.budgets import budget_reserve
+from metering.models import BudgetReservation, ReservationStatus
 from metering.tasks import budget_release_stale_task
 
 

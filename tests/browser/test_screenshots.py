@@ -11,7 +11,7 @@ from django.db import connections
 from playwright.sync_api import expect
 
 from accounts.models import User
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from tests.conftest import PASSWORD, make_user
 
 from .screenshots import WIDTHS, save_screenshots

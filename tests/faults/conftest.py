@@ -26,9 +26,11 @@ from celery import Celery
 from django.conf import settings
 from django.db import connections
 
-from accounts.models import BudgetLease, Period, UsagePeriod, User
-from accounts.services import api_key_create
+from accounts.models import User
+from accounts.services.keys import api_key_create
 from api.models import LanguageModel
+from metering import windows
+from metering.models import BudgetLease, UsagePeriod
 from tests.conftest import ENGINE_MODEL_FIELDS, make_user
 from tests.gateway.stub import StubUpstream
 from tests.servers import REPO_ROOT, engine_command, free_port, wait_ready
@@ -357,7 +359,7 @@ class Account:
         }
 
     def used_tokens(self) -> int:
-        return self.windows()["key_" + Period.DAY].used_tokens
+        return self.windows()["key_" + windows.DAY.name].used_tokens
 
     def reserved_tokens(self) -> int:
         return sum(row.reserved_tokens for row in self.windows().values())

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from accounts.models import UsageRecord
+from metering.models import UsageRecord
 
 from .conftest import ENGINE_MODEL, make_account, wait_for
 

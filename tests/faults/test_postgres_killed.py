@@ -8,8 +8,8 @@ from collections import Counter
 
 import httpx
 
-from accounts.models import UsageRecord
 from api.jobs.models import CompletionJob
+from metering.models import UsageRecord
 
 from .conftest import STUB_MODEL, make_account, wait_for
 

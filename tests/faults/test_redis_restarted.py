@@ -10,11 +10,11 @@ import httpx
 import pytest
 import redis
 
-from accounts.models import UsageRecord
-from accounts.services import api_key_revoke
+from accounts.services.keys import api_key_revoke
 from acs_portal.celery import app as celery_app
 from acs_portal.redis import redis_sync_reset
 from api.auth import GENERATION_KEY, access_generation_bump
+from metering.models import UsageRecord
 from playground import services as playground_services
 from playground.models import Run
 from tests.playground.conftest import replay

@@ -8,8 +8,8 @@ import httpx
 import redis as redis_lib
 from django.conf import settings
 
-from accounts.models import UsageRecord
 from api import upstream
+from metering.models import UsageRecord
 
 from .conftest import ENGINE_MODEL, wait_for
 

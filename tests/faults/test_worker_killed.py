@@ -9,9 +9,10 @@ from datetime import timedelta
 import httpx
 from django.utils import timezone
 
-from accounts.models import BudgetReservation, Period, ReservationStatus, UsageRecord
 from api.jobs.models import CompletionJob, HarvestJob
+from metering import windows
 from metering.budgets import budget_release_stale
+from metering.models import BudgetReservation, ReservationStatus, UsageRecord
 
 from .conftest import ENGINE_MODEL, JOB_LEASE_S, STUB_MODEL, wait_for
 
@@ -164,7 +165,7 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
     detail = http.get(f"/v1/harvest/{job_id}").json()
     assert detail["status"] == "done"
     # Counted once against the monthly harvest quota, although it ran twice.
-    month = account.windows()["key_" + Period.MONTH]
+    month = account.windows()["key_" + windows.MONTH.name]
     assert month.harvest_jobs == 1
     # Each batch billed once: the batch the dead attempt was capturing had only a hold (the
     # sweep frees it), and those it had paid for are not charged again by the re-run.
@@ -178,7 +179,7 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
     assert records.count() == len(prompts)  # one per batch of one prompt
     assert account.used_tokens() == produced
     assert account.reserved_tokens() == 0
-    assert account.windows()["key_" + Period.MONTH].activation_requests == len(prompts)
+    assert account.windows()["key_" + windows.MONTH.name].activation_requests == len(prompts)
     fault_table.add(
         fault="Celery worker SIGKILLed mid-harvest",
         client_saw=f"job `running` ({done_when_killed}/{len(prompts)} prompts), then"

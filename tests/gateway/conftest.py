@@ -11,7 +11,7 @@ from django.db import connections
 
 from api import admission, completions, selectors, upstream
 from api.models import LanguageModel
-from metering import background, leases
+from metering import background, leases, windows
 
 from .stub import StubUpstream, serve_in_thread, stop_server
 
@@ -103,9 +103,9 @@ def wait_settled(timeout=10.0) -> None:
 def key_day_window(key):
     """The key's budget window of today, where requests hold and settle their tokens
     (through a budget lease or a reservation of their own)."""
-    from accounts.models import Period, UsagePeriod
+    from metering.models import UsagePeriod
 
-    return UsagePeriod.objects.get(key=key, period=Period.DAY)
+    return UsagePeriod.objects.get(key=key, period=windows.DAY.name)
 
 
 def _settled_hook(response):

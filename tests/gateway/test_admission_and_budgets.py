@@ -11,8 +11,10 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings
 from django.db.models import Sum
 
-from accounts.models import ApiKey, BudgetReservation, Period, UsagePeriod, UsageRecord
+from accounts.models import ApiKey
 from api import admission
+from metering import windows
+from metering.models import BudgetReservation, UsagePeriod, UsageRecord
 
 from .conftest import ASYNC_SETTLED_HOOKS
 
@@ -65,7 +67,7 @@ async def test_sixteen_run_sixty_four_wait_and_the_rest_get_queue_full(
 
 
 async def test_limits_are_per_key(gateway_url, api_secret, api_key, stub, model, limits):
-    from accounts.services import api_key_create
+    from accounts.services.keys import api_key_create
 
     limits(MAX_RUNNING=1, MAX_WAITING=0)
     gate = threading.Event()
@@ -155,7 +157,7 @@ async def test_concurrent_requests_never_overspend_and_usage_matches_settlements
             for r in responses
             if r.status_code == 429
         )
-        day = UsagePeriod.objects.get(key=api_key, period=Period.DAY)
+        day = UsagePeriod.objects.get(key=api_key, period=windows.DAY.name)
         assert day.used_tokens <= 100
         assert day.reserved_tokens == 0
         settled = BudgetReservation.objects.aggregate(

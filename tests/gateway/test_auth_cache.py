@@ -3,14 +3,10 @@ a key or its account is seen on the very next request."""
 
 import pytest
 
-from accounts.services import (
-    api_key_budget_set,
-    api_key_disable,
-    api_key_revoke,
-    user_budget_set,
-    user_suspend,
-)
+from accounts.services.keys import api_key_disable, api_key_revoke
+from accounts.services.users import user_suspend
 from api import auth
+from metering.limits import api_key_budget_set, user_budget_set
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,7 +61,7 @@ def test_a_lowered_key_budget_applies_to_the_next_request(client, stub, api_key,
 
 def test_a_lowered_account_budget_applies_to_the_next_request(client, stub, api_key, staff_user):
     assert client.post("/v1/completions", json=BASE).status_code == 200
-    user_budget_set(user=api_key.user, acting_user=staff_user, monthly_token_budget=5)
+    user_budget_set(user=api_key.user, acting_user=staff_user, budgets={"monthly_token_budget": 5})
     response = client.post("/v1/completions", json=BASE)
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "budget_exceeded"

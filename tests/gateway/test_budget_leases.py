@@ -10,11 +10,10 @@ from asgiref.sync import sync_to_async
 from django.db.models import Sum
 from django.utils import timezone
 
-from accounts import services
-from accounts.models import BudgetLease, BudgetReservation, UsageRecord
-from accounts.periods import day_start, month_start
+from accounts.services import keys, service
 from api import admission
-from metering import background, budgets, gateway, leases, sql
+from metering import background, budgets, gateway, leases, limits, sql, windows
+from metering.models import BudgetLease, BudgetReservation, UsageRecord
 
 from .conftest import key_day_window, wait_settled
 from .test_admission_and_budgets import fire
@@ -96,7 +95,7 @@ def test_usage_records_are_written_in_batches(client, stub, api_key, monkeypatch
 
 def test_lowering_a_budget_retires_the_lease_at_once(client, stub, api_key, lasting_leases):
     assert client.post("/v1/completions", json=BODY).status_code == 200
-    services.api_key_budget_set(key=api_key, acting_user=None, budgets={"daily_token_budget": 10})
+    limits.api_key_budget_set(key=api_key, acting_user=None, budgets={"daily_token_budget": 10})
     response = client.post("/v1/completions", json={**BODY, "max_tokens": 8})
     # Held exactly against what is left (10 - 5 used - the old lease given back).
     assert response.status_code == 200
@@ -110,7 +109,7 @@ def test_pausing_the_service_applies_to_the_next_leased_request(
     client, stub, api_key, staff_user, lasting_leases
 ):
     assert client.post("/v1/completions", json=BODY).status_code == 200
-    services.service_spend_cap_set(paused=True, acting_user=staff_user, reason="over budget")
+    service.service_spend_cap_set(paused=True, acting_user=staff_user, reason="over budget")
     response = client.post("/v1/completions", json=BODY)
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "spend_cap"
@@ -122,7 +121,7 @@ async def test_leased_and_exact_requests_together_never_overspend(
     async_db_connections_closed, gateway_url, api_secret, api_key, stub, model, monkeypatch
 ):
     # 1,000 tokens: leases while far from the limit, then each request reserved exactly.
-    await sync_to_async(services.api_key_budget_set)(
+    await sync_to_async(limits.api_key_budget_set)(
         key=api_key, acting_user=None, budgets={"daily_token_budget": 1000}
     )
     monkeypatch.setattr(admission, "MAX_WAITING", 200)
@@ -152,7 +151,10 @@ async def test_leased_and_exact_requests_together_never_overspend(
 def test_the_sweep_frees_the_lease_of_a_dead_process_and_late_spends_still_count(api_key):
     now = timezone.now()
     lease = BudgetLease(
-        key=api_key, user=api_key.user, month_start=month_start(now), day_start=day_start(now)
+        key=api_key,
+        user=api_key.user,
+        month_start=windows.MONTH.start(windows.utc_day(now)),
+        day_start=windows.utc_day(now),
     )
     granted = sql.run_steps(
         lambda: budgets.budget_lease_steps(
@@ -205,9 +207,7 @@ def test_a_record_that_cannot_be_written_does_not_lose_the_others(
     gateway_url, stub, model, api_key_pair, approved_user, monkeypatch
 ):
     key, secret = api_key_pair
-    doomed, doomed_secret = services.api_key_create(
-        user=approved_user, name="doomed", acting_user=None
-    )
+    doomed, doomed_secret = keys.api_key_create(user=approved_user, name="doomed", acting_user=None)
     monkeypatch.setattr(leases, "FLUSH_DELAY_S", 1.0)
     for token in (secret, secret, doomed_secret):
         response = httpx.post(

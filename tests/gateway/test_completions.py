@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from accounts.models import UsageRecord
+from metering.models import UsageRecord
 
 from .conftest import key_day_window, wait_settled
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from django.conf import settings
 
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from acs_client.codec import decode, encode_vector
 from api import tokenizer, upstream
 from api.models import LanguageModel
@@ -69,7 +69,7 @@ def test_engine_logprobs_and_prompt_logprobs_through_the_sdk(sdk):
 
 
 def test_gateway_counts_prompt_tokens_with_the_engines_tokenizer_json(sdk, api_key, exact_budgets):
-    from accounts.models import BudgetReservation
+    from metering.models import BudgetReservation
 
     tokenizer._tokenizers.clear()
     tokenizer._missing_until.clear()
@@ -101,7 +101,7 @@ def test_engine_capture_decodes_with_acs_client(client, engine_model):
     tokens = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
     assert values.shape == (3, tokens, 576)
     assert np.isfinite(values).all() and np.abs(values).max() > 0
-    from accounts.models import UsageRecord
+    from metering.models import UsageRecord
 
     assert UsageRecord.objects.get().activation_layers == [1, 5, 29]
 

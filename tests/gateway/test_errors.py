@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import zstandard
 
-from accounts.models import ApiKey, KeyStatus, UsageRecord, User, UserStatus
-from accounts.services import service_spend_cap_set
+from accounts.models import ApiKey, KeyStatus, User, UserStatus
+from accounts.services.service import service_spend_cap_set
 from acs_client.codec import encode_vector
+from metering.models import UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

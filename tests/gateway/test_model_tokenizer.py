@@ -43,7 +43,7 @@ def test_without_a_tokenizer_the_gateway_asks_plain_vllm_to_count_each_prompt(
 def test_an_attached_tokenizer_counts_prompts_without_asking_the_upstream(
     client, stub, plain_vllm, api_key, exact_budgets
 ):
-    from accounts.models import BudgetReservation
+    from metering.models import BudgetReservation
 
     language_model_tokenizer_set(model=plain_vllm, content=stub.tokenizer_json)
     complete_each(client, "plain-vllm")

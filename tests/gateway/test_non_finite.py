@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from accounts.models import UsageRecord
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from metering.models import UsageRecord
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.overflow import overflowing_steering, sse_payloads, strict_json
 

@@ -17,9 +17,10 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
-from accounts.models import BudgetLease, Period, UsagePeriod, UsageRecord
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from api import admission
+from metering import windows
+from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
 from tests.conftest import PASSWORD
 from tests.servers import REPO_ROOT, free_port, stop, wait_ready
@@ -231,7 +232,9 @@ async def test_budget_is_exact_across_replicas(
         return await UsageRecord.objects.acount() == len(responses)
 
     await wait_for(recorded, "a usage record of every request, refused ones included")
-    account = await UsagePeriod.objects.aget(user=approved_user, key=None, period=Period.MONTH)
+    account = await UsagePeriod.objects.aget(
+        user=approved_user, key=None, period=windows.MONTH.name
+    )
     assert account.used_tokens == delivered == budget
     assert await UsageRecord.objects.filter(status_code=200).acount() == 50
 
@@ -370,7 +373,7 @@ async def test_killed_replica_loses_only_its_unwritten_window_and_its_leases_ret
         reserved_before = windows_reserved()
         settings.ACS_STALE_RESERVATION_SECONDS = 0
         budget_release_stale_task()
-        day = UsagePeriod.objects.get(key=api_key, period=Period.DAY)
+        day = UsagePeriod.objects.get(key=api_key, period=windows.DAY.name)
         return dead_leases, reserved_before, day, BudgetLease.objects.filter(returned_at=None)
 
     dead_leases, reserved_before, day, unreturned = await sync_to_async(sweep_and_measure)()

@@ -7,11 +7,11 @@ import openai
 import pytest
 from asgiref.sync import async_to_sync
 
-from accounts.models import UsageRecord
 from api import openapi
 from api.completions import completion_run
 from api.models import LanguageModel
 from api.selectors import registry_clear, upstream_states
+from metering.models import UsageRecord
 
 from .conftest import SETTLED_HOOKS
 

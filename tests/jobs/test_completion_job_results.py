@@ -9,9 +9,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from accounts.models import UsageRecord
 from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus
+from metering.models import UsageRecord
 from tests.overflow import overflowing_steering
 
 pytestmark = pytest.mark.django_db(transaction=True)

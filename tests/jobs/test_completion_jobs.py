@@ -11,7 +11,7 @@ from asgiref.sync import async_to_sync
 from django.db import connection
 from django.utils import timezone
 
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from api.admission import admission_counts
 from api.completions import CompletionResult
 from api.errors import ApiError

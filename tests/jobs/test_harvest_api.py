@@ -13,11 +13,13 @@ from django.db import connection
 from django.utils import timezone
 from safetensors import deserialize
 
-from accounts.models import Period, UsagePeriod
-from accounts.services import api_key_create, api_key_disable, api_key_revoke, user_suspend
+from accounts.services.keys import api_key_create, api_key_disable, api_key_revoke
+from accounts.services.users import user_suspend
 from api.jobs import selectors, services, tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
 from api.jobs.storage import MANIFEST_NAME, harvest_file_write
+from metering import windows
+from metering.models import UsagePeriod
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -112,7 +114,7 @@ def test_a_key_may_run_two_jobs_at_once_then_gets_429_with_retry_after(
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "harvest_jobs_limit"
     assert int(response["Retry-After"]) > 0
-    used = UsagePeriod.objects.get(key=api_key, period=Period.MONTH)
+    used = UsagePeriod.objects.get(key=api_key, period=windows.MONTH.name)
     assert used.harvest_jobs == 2
 
     assert api_client.delete(f"/v1/harvest/{first}").status_code == 200
@@ -127,7 +129,7 @@ def test_a_harvest_resent_with_its_idempotency_key_is_the_same_job_counted_once(
     assert (first.status_code, again.status_code) == (202, 200)
     assert again.json() == first.json()
     assert HarvestJob.objects.count() == 1
-    assert UsagePeriod.objects.get(key=api_key, period=Period.MONTH).harvest_jobs == 1
+    assert UsagePeriod.objects.get(key=api_key, period=windows.MONTH.name).harvest_jobs == 1
     assert len(sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")) == 1
     # Without a key, a resend is a new job, as before.
     assert _post(api_client).status_code == 202
@@ -184,7 +186,7 @@ def test_concurrent_harvest_submits_with_one_idempotency_key_create_one_job(
     assert HarvestJob.objects.count() == 1
     assert {job_id for job_id, _ in outcomes} == {str(HarvestJob.objects.get().pk)}
     assert sum(created for _, created in outcomes) == 1
-    key_months = UsagePeriod.objects.filter(period=Period.MONTH, key__isnull=False)
+    key_months = UsagePeriod.objects.filter(period=windows.MONTH.name, key__isnull=False)
     assert sum(row.harvest_jobs for row in key_months) == 1  # one job of the quota
 
 

@@ -10,12 +10,13 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from accounts.models import Period, UsagePeriod, UsageRecord
-from accounts.services import service_spend_cap_set
+from accounts.services.service import service_spend_cap_set
 from api.errors import ApiError
 from api.jobs import services, tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
 from api.jobs.storage import harvest_file_write
+from metering import windows
+from metering.models import UsagePeriod, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,9 +41,9 @@ def _token_counts(engine_url, prompts=PROMPTS):
 def _windows(key):
     """The key's month and day windows and its account's month window."""
     return [
-        UsagePeriod.objects.get(key=key, period=Period.MONTH),
-        UsagePeriod.objects.get(key=key, period=Period.DAY),
-        UsagePeriod.objects.get(key=None, user=key.user, period=Period.MONTH),
+        UsagePeriod.objects.get(key=key, period=windows.MONTH.name),
+        UsagePeriod.objects.get(key=key, period=windows.DAY.name),
+        UsagePeriod.objects.get(key=None, user=key.user, period=windows.MONTH.name),
     ]
 
 

@@ -14,11 +14,12 @@ from django.utils import timezone
 from safetensors import deserialize, safe_open
 from tokenizers import Tokenizer
 
-from accounts.models import Period, UsagePeriod, UsageRecord
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from api.jobs import selectors, services
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from metering import windows
+from metering.models import UsagePeriod, UsageRecord
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -334,7 +335,7 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
     # Billed once per batch: three usage records, three activation requests.
     records = UsageRecord.objects.filter(key=api_key, endpoint="harvest")
     assert sorted(r.request_id[-2:] for r in records) == ["-0", "-1", "-2"]
-    month = UsagePeriod.objects.get(key=api_key, period=Period.MONTH)
+    month = UsagePeriod.objects.get(key=api_key, period=windows.MONTH.name)
     assert (month.activation_requests, month.reserved_tokens) == (3, 0)
     assert month.used_tokens == sum(r.prompt_tokens + r.completion_tokens for r in records)
 

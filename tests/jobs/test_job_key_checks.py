@@ -7,10 +7,11 @@ import json
 import pytest
 from asgiref.sync import sync_to_async
 
-from accounts.models import UsagePeriod, UsageRecord
-from accounts.services import api_key_disable, api_key_revoke, user_suspend
+from accounts.services.keys import api_key_disable, api_key_revoke
+from accounts.services.users import user_suspend
 from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from metering.models import UsagePeriod, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

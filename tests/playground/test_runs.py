@@ -11,7 +11,8 @@ from django.conf import settings
 from django.db import connection
 
 from accounts.models import ApiKey, AuditLog
-from accounts.services import api_key_authenticate, api_key_revoke
+from accounts.services.auth import api_key_authenticate
+from accounts.services.keys import api_key_revoke
 from acs_client.codec import decode
 from api.auth import access_generation_bump
 from playground import services, tasks

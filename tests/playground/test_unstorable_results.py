@@ -4,9 +4,9 @@ and the real engine."""
 
 import pytest
 
-from accounts.models import UsageRecord
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from metering.models import UsageRecord
 from playground import services
 from playground.models import RunStatus
 from tests.conftest import ENGINE_MODEL_FIELDS

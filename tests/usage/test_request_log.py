@@ -4,8 +4,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from accounts.models import UsageRecord
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
+from metering.models import UsageRecord
 from metering.selectors import REQUEST_LOG_PAGE_SIZE
 
 from .conftest import table_rows, utc

@@ -6,8 +6,9 @@ from django.core.management import call_command
 from django.db.models import Sum
 from django.utils import timezone
 
-from accounts.models import UsageDaily, UsageRecord
-from accounts.services import api_key_create, service_spend_cap_set
+from accounts.services.keys import api_key_create
+from accounts.services.service import service_spend_cap_set
+from metering.models import UsageDaily, UsageRecord
 from metering.selectors import UsageWindow, latency_percentiles, usage_summary
 
 from .conftest import table_rows, utc

@@ -8,8 +8,8 @@ from collections import defaultdict
 import pytest
 from django.db.models import Sum
 
-from accounts.models import UsageRecord
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
+from metering.models import UsageRecord
 
 from .conftest import table_rows, utc
 

@@ -12,8 +12,8 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from accounts import services
 from accounts.models import AccessApplication, ApplicationStatus, User
+from accounts.services import applications, users
 
 OPERATOR_APPLICATION = "Account created by an operator from the command line."
 
@@ -54,15 +54,17 @@ class Command(BaseCommand):
                 return
             user = user_by_email(email)
             if action == "approve":
-                services.application_approve(
+                applications.application_approve(
                     application=pending_application(user), acting_user=None
                 )
             elif action == "reject":
-                services.application_reject(application=pending_application(user), acting_user=None)
+                applications.application_reject(
+                    application=pending_application(user), acting_user=None
+                )
             elif action == "suspend":
-                services.user_suspend(user=user, acting_user=None)
+                users.user_suspend(user=user, acting_user=None)
             else:
-                services.user_reactivate(user=user, acting_user=None)
+                users.user_reactivate(user=user, acting_user=None)
         except ValidationError as error:
             raise CommandError(" ".join(error.messages)) from error
         user.refresh_from_db()
@@ -74,7 +76,7 @@ class Command(BaseCommand):
         generated = password is None
         password = secrets.token_urlsafe(12) if generated else password
         with transaction.atomic():
-            user = services.user_signup(
+            user = applications.user_signup(
                 email=email.strip(),
                 password=password,
                 name=name,
@@ -86,7 +88,7 @@ class Command(BaseCommand):
                 user.is_staff = True
                 user.save(update_fields=["is_staff"])
             if approve:
-                services.application_approve(
+                applications.application_approve(
                     application=pending_application(user), acting_user=None
                 )
         user.refresh_from_db()

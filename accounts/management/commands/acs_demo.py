@@ -8,8 +8,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from accounts import services
 from accounts.models import ApplicationStatus, User
+from accounts.services import applications, keys
 
 STAFF_EMAIL = "staff@acs.local"
 STAFF_PASSWORD = "acs-demo-staff"
@@ -45,7 +45,7 @@ class Command(BaseCommand):
         """Create the researcher and return the demo key's secret, or None if they exist."""
         if User.objects.filter(email=RESEARCHER_EMAIL).exists():
             return None
-        user = services.user_signup(
+        user = applications.user_signup(
             email=RESEARCHER_EMAIL,
             password=RESEARCHER_PASSWORD,
             name="Demo researcher",
@@ -54,7 +54,7 @@ class Command(BaseCommand):
             accepted_usage_rules=True,
         )
         application = user.applications.get(status=ApplicationStatus.PENDING)
-        services.application_approve(application=application, acting_user=None)
+        applications.application_approve(application=application, acting_user=None)
         # Approval left the first key's secret waiting for /keys/; print it here instead.
-        [(_key, secret)] = services.api_key_reveals_take(user=user)
+        [(_key, secret)] = keys.api_key_reveals_take(user=user)
         return secret

@@ -10,10 +10,9 @@ non-zero with a one-line message.
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
-from django.db import transaction
 
-from accounts import services
 from accounts.models import ApiKey, UserStatus
+from accounts.services import keys
 
 from .acs_accounts import user_by_email
 
@@ -57,9 +56,9 @@ class Command(BaseCommand):
                 self.list(options["email"])
             else:
                 change = {
-                    "revoke": services.api_key_revoke,
-                    "disable": services.api_key_disable,
-                    "enable": services.api_key_enable,
+                    "revoke": keys.api_key_revoke,
+                    "disable": keys.api_key_disable,
+                    "enable": keys.api_key_enable,
                 }[action]
                 key = change(key=key_by_prefix(options["prefix"]), acting_user=None)
                 self.stdout.write(f"acs-{key.prefix} ({key.name}) is now {key.status}.")
@@ -70,18 +69,13 @@ class Command(BaseCommand):
         user = user_by_email(email)
         if user.status != UserStatus.APPROVED:
             raise CommandError(f"{user.email} is {user.status}; only approved accounts get keys.")
-        budgets = {
-            field: value
-            for field, value in (
-                ("monthly_token_budget", monthly_budget),
-                ("daily_token_budget", daily_budget),
-            )
-            if value is not None
-        }
-        with transaction.atomic():
-            key, secret = services.api_key_create(user=user, name=name, acting_user=None)
-            if budgets:
-                key = services.api_key_budget_set(key=key, acting_user=None, budgets=budgets)
+        key, secret = keys.api_key_create(
+            user=user,
+            name=name,
+            acting_user=None,
+            monthly_token_budget=monthly_budget,
+            daily_token_budget=daily_budget,
+        )
         self.stdout.write(
             f"Created key acs-{key.prefix} ({key.name}) for {user.email}: "
             f"{key.monthly_token_budget} tokens/month, {key.daily_token_budget} tokens/day. "

@@ -15,8 +15,9 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
-from accounts.models import ApiKey, UsageDaily, UsageRecord, User, UserStatus
-from accounts.services import api_key_create
+from accounts.models import ApiKey, User, UserStatus
+from accounts.services.keys import api_key_create
+from metering.models import UsageDaily, UsageRecord
 
 MODELS = ["smollm2-135m", "smollm2-360m", "llama-3.1-8b"]
 # (status_code, error_code, probability)
