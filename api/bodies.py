@@ -19,7 +19,7 @@ import re
 from django.conf import settings
 
 from .errors import ApiError
-from .schemas import MAX_BODY_BYTES
+from .limits import MAX_BODY_BYTES
 
 # No valid body of the API nests deeper than 5 levels (a steering vector's codec object).
 MAX_JSON_DEPTH = 64
@@ -62,7 +62,6 @@ async def read_body(receive) -> bytes:
                     return b"".join(chunks)[: MAX_BODY_BYTES + 1]
     except TimeoutError:
         raise ApiError(
-            408,
             "request_timeout",
             f"The request body did not arrive within "
             f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s.",
@@ -86,7 +85,6 @@ def check_content_type(content_type: str | None) -> None:
     media_type = (content_type or "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(
-            415,
             "unsupported_media_type",
             f"Send the body as Content-Type: application/json, not {content_type!r:.100}.",
         )
@@ -94,7 +92,8 @@ def check_content_type(content_type: str | None) -> None:
 
 def too_large() -> ApiError:
     return ApiError(
-        413, "request_too_large", f"The request body exceeds {MAX_BODY_BYTES} bytes (8 MiB)."
+        "request_too_large",
+        f"The request body exceeds {MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES // 2**20} MiB).",
     )
 
 
@@ -111,19 +110,17 @@ def decode_json(raw: bytes):
         raise too_large()
     if _nested_deeper_than(raw, MAX_JSON_DEPTH):
         raise ApiError(
-            400,
             "invalid_request",
             f"The body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.",
         )
     try:
         payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, "bad_json", f"The body is not valid JSON: {error}.") from None
+        raise ApiError("bad_json", f"The body is not valid JSON: {error}.") from None
     if _MAYBE_SURROGATE.search(raw):
         field = _text_at(payload, (), _not_encodable)
         if field is not None:
             raise ApiError(
-                400,
                 "invalid_request",
                 f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (such as "
                 "\\ud800), which is not valid Unicode text.",
@@ -132,7 +129,6 @@ def decode_json(raw: bytes):
         field = _text_at(payload, (), _holds_nul)
         if field is not None:
             raise ApiError(
-                400,
                 "invalid_request",
                 f"Invalid value for '{field}': it holds a NUL character (\\u0000), which "
                 "this API does not take in text; send such a prompt as token ids.",

@@ -42,7 +42,6 @@ async def model_get(name: str | None) -> LanguageModel:
     model = registry["default"] if name is None else registry["by_name"].get(name)
     if model is None or model.status != ModelStatus.LIVE:
         raise ApiError(
-            400,
             "model_not_found",
             f"The model '{name}' does not exist; GET /v1/models lists the models."
             if name is not None

@@ -171,7 +171,7 @@ def completion_job_execute(*, job_id, now=None) -> None:
         # completion_run answers every failure of the request itself; this is the worker's.
         logger.exception("completion job %s crashed (request %s)", job.pk, request_id)
         error = ApiError(
-            500, "internal_error", f"The job failed inside the service; quote {request_id}."
+            "internal_error", f"The job failed inside the service; quote {request_id}."
         )
         status, body, headers = error.status, error.body(), error.headers()
     retry_after = headers.get("Retry-After")
@@ -207,7 +207,6 @@ def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, heade
 
 def _worker_lost_error(attempts: int) -> dict:
     return ApiError(
-        500,
         "worker_lost",
         f"The worker running this job stopped {attempts} times; the job was given up.",
     ).body()
@@ -446,9 +445,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
         logger.exception("harvest job %s crashed", job.pk)
         _harvest_fail(
             job,
-            ApiError(
-                500, "internal_error", f"The harvest failed inside the service (job {job.pk})."
-            ),
+            ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
         )
         return
     HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
@@ -491,7 +488,6 @@ def _harvest(job: HarvestJob) -> list[str]:
     language_model = LanguageModel.objects.filter(name=job.model).first()
     if language_model is None or not language_model.supports_activations:
         raise ApiError(
-            503,
             "activation_engine_unconfigured",
             f"Model {job.model!r} no longer offers activation capture.",
         )
@@ -736,7 +732,6 @@ class _HarvestOutput:
 def harvest_too_large(reason: str) -> ApiError:
     """The 413 for a harvest whose files would pass ACS_HARVEST_MAX_JOB_BYTES."""
     return ApiError(
-        413,
         "request_too_large",
         f"{reason}; send fewer or shorter prompts, or capture fewer layers.",
     )

@@ -190,7 +190,7 @@ def test_a_retryable_failure_requeues_the_job_after_retry_after(api_key, monkeyp
     job, _ = services.completion_job_submit(key=api_key, idempotency_key="retry", payload=BODY)
 
     async def saturated(**kwargs):
-        error = ApiError(429, "queue_full", "Too many requests waiting.", retry_after=7)
+        error = ApiError("queue_full", "Too many requests waiting.", retry_after=7)
         return CompletionResult(429, error.body(), error.headers())
 
     monkeypatch.setattr(services, "completion_run", saturated)

@@ -120,7 +120,7 @@ def test_a_failed_batch_is_not_charged_and_gives_its_activation_requests_back(
 
     async def second_batch_fails(*args, **kwargs):
         if kwargs["first_index"] == 1:
-            raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+            raise ApiError("capture_incomplete", "lost", should_retry=False)
         return await real_capture(*args, **kwargs)
 
     monkeypatch.setattr(services, "capture_batch", second_batch_fails)
@@ -254,7 +254,7 @@ def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
     assert harvest_jobs_counted() == 1
 
     async def upstream_lost(*args, **kwargs):
-        raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+        raise ApiError("capture_incomplete", "lost", should_retry=False)
 
     monkeypatch.setattr(services, "capture_batch", upstream_lost)
     services.harvest_job_execute(job_id=failing.pk)
