@@ -507,9 +507,13 @@ async def upstream_completion(model, payload: dict, *, tenant: str) -> dict:
     return (await send_completion(urls, payload, tenant=tenant)).body
 
 
-async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
-    """The token ids of `prompt` from `model`'s activation upstream (POST /tokenize), with the
-    URL choice, circuit breaker and error codes of completions; raises ApiError."""
+async def upstream_tokenize(
+    model, *, prompt: str, add_special_tokens: bool, activation: bool = True
+) -> list[int]:
+    """The token ids of `prompt` from `model`'s upstream (the activation upstream when
+    `activation`) by POST /tokenize, with the URL choice, circuit breaker and error codes of
+    completions; an upstream without /tokenize is 503 tokenizer_unavailable. Raises
+    ApiError."""
     payload = {
         "model": model.upstream_model_name,
         "prompt": prompt,
@@ -517,8 +521,10 @@ async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> 
     }
     timeout = httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=5.0)
     target, response = await _post(
-        model.urls_for(activation=True), "/tokenize", payload, timeout=timeout
+        model.urls_for(activation=activation), "/tokenize", payload, timeout=timeout
     )
+    if response.status_code == 404:
+        raise ApiError("tokenizer_unavailable", "The model's upstream has no tokenizer endpoint.")
     await _raise_for_status(target, response)
     try:
         tokens = [int(token) for token in response.json()["tokens"]]
@@ -592,22 +598,3 @@ async def fetch_tokenizer_json(url: str) -> bytes | None:
     except httpx.HTTPError:
         return None
     return response.content if response.status_code == 200 else None
-
-
-async def tokenize_remote(url: str, prompt, *, model_name: str, add_special_tokens: bool) -> int:
-    """Count one prompt's tokens with the upstream's POST /tokenize."""
-    try:
-        response = await http_client().post(
-            url.rstrip("/") + "/tokenize",
-            json={"model": model_name, "prompt": prompt, "add_special_tokens": add_special_tokens},
-            headers=_auth_headers(),
-            timeout=30.0,
-        )
-    except httpx.HTTPError as error:
-        raise ApiError("tokenizer_unavailable", "The model's tokenizer is unreachable.") from error
-    if response.status_code == 400:
-        raise map_upstream_error(400, response.content, response.headers)
-    if response.status_code != 200:
-        raise ApiError("tokenizer_unavailable", "The model's tokenizer is unavailable.")
-    body = response.json()
-    return int(body.get("count", len(body.get("tokens", []))))

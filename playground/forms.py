@@ -133,7 +133,7 @@ class CompletionForm(SubmitOnceForm):
         strip=False,
         help_text=f"Up to {MAX_STOP_STRINGS} strings, one per line.",
     )
-    n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text="1–16.")
+    n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text=f"1–{MAX_N}.")
     logprobs = forms.IntegerField(required=False, min_value=0)
     prompt_logprobs = forms.IntegerField(required=False, min_value=-1)
     echo = forms.BooleanField(required=False, help_text="Prefix the prompt to the text.")

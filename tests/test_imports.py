@@ -7,6 +7,7 @@ import each other, directly or through others: an import inside a function count
 one at the top of the module, so a lazy import cannot hide a cycle. No module takes a private
 name (`_name`) from another module of ours: what two modules share is public in one of them.
 And no `ApiError` is given an HTTP status: `api.errors.ERROR_CODES` gives each code its one.
+An app renders no template from another app's folder (`templates/<app>/`).
 """
 
 import ast
@@ -97,6 +98,20 @@ def api_errors_given_a_status(source: str) -> list[str]:
     return found
 
 
+def foreign_templates(name: str, source: str) -> list[str]:
+    """Template names ("app/page.html", "app/page.html#part") in the module `name` that lie
+    in another project app's folder of templates/."""
+    app = name.split(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            folder, _, rest = node.value.partition("/")
+            is_template = rest.partition("#")[0].endswith(".html")
+            if is_template and folder in PROJECT and folder != app:
+                found.append(f"{name} renders {node.value}")
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imported_modules(name, path, modules) for name, path in modules.items()}
@@ -160,6 +175,23 @@ def test_no_api_error_is_given_a_status():
         for line in api_errors_given_a_status(path.read_text())
     ]
     assert violations == []
+
+
+def test_no_app_renders_the_templates_of_another():
+    violations = [
+        line
+        for name, path in project_modules().items()
+        for line in foreign_templates(name, path.read_text())
+    ]
+    assert violations == []
+
+
+def test_the_template_check_catches_a_page_of_another_app():
+    source = 'render(request, "accounts/keys.html#key_list")\nrender(request, "usage/usage.html")\n'
+    assert foreign_templates("portal.views", source) == [
+        "portal.views renders accounts/keys.html#key_list"
+    ]
+    assert foreign_templates("accounts.views", 'render(request, "accounts/apply.html")') == []
 
 
 def test_the_checks_catch_a_private_import_and_an_api_error_with_a_status():
