@@ -11,7 +11,8 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from accounts.htmx import varies_on_htmx, wants_fragment, with_messages
-from api.jobs import selectors, services
+from api.jobs import selectors
+from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
 from playground import selectors as playground_selectors
 from playground import services as playground_services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
@@ -165,12 +166,12 @@ def harvest_cancel(request, job_id):
     if request.method == "GET":
         return render(request, "jobs/harvest_cancel.html", {"job": job})
     try:
-        services.harvest_job_cancel(job=job)
+        harvest_job_cancel(job=job)
         messages.success(
             request,
             f"Harvest job {str(job.pk)[:8]} cancelled; the batches it wrote stay listed.",
         )
-    except services.HarvestNotCancellable:
+    except HarvestNotCancellable:
         # A job that ended meanwhile is not an error here: the page shows how it ended.
         messages.info(request, f"Harvest job {str(job.pk)[:8]} had already ended.")
     if request.htmx:

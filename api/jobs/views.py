@@ -18,9 +18,18 @@ from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
 from metering.sql import run_db
 
-from . import selectors, services
+from . import selectors
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
 from .schemas import HarvestRequest
+from .services.completion_jobs import completion_job_submit
+from .services.harvest_output import harvest_too_large
+from .services.harvests import (
+    HarvestLimitReached,
+    HarvestNotCancellable,
+    harvest_job_cancel,
+    harvest_job_submit,
+)
+from .services.idempotency import IdempotencyKeyReused
 from .signing import DownloadRefused, download_check
 from .storage import MANIFEST_NAME, harvest_bytes_estimate, harvest_file_open
 
@@ -87,18 +96,18 @@ async def completion_jobs(request):
     async with admission_slot(key.pk):
         try:
             job, created = await run_db(
-                services.completion_job_submit,
+                completion_job_submit,
                 key=key,
                 idempotency_key=idempotency_key,
                 payload=payload,
                 workload=request.headers.get("X-Acs-Workload", "")[:16],
             )
-        except services.IdempotencyKeyReused as conflict:
+        except IdempotencyKeyReused as conflict:
             raise _idempotency_conflict(conflict) from None
     return json_response(request, completion_job_body(job), status=202 if created else 200)
 
 
-def _idempotency_conflict(conflict: services.IdempotencyKeyReused) -> ApiError:
+def _idempotency_conflict(conflict: IdempotencyKeyReused) -> ApiError:
     return ApiError(
         "idempotency_key_reused",
         f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
@@ -166,7 +175,7 @@ async def _harvest_size_check(harvest: HarvestRequest, model, layers: list[int])
     )
     limit = settings.ACS_HARVEST_MAX_JOB_BYTES
     if size > limit:
-        raise services.harvest_too_large(
+        raise harvest_too_large(
             f"Capturing {len(layers)} layers over the {sum(counts)} tokens of these prompts "
             f"would write about {size} bytes; one harvest job may write at most {limit}"
         )
@@ -232,7 +241,7 @@ async def harvest_jobs(request):
     async with admission_slot(key.pk):
         try:
             job, created = await run_db(
-                services.harvest_job_submit,
+                harvest_job_submit,
                 key=key,
                 model=model.name,
                 prompts=harvest.prompts,
@@ -240,9 +249,9 @@ async def harvest_jobs(request):
                 add_special_tokens=harvest.add_special_tokens,
                 idempotency_key=idempotency_key,
             )
-        except services.IdempotencyKeyReused as conflict:
+        except IdempotencyKeyReused as conflict:
             raise _idempotency_conflict(conflict) from None
-        except services.HarvestLimitReached as limit:
+        except HarvestLimitReached as limit:
             raise ApiError("harvest_jobs_limit", f"{limit} Retry when one ends.") from None
     return json_response(
         request,
@@ -267,8 +276,8 @@ async def harvest_job_detail(request, job_id):
         raise _not_found("harvest job", job_id)
     if request.method == "DELETE":
         try:
-            job = await run_db(services.harvest_job_cancel, job=job)
-        except services.HarvestNotCancellable as refusal:
+            job = await run_db(harvest_job_cancel, job=job)
+        except HarvestNotCancellable as refusal:
             raise ApiError("harvest_not_cancellable", str(refusal)) from None
     return json_response(request, harvest_job_body(job, key_id=key.pk))
 
