@@ -4,7 +4,6 @@ from django.conf import settings
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
-from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
 from metering.selectors import budget_windows
 from metering.sql import run_db
 
@@ -13,7 +12,7 @@ from .auth import authenticate
 from .errors import ApiError, error_response
 from .http import json_response, request_id, v1_view
 from .openapi import openapi_document
-from .selectors import model_get, model_list
+from .selectors import model_card, model_get, model_list
 
 
 @csrf_exempt
@@ -34,26 +33,6 @@ async def chat_completions(request):
         ),
         request_id(request),
     )
-
-
-def model_card(model) -> dict:
-    return {
-        "id": model.name,
-        "object": "model",
-        "owned_by": "acs",
-        "default": model.is_default,
-        "status": model.status,
-        "capabilities": {
-            "max_model_len": model.max_model_len,
-            "max_logprobs": model.max_logprobs,
-            "full_vocab_max_prompt_tokens": FULL_VOCAB_MAX_PROMPT_TOKENS,
-            "activations": model.supports_activations,
-            "n_layers": model.n_layers,
-            "hidden_size": model.hidden_size,
-            "vocab_size": model.vocab_size,
-            "max_steering_vectors": MAX_STEERING_VECTORS if model.supports_activations else 0,
-        },
-    }
 
 
 @v1_view("GET")

@@ -250,7 +250,7 @@ def test_the_plot_link_swaps_the_chart_in_and_scrolls_to_it_or_loads_the_page_at
 
 @pytest.fixture
 def model_list(monkeypatch):
-    monkeypatch.setattr("playground.services.language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr("portal.jobs_views.model_cards", lambda: [MODEL])
 
 
 COMPLETION_POST = {
@@ -385,3 +385,23 @@ def test_a_refused_submission_shows_the_apis_error(logged_in, approved_user, mod
     assert "Refused" in html
     assert "harvest_quota_exceeded: No harvest jobs left &lt;this month&gt;." in html
     assert "hx-trigger" not in html
+
+
+def test_the_playground_and_jobs_pages_list_models_from_the_database_and_create_no_key(
+    logged_in, approved_user, redis_client
+):
+    """A page GET neither creates the user's playground key nor asks /v1/models (the gateway
+    is not running here): the model list is read from the database, and the key is made by
+    the first run or job submitted."""
+    from accounts.models import ApiKey
+    from api.models import LanguageModel
+
+    LanguageModel.objects.create(
+        name="db-model", upstream_urls=["http://127.0.0.1:9"], max_model_len=64, n_layers=4,
+        hidden_size=8, vocab_size=1000, supports_activations=True, is_default=True,
+    )  # fmt: skip
+    for url in ("/playground/", "/jobs/"):
+        page = logged_in.get(url)
+        assert page.status_code == 200
+        assert '<option value="db-model"' in page.content.decode()
+    assert not ApiKey.objects.filter(user=approved_user, is_playground=True).exists()
