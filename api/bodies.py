@@ -1,16 +1,16 @@
-"""Request bodies: the 8 MiB cap (checked before parsing) and JSON decoding, for the Django
-views and the completions ASGI app alike. Every /v1 body goes through `decode_json`, which
-also refuses what would break later steps: nesting deeper than `MAX_JSON_DEPTH` (the stdlib
-parser recurses once per level and raises RecursionError near 1000), strings holding a
-lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be encoded to UTF-8, so the
-tokenizer, the database and the upstream request would all fail on it), and strings holding
-NUL (`"\\u0000"`).
+"""Request bodies: the size cap (`limits.MAX_BODY_BYTES`, checked before parsing) and JSON
+decoding, for the Django views and the completions ASGI app alike. Every /v1 body goes
+through `decode_json`, which also refuses what would break later steps: nesting deeper than
+`MAX_JSON_DEPTH` (the stdlib parser recurses once per level and raises RecursionError near
+1000), strings holding a lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be
+encoded to UTF-8, so the tokenizer, the database and the upstream request would all fail on
+it), and strings holding NUL (`"\\u0000"`).
 
-NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb cannot store it,
-so a job, a harvest or a playground run carrying it could not be saved, and a body must mean
-the same on /v1/completions as in a completion job. A prompt that needs token 0's byte can
-be sent as token ids. The portal's forms refuse it the same way (Django's text fields do;
-the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
+NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb cannot store
+it, so a job, a harvest or a playground run carrying it could not be saved, and a body must
+mean the same on /v1/completions as in a completion job. A prompt that needs token 0's byte
+can be sent as token ids. The portal's forms refuse it the same way (Django's text fields
+do; the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
 
 import asyncio
 import json
