@@ -398,7 +398,7 @@ def test_the_playground_and_jobs_pages_list_models_from_the_database_and_create_
 
     LanguageModel.objects.create(
         name="db-model", upstream_urls=["http://127.0.0.1:9"], max_model_len=64, n_layers=4,
-        hidden_size=8, vocab_size=1000, supports_activations=True, is_default=True,
+        hidden_size=8, vocab_size=1000, supports_activations=True,
     )  # fmt: skip
     for url in ("/playground/", "/jobs/"):
         page = logged_in.get(url)
