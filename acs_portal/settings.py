@@ -296,8 +296,6 @@ CELERY_BEAT_SCHEDULE["metering.budget_release_stale"] = {
 PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3, minimum=0)
 # A Retry-After longer than this (seconds; e.g. spend_cap's 3600) fails the run instead.
 PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30, minimum=0)
-# How long the model list from /v1/models is cached for the playground form (seconds).
-PLAYGROUND_MODELS_CACHE_SECONDS = env_int("PLAYGROUND_MODELS_CACHE_SECONDS", 60, minimum=1)
 # A run queued or running longer than this (the API's 14-minute limit, plus margin) is failed.
 PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60, minimum=1)
 CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {

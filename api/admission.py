@@ -22,10 +22,8 @@ from acs_portal.redis import redis_async
 from metering import background
 
 from .errors import ApiError, redis_unavailable
+from .limits import MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE
 
-MAX_RUNNING = 16
-MAX_WAITING = 64
-STARTS_PER_MINUTE = 600
 LEASE_MS = 30_000
 HEARTBEAT_S = 10.0
 WAKE_POLL_S = 1.0
@@ -182,14 +180,12 @@ async def admission_slot(key_id):
     outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
     if outcome == "rate_limited":
         raise ApiError(
-            429,
             "rate_limited",
             f"This key started {STARTS_PER_MINUTE} requests in the last minute.",
             retry_after=int(retry_after),
         )
     if outcome == "queue_full":
         raise ApiError(
-            429,
             "queue_full",
             f"This key already has {MAX_RUNNING} requests running and {MAX_WAITING} waiting.",
             retry_after=int(retry_after),

@@ -86,7 +86,7 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
 
 
 def _refusal(error: AuthError) -> ApiError:
-    return ApiError(error.status, error.code, error.message)
+    return ApiError(error.code, error.message)
 
 
 def key_recheck(key_id: int, *, scope: str = Scope.COMPLETIONS) -> ApiKey:

@@ -1,16 +1,16 @@
-"""Request bodies: the 8 MiB cap (checked before parsing) and JSON decoding, for the Django
-views and the completions ASGI app alike. Every /v1 body goes through `decode_json`, which
-also refuses what would break later steps: nesting deeper than `MAX_JSON_DEPTH` (the stdlib
-parser recurses once per level and raises RecursionError near 1000), strings holding a
-lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be encoded to UTF-8, so the
-tokenizer, the database and the upstream request would all fail on it), and strings holding
-NUL (`"\\u0000"`).
+"""Request bodies: the size cap (`limits.MAX_BODY_BYTES`, checked before parsing) and JSON
+decoding, for the Django views and the completions ASGI app alike. Every /v1 body goes
+through `decode_json`, which also refuses what would break later steps: nesting deeper than
+`MAX_JSON_DEPTH` (the stdlib parser recurses once per level and raises RecursionError near
+1000), strings holding a lone UTF-16 surrogate (`"\\ud800"` decodes to a str that cannot be
+encoded to UTF-8, so the tokenizer, the database and the upstream request would all fail on
+it), and strings holding NUL (`"\\u0000"`).
 
-NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb cannot store it,
-so a job, a harvest or a playground run carrying it could not be saved, and a body must mean
-the same on /v1/completions as in a completion job. A prompt that needs token 0's byte can
-be sent as token ids. The portal's forms refuse it the same way (Django's text fields do;
-the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
+NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb cannot store
+it, so a job, a harvest or a playground run carrying it could not be saved, and a body must
+mean the same on /v1/completions as in a completion job. A prompt that needs token 0's byte
+can be sent as token ids. The portal's forms refuse it the same way (Django's text fields
+do; the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
 
 import asyncio
 import json
@@ -19,7 +19,7 @@ import re
 from django.conf import settings
 
 from .errors import ApiError
-from .schemas import MAX_BODY_BYTES
+from .limits import MAX_BODY_BYTES
 
 # No valid body of the API nests deeper than 5 levels (a steering vector's codec object).
 MAX_JSON_DEPTH = 64
@@ -62,7 +62,6 @@ async def read_body(receive) -> bytes:
                     return b"".join(chunks)[: MAX_BODY_BYTES + 1]
     except TimeoutError:
         raise ApiError(
-            408,
             "request_timeout",
             f"The request body did not arrive within "
             f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s.",
@@ -86,7 +85,6 @@ def check_content_type(content_type: str | None) -> None:
     media_type = (content_type or "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(
-            415,
             "unsupported_media_type",
             f"Send the body as Content-Type: application/json, not {content_type!r:.100}.",
         )
@@ -94,7 +92,8 @@ def check_content_type(content_type: str | None) -> None:
 
 def too_large() -> ApiError:
     return ApiError(
-        413, "request_too_large", f"The request body exceeds {MAX_BODY_BYTES} bytes (8 MiB)."
+        "request_too_large",
+        f"The request body exceeds {MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES // 2**20} MiB).",
     )
 
 
@@ -111,19 +110,17 @@ def decode_json(raw: bytes):
         raise too_large()
     if _nested_deeper_than(raw, MAX_JSON_DEPTH):
         raise ApiError(
-            400,
             "invalid_request",
             f"The body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.",
         )
     try:
         payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, "bad_json", f"The body is not valid JSON: {error}.") from None
+        raise ApiError("bad_json", f"The body is not valid JSON: {error}.") from None
     if _MAYBE_SURROGATE.search(raw):
         field = _text_at(payload, (), _not_encodable)
         if field is not None:
             raise ApiError(
-                400,
                 "invalid_request",
                 f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (such as "
                 "\\ud800), which is not valid Unicode text.",
@@ -132,7 +129,6 @@ def decode_json(raw: bytes):
         field = _text_at(payload, (), _holds_nul)
         if field is not None:
             raise ApiError(
-                400,
                 "invalid_request",
                 f"Invalid value for '{field}': it holds a NUL character (\\u0000), which "
                 "this API does not take in text; send such a prompt as token ids.",

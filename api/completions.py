@@ -224,7 +224,7 @@ async def _run(state: "_Request") -> "CompletionResult":
     try:
         state.valid = await validate_completion(state.payload)
         if state.valid.request.stream:
-            raise ApiError(400, "invalid_request", "Use the streaming endpoint for stream: true.")
+            raise ApiError("invalid_request", "Use the streaming endpoint for stream: true.")
         async with contextlib.AsyncExitStack() as stack:
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()

@@ -36,7 +36,7 @@ async def completions_app(scope, receive, send) -> None:
     reply = _Reply(send, rid)
     try:
         if scope["method"] != "POST":
-            error = ApiError(405, "method_not_allowed", "Use POST.")
+            error = ApiError("method_not_allowed", "Use POST.")
             allow = {**error.headers(), "Allow": "POST"}
             return await reply.result(CompletionResult(error.status, error.body(), allow), "")
         key = await authenticate_header(headers.get("authorization"), scope=Scope.COMPLETIONS)

@@ -16,6 +16,8 @@ from redis import RedisError
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
 
+from .limits import MAX_BODY_BYTES, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -98,15 +100,21 @@ ERROR_CODES = {
     "scope_denied": ErrorCode(403, "The key lacks the completions scope.", should_retry=False),
     "download_url_invalid": ErrorCode(403, "The signed download link is invalid or has expired."),
     "not_found": ErrorCode(404, "No such endpoint, job or file.", should_retry=False),
-    "harvest_not_cancellable": ErrorCode(409, "The harvest job has already ended."),
-    "idempotency_key_reused": ErrorCode(409, "This Idempotency-Key names a job with another body."),
+    "harvest_not_cancellable": ErrorCode(
+        409, "The harvest job has already ended.", should_retry=False
+    ),
+    "idempotency_key_reused": ErrorCode(
+        409, "This Idempotency-Key names a job with another body.", should_retry=False
+    ),
     "method_not_allowed": ErrorCode(
         405, "Use the method the Allow header names.", should_retry=False
     ),
     "request_timeout": ErrorCode(
         408, "The body did not arrive within the server's time limit; resend it.", retry_after=1
     ),
-    "request_too_large": ErrorCode(413, "The body exceeds 8 MiB.", should_retry=False),
+    "request_too_large": ErrorCode(
+        413, f"The body exceeds {MAX_BODY_BYTES // 2**20} MiB.", should_retry=False
+    ),
     "unsupported_media_type": ErrorCode(
         415, "Send the body as Content-Type: application/json.", should_retry=False
     ),
@@ -116,16 +124,20 @@ ERROR_CODES = {
     "activation_quota_exceeded": ErrorCode(
         429, "The monthly activation-request quota is spent.", should_retry=False
     ),
-    "spend_cap": ErrorCode(429, "The service is paused; Retry-After: 3600.", retry_after=3600),
-    "queue_full": ErrorCode(429, "16 running and 64 waiting requests for this key.", retry_after=1),
+    "spend_cap": ErrorCode(429, "The service is paused.", retry_after=3600),
+    "queue_full": ErrorCode(
+        429,
+        f"{MAX_RUNNING} running and {MAX_WAITING} waiting requests for this key.",
+        retry_after=1,
+    ),
     "rate_limited": ErrorCode(
-        429, "600 request starts in the last minute for this key.", retry_after=1
+        429, f"{STARTS_PER_MINUTE} request starts in the last minute for this key.", retry_after=1
     ),
     "harvest_quota_exceeded": ErrorCode(
         429, "The monthly harvest-job quota is spent.", should_retry=False
     ),
     "harvest_jobs_limit": ErrorCode(
-        429, "The key runs its maximum of harvest jobs; Retry-After: 30."
+        429, "The key runs its maximum of harvest jobs.", retry_after=30
     ),
     "internal_error": ErrorCode(500, "Report the request id."),
     "worker_lost": ErrorCode(500, "The worker running the job stopped too often."),
@@ -200,15 +212,16 @@ ERROR_CODES = {
 
 
 class ApiError(Exception):
-    """An error answered with the contract's envelope. `retry_after` (seconds) and
+    """An error answered with the contract's envelope, with the HTTP status ERROR_CODES gives
+    its `code` (the one place a code's status is written). `retry_after` (seconds) and
     `should_retry` (False adds `X-Should-Retry: false`) default to the code's entry in
     ERROR_CODES. `usage` is an upstream's `{prompt_tokens, completion_tokens}` for work it
     did before failing (billed; never sent to the client)."""
 
-    def __init__(self, status, code, message, *, retry_after=None, should_retry=None, usage=None):
+    def __init__(self, code, message, *, retry_after=None, should_retry=None, usage=None):
         super().__init__(message)
         entry = ERROR_CODES[code]
-        self.status = status
+        self.status = entry.status
         self.code = code
         self.message = message
         self.retry_after = entry.retry_after if retry_after is None else retry_after
@@ -217,7 +230,7 @@ class ApiError(Exception):
 
     @property
     def error_type(self) -> str:
-        return _TYPE_BY_STATUS.get(self.status, "server_error")
+        return ERROR_CODES[self.code].type
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, "type": self.error_type}}
@@ -236,8 +249,8 @@ def metering_refusal(error: BudgetExceeded | DatabaseBusy) -> ApiError:
     (Retry-After for spend_cap, X-Should-Retry: false for spent budgets and quotas), or 503
     db_pool_exhausted."""
     if isinstance(error, DatabaseBusy):
-        return ApiError(503, "db_pool_exhausted", str(error))
-    return ApiError(429, error.code, error.message)
+        return ApiError("db_pool_exhausted", str(error))
+    return ApiError(error.code, error.message)
 
 
 def redis_unavailable() -> ApiError:
@@ -245,7 +258,6 @@ def redis_unavailable() -> ApiError:
     generation, admission) while Redis is out of reach. Without Redis the per-key limits
     cannot hold across replicas, so the gateway refuses rather than serve unlimited."""
     return ApiError(
-        503,
         "redis_unavailable",
         "The gateway cannot reach Redis, which admission and access checks need; retry.",
     )
@@ -257,7 +269,7 @@ def unexpected_error(error: Exception, request_id: str) -> ApiError:
     the request id."""
     if isinstance(error, RedisError):
         return redis_unavailable()
-    return ApiError(500, "internal_error", f"Internal error; quote request id {request_id}.")
+    return ApiError("internal_error", f"Internal error; quote request id {request_id}.")
 
 
 def result_unstorable(error: Exception, *, request_id: str) -> ApiError:
@@ -268,7 +280,6 @@ def result_unstorable(error: Exception, *, request_id: str) -> ApiError:
     lines = str(error).strip().splitlines()
     reason = lines[0] if lines else type(error).__name__
     return ApiError(
-        500,
         "result_unstorable",
         f"The completion ran and was billed (request {request_id}), but its result could not "
         f"be stored: {reason}",

@@ -43,9 +43,7 @@ def host_refusal(host: str) -> ApiError | None:
     would otherwise be served under any name."""
     if _host_allowed(host, tuple(settings.ALLOWED_HOSTS)):
         return None
-    return ApiError(
-        400, "host_not_allowed", f"This server does not answer for the host {host[:100]!r}."
-    )
+    return ApiError("host_not_allowed", f"This server does not answer for the host {host[:100]!r}.")
 
 
 class RequestIdMiddleware:

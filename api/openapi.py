@@ -15,10 +15,8 @@ from acs_client.protocol import (
 
 from .errors import ERROR_CODES
 from .jobs.schemas import HarvestRequest
-from .schemas import (
-    MAX_BODY_BYTES,
-    CompletionRequest,
-)
+from .limits import MAX_BODY_BYTES, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE
+from .schemas import CompletionRequest
 
 _ERROR = {
     "type": "object",
@@ -71,8 +69,9 @@ def openapi_document() -> dict:
                 f"{FULL_VOCAB_MAX_PROMPT_TOKENS} prompt tokens × n), prompt_count × n × "
                 f"max_tokens ≤ {OUTPUT_WORK_CAP}, non-streaming max_tokens ≤ "
                 f"{NON_STREAMING_MAX_TOKENS}, body ≤ {MAX_BODY_BYTES} bytes, ≤ "
-                f"{MAX_STEERING_VECTORS} steering vectors. Per key: 16 running + 64 waiting "
-                "requests, 600 starts per minute. Every POST body is JSON, sent as "
+                f"{MAX_STEERING_VECTORS} steering vectors. Per key: {MAX_RUNNING} running + "
+                f"{MAX_WAITING} waiting requests, {STARTS_PER_MINUTE} starts per minute. "
+                "Every POST body is JSON, sent as "
                 "Content-Type: application/json (else 415) within "
                 f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s (else 408); its text holds no "
                 "NUL (\\u0000) and no lone surrogate (400 invalid_request naming the field; "
@@ -130,7 +129,7 @@ def openapi_document() -> dict:
                     "parameters": [_MODEL_ID],
                     "responses": {"200": {"description": "The model card"}}
                     | _auth_errors()
-                    | _error_responses(404),
+                    | _error_responses(400),
                 }
             },
             "/v1/models/{model_id}/status": {
@@ -139,7 +138,7 @@ def openapi_document() -> dict:
                     "parameters": [_MODEL_ID],
                     "responses": {"200": {"description": "{id, warm, status}"}}
                     | _auth_errors()
-                    | _error_responses(404),
+                    | _error_responses(400),
                 }
             },
             "/v1/usage": {
@@ -181,7 +180,7 @@ def openapi_document() -> dict:
                     "parameters": [_JOB_ID],
                     "responses": {"200": {"description": "{id, object, status, error, ...}"}}
                     | _auth_errors()
-                    | _error_responses(404),
+                    | _error_responses(400),
                 }
             },
             "/v1/completion-jobs/{job_id}/result": {
@@ -193,7 +192,7 @@ def openapi_document() -> dict:
                         "202": {"description": "The job's status; poll after Retry-After"},
                     }
                     | _auth_errors()
-                    | _error_responses(404),
+                    | _error_responses(400),
                 }
             },
             "/v1/harvest": {
@@ -234,7 +233,7 @@ def openapi_document() -> dict:
                         }
                     }
                     | _auth_errors()
-                    | _error_responses(404),
+                    | _error_responses(400),
                 },
                 "delete": {
                     "summary": "Cancel a pending or running harvest job; the batches it "

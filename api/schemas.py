@@ -19,7 +19,6 @@ DEFAULT_MAX_TOKENS = 16
 # layers × tokens × hidden values one capture may return (128 MiB of bfloat16): the largest
 # tensor the codec decodes by default.
 CAPTURE_MAX_VALUES = MAX_VALUES
-MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 class ActivationTensor(Strict):
@@ -68,11 +67,11 @@ class CompletionRequest(CompletionFields):
 def parse_body(model_class: type[BaseModel], body: object):
     """Validate a decoded JSON body or raise 400 invalid_request naming the first bad field."""
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_request", "The request body must be a JSON object.")
+        raise ApiError("invalid_request", "The request body must be a JSON object.")
     try:
         return model_class.model_validate(body)
     except ValidationError as error:
-        raise ApiError(400, "invalid_request", describe_error(error.errors()[0])) from None
+        raise ApiError("invalid_request", describe_error(error.errors()[0])) from None
 
 
 def describe_error(error: dict) -> str:

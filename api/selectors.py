@@ -3,6 +3,7 @@
 import datetime as dt
 import time
 
+from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
 from acs_portal.redis import redis_sync
 from metering.sql import run_db
 
@@ -42,7 +43,6 @@ async def model_get(name: str | None) -> LanguageModel:
     model = registry["default"] if name is None else registry["by_name"].get(name)
     if model is None or model.status != ModelStatus.LIVE:
         raise ApiError(
-            400,
             "model_not_found",
             f"The model '{name}' does not exist; GET /v1/models lists the models."
             if name is not None
@@ -54,6 +54,36 @@ async def model_get(name: str | None) -> LanguageModel:
 async def model_list() -> list[LanguageModel]:
     registry = await _fresh_registry()
     return sorted(registry["by_name"].values(), key=lambda model: model.name)
+
+
+def model_card(model) -> dict:
+    """A model as GET /v1/models lists it."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "owned_by": "acs",
+        "default": model.is_default,
+        "status": model.status,
+        "capabilities": {
+            "max_model_len": model.max_model_len,
+            "max_logprobs": model.max_logprobs,
+            "full_vocab_max_prompt_tokens": FULL_VOCAB_MAX_PROMPT_TOKENS,
+            "activations": model.supports_activations,
+            "n_layers": model.n_layers,
+            "hidden_size": model.hidden_size,
+            "vocab_size": model.vocab_size,
+            "max_steering_vectors": MAX_STEERING_VECTORS if model.supports_activations else 0,
+        },
+    }
+
+
+def model_cards() -> list[dict]:
+    """Every model as GET /v1/models lists it, read from the database (synchronous, for the
+    portal's and playground's forms: no API key, no HTTP round trip)."""
+    return [
+        model_card(model)
+        for model in LanguageModel.objects.defer("tokenizer_json").order_by("name")
+    ]
 
 
 def upstream_states() -> list[dict]:

@@ -153,21 +153,16 @@ async def count_prompt_tokens(model, prompts: list, *, add_special_tokens: bool)
         tokenizer = await load_tokenizer(model)
         if tokenizer is not None:
             id_lists = await _encode(tokenizer, texts, add_special_tokens=add_special_tokens)
-            counts = [len(ids) for ids in id_lists]
         else:
-            url = (await upstream.pick_target(model.upstream_urls)).url
-            counts = await asyncio.gather(
+            id_lists = await asyncio.gather(
                 *(
-                    upstream.tokenize_remote(
-                        url,
-                        text,
-                        model_name=model.upstream_model_name,
-                        add_special_tokens=add_special_tokens,
+                    upstream.upstream_tokenize(
+                        model, prompt=text, add_special_tokens=add_special_tokens, activation=False
                     )
                     for text in texts
                 )
             )
-        counts_by_text = dict(enumerate(counts))
+        counts_by_text = dict(enumerate(len(ids) for ids in id_lists))
     result, text_index = [], 0
     for prompt in prompts:
         if isinstance(prompt, str):

@@ -54,7 +54,7 @@ from django.conf import settings
 from acs_portal.redis import redis_async
 
 from .clients import http_client, upstream_transport
-from .errors import ERROR_CODES, ApiError, ErrorCode
+from .errors import ERROR_CODES, ApiError
 
 FAILURE_THRESHOLD = 5
 FAILURE_WINDOW_MS = 30_000
@@ -182,12 +182,7 @@ def _scripts(client):
 async def pick_target(urls: list[str]) -> Target:
     """The next URL round-robin whose circuit lets a request through, or 503 circuit_open."""
     if not urls:
-        raise ApiError(
-            503,
-            "activation_engine_unconfigured",
-            "This model has no upstream configured.",
-            should_retry=False,
-        )
+        raise ApiError("activation_engine_unconfigured", "This model has no upstream configured.")
     counter = _round_robin.setdefault(tuple(urls), itertools.count())
     start = next(counter) % len(urls)
     ordered = urls[start:] + urls[:start]
@@ -204,7 +199,6 @@ async def pick_target(urls: list[str]) -> Target:
                 _trusted_closed_until[url] = time.monotonic() + CLOSED_TRUST_S
                 return Target(url=url, probe=False)
         raise ApiError(
-            503,
             "circuit_open",
             "Every upstream of this model is failing; the gateway is letting them recover.",
         )
@@ -260,9 +254,8 @@ def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
     through keeps the `usage` the upstream reports beside it (the work it did, billed)."""
     upstream_code, message = _error_fields(content)
     retry_after = _retry_after(headers)
-    if (passed := _passed_through(upstream_code)) is not None:
+    if _passed_through(upstream_code):
         return ApiError(
-            passed.status,
             upstream_code,
             message,
             retry_after=retry_after,
@@ -272,25 +265,23 @@ def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
         if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
             upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
         ):
-            return ApiError(400, "vllm_context_length", message or "The prompt is too long.")
-        return ApiError(400, "vllm_invalid_request", message or "The upstream refused the request.")
+            return ApiError("vllm_context_length", message or "The prompt is too long.")
+        return ApiError("vllm_invalid_request", message or "The upstream refused the request.")
     if status in (401, 403):
-        return ApiError(502, "upstream_auth", "The upstream refused the gateway's credentials.")
+        return ApiError("upstream_auth", "The upstream refused the gateway's credentials.")
     if status == 503 and upstream_code == "model_loading":
-        return ApiError(503, "modal_cold_boot", "The model is loading.", retry_after=retry_after)
+        return ApiError("modal_cold_boot", "The model is loading.", retry_after=retry_after)
     if status in (429, 503):
         return ApiError(
-            503,
             "wrapper_saturated",
             "The upstream is at capacity; retry after the delay given.",
             retry_after=retry_after,
         )
     if status == 504:
-        return ApiError(504, "upstream_deadline", "The upstream ran out of time.")
+        return ApiError("upstream_deadline", "The upstream ran out of time.")
     if _OOM_WORDS.search(message or "") or upstream_code == "oom":
-        return ApiError(502, "vllm_oom", message, retry_after=retry_after)
+        return ApiError("vllm_oom", message, retry_after=retry_after)
     return ApiError(
-        502,
         "upstream_server_error",
         f"The upstream failed with HTTP {status}" + (f": {message}" if message else "."),
         retry_after=retry_after,
@@ -302,18 +293,18 @@ def map_stream_error(payload: dict) -> ApiError:
     """The contract's error for an `{"error": ...}` frame an upstream sent mid-stream."""
     error = payload.get("error") if isinstance(payload.get("error"), dict) else {}
     code, message = error.get("code") or "", error.get("message") or "The upstream failed."
-    if (passed := _passed_through(code)) is not None:
-        return ApiError(passed.status, code, message)
+    if _passed_through(code):
+        return ApiError(code, message)
     if _OOM_WORDS.search(message) or code == "oom":
-        return ApiError(502, "vllm_oom", message)
-    return ApiError(502, "upstream_server_error", message, should_retry=False)
+        return ApiError("vllm_oom", message)
+    return ApiError("upstream_server_error", message, should_retry=False)
 
 
-def _passed_through(upstream_code: str) -> ErrorCode | None:
-    """The contract's entry for an upstream error code that keeps its code (and the table's
-    status) through the gateway, or None."""
+def _passed_through(upstream_code: str) -> bool:
+    """Whether an upstream's error code keeps its code (and so the table's status) through
+    the gateway."""
     entry = ERROR_CODES.get(upstream_code)
-    return entry if entry is not None and entry.from_upstream else None
+    return entry is not None and entry.from_upstream
 
 
 def _error_fields(content: bytes) -> tuple[str, str]:
@@ -363,7 +354,6 @@ def finite_json(content: bytes, *, steered: bool):
         else "the upstream failed to compute this request"
     )
     raise ApiError(
-        400,
         "non_finite_output",
         f"The model's output holds NaN or infinite values, which JSON cannot carry: {cause}.",
         usage=usage if isinstance(usage, dict) else None,
@@ -387,15 +377,15 @@ def _retry_after(headers) -> int | None:
 
 
 def unreachable(target_url: str) -> ApiError:
-    return ApiError(502, "upstream_unreachable", f"The upstream at {target_url} is unreachable.")
+    return ApiError("upstream_unreachable", f"The upstream at {target_url} is unreachable.")
 
 
 def engine_dead() -> ApiError:
-    return ApiError(502, "vllm_engine_dead", "The upstream closed the connection mid-response.")
+    return ApiError("vllm_engine_dead", "The upstream closed the connection mid-response.")
 
 
 def deadline() -> ApiError:
-    return ApiError(504, "upstream_deadline", "The upstream did not answer in time.")
+    return ApiError("upstream_deadline", "The upstream did not answer in time.")
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,7 +490,7 @@ async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> Ups
         raise
     except ValueError as error:
         await record_failure(target)
-        raise ApiError(502, "upstream_server_error", "The upstream sent invalid JSON.") from error
+        raise ApiError("upstream_server_error", "The upstream sent invalid JSON.") from error
     await record_success(target)
     return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
 
@@ -517,9 +507,13 @@ async def upstream_completion(model, payload: dict, *, tenant: str) -> dict:
     return (await send_completion(urls, payload, tenant=tenant)).body
 
 
-async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> list[int]:
-    """The token ids of `prompt` from `model`'s activation upstream (POST /tokenize), with the
-    URL choice, circuit breaker and error codes of completions; raises ApiError."""
+async def upstream_tokenize(
+    model, *, prompt: str, add_special_tokens: bool, activation: bool = True
+) -> list[int]:
+    """The token ids of `prompt` from `model`'s upstream (the activation upstream when
+    `activation`) by POST /tokenize, with the URL choice, circuit breaker and error codes of
+    completions; an upstream without /tokenize is 503 tokenizer_unavailable. Raises
+    ApiError."""
     payload = {
         "model": model.upstream_model_name,
         "prompt": prompt,
@@ -527,15 +521,17 @@ async def upstream_tokenize(model, *, prompt: str, add_special_tokens: bool) -> 
     }
     timeout = httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=5.0)
     target, response = await _post(
-        model.urls_for(activation=True), "/tokenize", payload, timeout=timeout
+        model.urls_for(activation=activation), "/tokenize", payload, timeout=timeout
     )
+    if response.status_code == 404:
+        raise ApiError("tokenizer_unavailable", "The model's upstream has no tokenizer endpoint.")
     await _raise_for_status(target, response)
     try:
         tokens = [int(token) for token in response.json()["tokens"]]
     except (ValueError, KeyError, TypeError) as error:
         await record_failure(target)
         raise ApiError(
-            502, "upstream_server_error", "The upstream's tokenizer sent invalid JSON."
+            "upstream_server_error", "The upstream's tokenizer sent invalid JSON."
         ) from error
     await record_success(target)
     return tokens
@@ -602,24 +598,3 @@ async def fetch_tokenizer_json(url: str) -> bytes | None:
     except httpx.HTTPError:
         return None
     return response.content if response.status_code == 200 else None
-
-
-async def tokenize_remote(url: str, prompt, *, model_name: str, add_special_tokens: bool) -> int:
-    """Count one prompt's tokens with the upstream's POST /tokenize."""
-    try:
-        response = await http_client().post(
-            url.rstrip("/") + "/tokenize",
-            json={"model": model_name, "prompt": prompt, "add_special_tokens": add_special_tokens},
-            headers=_auth_headers(),
-            timeout=30.0,
-        )
-    except httpx.HTTPError as error:
-        raise ApiError(
-            503, "tokenizer_unavailable", "The model's tokenizer is unreachable."
-        ) from error
-    if response.status_code == 400:
-        raise map_upstream_error(400, response.content, response.headers)
-    if response.status_code != 200:
-        raise ApiError(503, "tokenizer_unavailable", "The model's tokenizer is unavailable.")
-    body = response.json()
-    return int(body.get("count", len(body.get("tokens", []))))

@@ -58,7 +58,7 @@ class ValidCompletion:
 
 
 def _invalid(message: str) -> ApiError:
-    return ApiError(400, "invalid_request", message)
+    return ApiError("invalid_request", message)
 
 
 async def validate_completion(payload: object) -> ValidCompletion:
@@ -81,7 +81,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
         )
     if not request.stream and max_tokens > NON_STREAMING_MAX_TOKENS:
         raise ApiError(
-            400,
             "deadline_infeasible",
             f"A non-streaming request may set max_tokens to at most {NON_STREAMING_MAX_TOKENS};"
             " lower max_tokens or set stream: true.",
@@ -94,7 +93,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
             raise _invalid(f"'{field}' may be at most {model.max_logprobs} for this model.")
     if request.is_activation_request and not model.supports_activations:
         raise ApiError(
-            503,
             "activation_engine_unconfigured",
             f"The model '{model.name}' serves no activations (capture or steering).",
         )
@@ -108,7 +106,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
         if count + max_tokens > model.max_model_len:
             where = f"Prompt {index} has" if len(counts) > 1 else "The prompt has"
             raise ApiError(
-                400,
                 "context_length_exceeded",
                 f"{where} {count} tokens; with max_tokens {max_tokens} that exceeds the "
                 f"model's context of {model.max_model_len} tokens.",
@@ -124,7 +121,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
         )
         if prompt_tokens * request.n > limit:
             raise ApiError(
-                400,
                 "full_vocab_prompt_too_long",
                 f"prompt_logprobs: -1 allows at most {limit} prompt tokens × n per request; "
                 f"this request has {prompt_tokens * request.n}.",
@@ -133,7 +129,6 @@ async def validate_completion(payload: object) -> ValidCompletion:
         values = len(capture_layers) * (prompt_tokens + max_tokens - 1) * model.hidden_size
         if values > CAPTURE_MAX_VALUES:
             raise ApiError(
-                400,
                 "activation_prompt_too_long",
                 f"Capturing {len(capture_layers)} layers over {prompt_tokens + max_tokens - 1} "
                 f"tokens exceeds the capture limit of {CAPTURE_MAX_VALUES} values; capture "

@@ -74,10 +74,6 @@ class PreparedRequest:
     def sequence_count(self) -> int:
         return len(self.prompts) * self.n
 
-    @property
-    def hooked_layers(self) -> set[int]:
-        return set(self.steering) | set(self.capture_layers or ())
-
 
 def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> PreparedRequest:
     """Validate `request` against the model and build the work description (RequestError if bad)."""

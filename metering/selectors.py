@@ -93,7 +93,7 @@ def budget_panel(*, key: ApiKey, now=None) -> list[dict]:
 
 
 @dataclass(frozen=True)
-class UsageWindow:
+class UsageDateRange:
     """Whole UTC days `start`..`end` (inclusive), optionally one user, key and model."""
 
     start: dt.date
@@ -112,7 +112,7 @@ class UsageWindow:
 
     @property
     def end_before(self) -> dt.datetime:
-        """The first instant after the window."""
+        """The first instant after the range."""
         return dt.datetime.combine(self.end + dt.timedelta(days=1), dt.time.min, tzinfo=dt.UTC)
 
 
@@ -121,25 +121,25 @@ def status_class(status_code: int) -> str:
     return {4: "4xx", 5: "5xx"}.get(status_code // 100, "2xx")
 
 
-def _daily_rows(window: UsageWindow):
-    rows = UsageDaily.objects.filter(day__gte=window.start, day__lte=window.end)
-    if window.user_id is not None:
-        rows = rows.filter(user_id=window.user_id)
-    if window.key_id is not None:
-        rows = rows.filter(key_id=window.key_id)
-    if window.model is not None:
-        rows = rows.filter(model=window.model)
+def _daily_rows(date_range: UsageDateRange):
+    rows = UsageDaily.objects.filter(day__gte=date_range.start, day__lte=date_range.end)
+    if date_range.user_id is not None:
+        rows = rows.filter(user_id=date_range.user_id)
+    if date_range.key_id is not None:
+        rows = rows.filter(key_id=date_range.key_id)
+    if date_range.model is not None:
+        rows = rows.filter(model=date_range.model)
     return rows
 
 
-def usage_summary(window: UsageWindow) -> dict:
-    """Per-day series, totals and errors by code for the window, from one roll-up query.
+def usage_summary(date_range: UsageDateRange) -> dict:
+    """Per-day series, totals and errors by code for the date range, from one roll-up query.
 
     Returns `{days: [{day, requests, 2xx, 4xx, 5xx, prompt_tokens, completion_tokens,
     total_tokens, latency_ms_avg}], totals: {same keys but day}, errors: [{status_code,
-    error_code, requests, share_percent}]}`; every day of the window is present, zeros included."""
+    error_code, requests, share_percent}]}`; every day of the range is present, zeros included."""
     grouped = (
-        _daily_rows(window)
+        _daily_rows(date_range)
         .values("day", "status_code", "error_code")
         .annotate(
             n=Sum("requests"),
@@ -149,7 +149,7 @@ def usage_summary(window: UsageWindow) -> dict:
         )
         .order_by()
     )
-    by_day = {day: _empty_counts() for day in window.days}
+    by_day = {day: _empty_counts() for day in date_range.days}
     totals = _empty_counts()
     errors: dict[tuple[int, str], int] = {}
     for row in grouped:
@@ -245,9 +245,11 @@ def request_log_page(
     if log_filter.error_code:
         rows = rows.filter(error_code=log_filter.error_code)
     if log_filter.start is not None:
-        rows = rows.filter(created_at__gte=UsageWindow(log_filter.start, log_filter.start).start_at)
+        rows = rows.filter(
+            created_at__gte=UsageDateRange(log_filter.start, log_filter.start).start_at
+        )
     if log_filter.end is not None:
-        rows = rows.filter(created_at__lt=UsageWindow(log_filter.end, log_filter.end).end_before)
+        rows = rows.filter(created_at__lt=UsageDateRange(log_filter.end, log_filter.end).end_before)
     if before is not None:
         created_at, record_id = before
         rows = rows.filter(created_at__lte=created_at).exclude(
@@ -268,12 +270,12 @@ def request_log_page(
 # Staff overview
 
 
-def usage_top_users_and_keys(window: UsageWindow, *, limit: int = TOP_N) -> dict:
-    """Users and keys with the most tokens in the window, most first, from one roll-up query:
+def usage_top_users_and_keys(date_range: UsageDateRange, *, limit: int = TOP_N) -> dict:
+    """Users and keys with the most tokens in the date range, most first, from one roll-up query:
     `{users: [{user, requests, prompt_tokens, completion_tokens, total_tokens}], keys: [the
     same with key (its .user loaded) instead of user]}`."""
     per_key = list(
-        _daily_rows(window)
+        _daily_rows(date_range)
         .values("user_id", "key_id")
         .annotate(
             requests=Sum("requests"),

@@ -18,6 +18,7 @@ from acs_client.protocol import (
     OUTPUT_WORK_CAP,
     quartile_layers,
 )
+from api.limits import MAX_BODY_BYTES
 
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
@@ -133,7 +134,7 @@ class CompletionForm(SubmitOnceForm):
         strip=False,
         help_text=f"Up to {MAX_STOP_STRINGS} strings, one per line.",
     )
-    n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text="1–16.")
+    n = forms.IntegerField(required=False, min_value=1, max_value=MAX_N, help_text=f"1–{MAX_N}.")
     logprobs = forms.IntegerField(required=False, min_value=0)
     prompt_logprobs = forms.IntegerField(required=False, min_value=-1)
     echo = forms.BooleanField(required=False, help_text="Prefix the prompt to the text.")
@@ -350,8 +351,8 @@ class UploadVectorForm(forms.Form):
 
     def clean_file(self):
         upload = self.cleaned_data["file"]
-        if upload.size > 8 * 1024 * 1024:
-            raise forms.ValidationError("The file is larger than 8 MiB.")
+        if upload.size > MAX_BODY_BYTES:
+            raise forms.ValidationError(f"The file is larger than {MAX_BODY_BYTES // 2**20} MiB.")
         try:
             array = np.load(io.BytesIO(upload.read()), allow_pickle=False)
         except (ValueError, OSError, EOFError):
@@ -488,17 +489,14 @@ class CompletionJobForm(CompletionForm):
     capture_layers = None
 
 
-# An uploaded prompts file; the API takes at most 8 MiB of request body.
-MAX_PROMPTS_FILE_BYTES = 8 * 1024 * 1024
-
-
 def prompts_from_file(upload) -> list[str]:
     """The prompts of an uploaded file: one per line of a text file, or one per line of a
     JSON Lines file (`.jsonl`), each line a JSON string or an object with a "prompt" string.
     Blank lines are skipped. A prompt holding NUL is refused, as the API refuses it
     (`api.bodies`)."""
-    if upload.size > MAX_PROMPTS_FILE_BYTES:
-        raise forms.ValidationError("The file is larger than 8 MiB.")
+    # No larger than the request body the API takes.
+    if upload.size > MAX_BODY_BYTES:
+        raise forms.ValidationError(f"The file is larger than {MAX_BODY_BYTES // 2**20} MiB.")
     try:
         lines = upload.read().decode("utf-8").splitlines()
     except UnicodeDecodeError:

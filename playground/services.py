@@ -6,7 +6,6 @@ A run is executed by a Celery worker (`tasks.run_execute_task`) that calls /v1 t
 """
 
 import datetime as dt
-import json
 import logging
 import time
 import uuid
@@ -23,7 +22,6 @@ from accounts.services.keys import api_key_create
 from acs_client.client import AcsApiError, AcsClient
 from acs_client.codec import decode, encode_vector
 from acs_portal.celery import task_send
-from acs_portal.redis import redis_sync
 from api.errors import result_unstorable
 
 from . import figures, scoring, streams
@@ -970,28 +968,3 @@ def job_submissions_fail_stuck(*, now=None) -> int:
         error_message="No worker sent this job in time; check the jobs below, then submit again.",
         sent_at=now or timezone.now(),
     )
-
-
-# ---------------------------------------------------------------------------------------
-# The model list
-
-MODELS_CACHE_KEY = "playground:models"
-
-
-def language_models_fetch(*, user) -> tuple[list[dict], str]:
-    """The `/v1/models` entries as seen with the user's playground key (created if need be),
-    cached in Redis for `PLAYGROUND_MODELS_CACHE_SECONDS`, and an error message ("" when the
-    list was read)."""
-    cache = redis_sync()
-    cached = cache.get(MODELS_CACHE_KEY)
-    if cached:
-        return json.loads(cached), ""
-    _, secret = playground_key_get_or_create(user=user)
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=secret, timeout=5.0)
-    try:
-        models = [model.raw for model in client.models()]
-    except AcsApiError as error:
-        logger.warning("playground could not read /v1/models: %s", error)
-        return [], f"The model list could not be read ({error.code}: {error.message})."
-    cache.set(MODELS_CACHE_KEY, json.dumps(models), ex=settings.PLAYGROUND_MODELS_CACHE_SECONDS)
-    return models, ""

@@ -18,6 +18,7 @@ from django_htmx.http import reswap, retarget, trigger_client_event
 
 from accounts.access import approved_required
 from acs_client.codec import decode
+from api.selectors import model_cards
 
 from . import figures, selectors, services, streams
 from .downloads import run_activations_bytes
@@ -34,11 +35,11 @@ from .models import Run, RunKind, RunStatus, VectorMethod
 RESPONSE_SHOWN_CHARS = 200_000
 
 
-def _models(request) -> tuple[list[dict], str, ModelCapabilities]:
-    models, error = services.language_models_fetch(user=request.user)
+def _models(request) -> tuple[list[dict], ModelCapabilities]:
+    models = model_cards()
     wanted = request.GET.get("model") or request.POST.get("model")
     entry = next((m for m in models if m["id"] == wanted), models[0] if models else None)
-    return models, error, ModelCapabilities(entry)
+    return models, ModelCapabilities(entry)
 
 
 def _forms(request, capabilities, models, *, completion=None, initial=None):
@@ -56,10 +57,9 @@ def _forms(request, capabilities, models, *, completion=None, initial=None):
 
 
 def _page_context(request, **overrides):
-    models, models_error, capabilities = _models(request)
+    models, capabilities = _models(request)
     context = {
         "models": models,
-        "models_error": models_error,
         "capabilities": capabilities,
         "runs": selectors.runs_for_user(user=request.user),
         "vectors": selectors.vectors_for_user(user=request.user),
@@ -129,7 +129,7 @@ def _form_error(request, *, form, context_name: str, fragment: str, target: str)
 @approved_required
 @require_POST
 def run_submit(request):
-    models, _, capabilities = _models(request)
+    models, capabilities = _models(request)
     form = CompletionForm(request.POST, models=models, capabilities=capabilities)
     if not form.is_valid():
         return _form_error(
@@ -455,7 +455,7 @@ async def run_events(request, run_id):
 @approved_required
 @require_POST
 def vector_contrast_create(request):
-    _, _, capabilities = _models(request)
+    _, capabilities = _models(request)
     if capabilities.activations_reason:
         raise PermissionDenied(capabilities.activations_reason)
     form = ContrastVectorForm(request.POST, capabilities=capabilities)
@@ -480,7 +480,7 @@ def vector_contrast_create(request):
 @approved_required
 @require_POST
 def vector_upload(request):
-    _, _, capabilities = _models(request)
+    _, capabilities = _models(request)
     form = UploadVectorForm(request.POST, request.FILES, capabilities=capabilities)
     if not form.is_valid():
         return _form_error(
@@ -516,7 +516,7 @@ def vector_download(request, vector_id):
 @approved_required
 @require_POST
 def steering_submit(request):
-    _, _, capabilities = _models(request)
+    _, capabilities = _models(request)
     form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
     if not form.is_valid():
         return _form_error(

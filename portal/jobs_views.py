@@ -11,7 +11,9 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from accounts.htmx import varies_on_htmx, wants_fragment, with_messages
-from api.jobs import selectors, services
+from api.jobs import selectors
+from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
+from api.selectors import model_cards
 from playground import selectors as playground_selectors
 from playground import services as playground_services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
@@ -44,9 +46,8 @@ def _capabilities(models: list[dict], wanted: str | None, *, activations=False):
 
 def _job_forms(request, **bound) -> dict:
     """The two submit forms, fresh unless a bound one (with its errors) is given."""
-    models, models_error = playground_services.language_models_fetch(user=request.user)
+    models = model_cards()
     return {
-        "models_error": models_error,
         "completion_form": bound.get("completion_form")
         or CompletionJobForm(models=models, capabilities=_capabilities(models, None)),
         "harvest_form": bound.get("harvest_form")
@@ -114,7 +115,7 @@ def _job_submit(request, *, kind: str, form_class, activations: bool = False):
     """Validate the Jobs page form of `kind` and queue its submission to /v1, or show the
     page with the form's errors."""
     prefix = form_class.prefix
-    models, _ = playground_services.language_models_fetch(user=request.user)
+    models = model_cards()
     capabilities = _capabilities(
         models, request.POST.get(f"{prefix}-model"), activations=activations
     )
@@ -165,12 +166,12 @@ def harvest_cancel(request, job_id):
     if request.method == "GET":
         return render(request, "jobs/harvest_cancel.html", {"job": job})
     try:
-        services.harvest_job_cancel(job=job)
+        harvest_job_cancel(job=job)
         messages.success(
             request,
             f"Harvest job {str(job.pk)[:8]} cancelled; the batches it wrote stay listed.",
         )
-    except services.HarvestNotCancellable:
+    except HarvestNotCancellable:
         # A job that ended meanwhile is not an error here: the page shows how it ended.
         messages.info(request, f"Harvest job {str(job.pk)[:8]} had already ended.")
     if request.htmx:

@@ -7,7 +7,7 @@ import re
 from django import forms
 from django.core.validators import MaxValueValidator
 
-from metering.selectors import RequestLogFilter, UsageWindow
+from metering.selectors import RequestLogFilter, UsageDateRange
 
 RANGE_CHOICES = [
     ("7", "Last 7 days"),
@@ -19,7 +19,7 @@ DEFAULT_RANGE = "30"
 MAX_RANGE_DAYS = 366
 _STATUS = re.compile(r"^(?:[1-5][0-9]{2}|[245]xx)$")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-# A window ends at the midnight after its last day, which date.max does not have.
+# A date range ends at the midnight after its last day, which date.max does not have.
 LAST_DAY = dt.date.max - dt.timedelta(days=1)
 
 
@@ -47,8 +47,8 @@ def _date_field(label):
 
 class UsageFilterForm(forms.Form):
     """A range of whole UTC days (last 7/30/90 days up to `today`, or custom from/to), and
-    optionally one of the given keys and one of the given models. Build the window with
-    `window(user_id=...)` once valid. An empty query string means the default range."""
+    optionally one of the given keys and one of the given models. Build the date range with
+    `date_range(user_id=...)` once valid. An empty query string means the default range."""
 
     range = forms.ChoiceField(choices=RANGE_CHOICES, required=False)
 
@@ -91,9 +91,9 @@ class UsageFilterForm(forms.Form):
         cleaned["start"], cleaned["end"] = start, end
         return cleaned
 
-    def window(self, *, user_id: int | None) -> UsageWindow:
+    def date_range(self, *, user_id: int | None) -> UsageDateRange:
         key = self.cleaned_data.get("key")
-        return UsageWindow(
+        return UsageDateRange(
             start=self.cleaned_data["start"],
             end=self.cleaned_data["end"],
             user_id=user_id,

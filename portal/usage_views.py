@@ -56,16 +56,16 @@ def _render_usage(request, subject: User, *, base_path: str, staff_view: bool):
         "staff_view": staff_view,
     }
     if form.is_valid():
-        window = form.window(user_id=subject.pk)
-        context.update(_summary_context(usage_selectors.usage_summary(window), window))
+        date_range = form.date_range(user_id=subject.pk)
+        context.update(_summary_context(usage_selectors.usage_summary(date_range), date_range))
     template = "usage/usage.html#results" if wants_fragment(request) else "usage/usage.html"
     return varies_on_htmx(render(request, template, context))
 
 
-def _summary_context(summary: dict, window) -> dict:
+def _summary_context(summary: dict, date_range) -> dict:
     return {
         "summary": summary,
-        "window": window,
+        "date_range": date_range,
         "day_rows_html": [_day_row_html(cells) for cells in _day_table(summary)],
         "figures": usage_figures(summary),
     }
@@ -100,11 +100,11 @@ def _export_csv(request, subject: User, *, filename: str) -> HttpResponse:
             "".join(f"{field}: {' '.join(errors)}\n" for field, errors in form.errors.items()),
             content_type="text/plain; charset=utf-8",
         )
-    window = form.window(user_id=subject.pk)
-    summary = usage_selectors.usage_summary(window)
+    date_range = form.date_range(user_id=subject.pk)
+    summary = usage_selectors.usage_summary(date_range)
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = (
-        f'attachment; filename="{filename}-{window.start}-{window.end}-utc.csv"'
+        f'attachment; filename="{filename}-{date_range.start}-{date_range.end}-utc.csv"'
     )
     writer = csv.writer(response)
     writer.writerow(TABLE_COLUMNS)
@@ -172,9 +172,9 @@ def staff_overview(request):
     form = UsageFilterForm(request.GET, today=utc_day(now))
     context = {"form": form}
     if form.is_valid():
-        window = form.window(user_id=None)
-        context.update(_summary_context(usage_selectors.usage_summary(window), window))
-        top = usage_selectors.usage_top_users_and_keys(window)
+        date_range = form.date_range(user_id=None)
+        context.update(_summary_context(usage_selectors.usage_summary(date_range), date_range))
+        top = usage_selectors.usage_top_users_and_keys(date_range)
         context["top_users"], context["top_keys"] = top["users"], top["keys"]
     if wants_fragment(request):
         return varies_on_htmx(render(request, "usage/staff.html#results", context))

@@ -41,7 +41,7 @@ def home(request):
             context["budget_resets"] = windows.period_resets()
         if user.is_staff:
             context["pending_applications"] = selectors.pending_applications_count()
-    return render(request, "accounts/home.html", context)
+    return render(request, "portal/home.html", context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _render_keys(request, *, create_form=None, overrides=None):
         "create_form": create_form or KeyCreateForm(),
         "account_budget": request.user.monthly_token_budget,
     }
-    template = "accounts/keys.html#key_list" if request.htmx else "accounts/keys.html"
+    template = "portal/keys.html#key_list" if request.htmx else "portal/keys.html"
     response = render(request, template, context)
     # The page may show a new key's secret: no browser or proxy cache may keep a copy.
     add_never_cache_headers(response)
@@ -185,7 +185,7 @@ def _key_card(request, key, **overrides):
     """The answer to htmx for a change of one key: its card alone, swapped in where it was,
     so that a confirmation shows where the person clicked. (The whole list would put a
     revoked key last, and drop a new key's secret shown above, moving the cards.)"""
-    response = render(request, "accounts/keys.html#key_card", {"row": _key_row(key, **overrides)})
+    response = render(request, "portal/keys.html#key_card", {"row": _key_row(key, **overrides)})
     add_never_cache_headers(response)
     return response
 
@@ -213,7 +213,7 @@ def key_revoke(request, key_id):
         "revoke_url": reverse("key_revoke", args=[key.pk]),
         "keep_url": reverse("keys"),
     }
-    return render(request, "accounts/key_revoke.html", context)
+    return render(request, "portal/key_revoke.html", context)
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def staff_key_status(request, key_id):
             "revoke_url": reverse("staff_key_status", args=[key.pk]),
             "keep_url": reverse("staff_user_detail", args=[key.user_id]),
         }
-        return render(request, "accounts/key_revoke.html", context)
+        return render(request, "portal/key_revoke.html", context)
     try:
         action(key=key, acting_user=request.user)
     except ValidationError as error:

@@ -2,12 +2,13 @@ import pytest
 
 from accounts.models import KeyStatus, UserStatus
 from accounts.services.auth import AuthError, api_key_authenticate, api_key_hash
+from api.errors import ERROR_CODES
 
 
 def refused(header):
     with pytest.raises(AuthError) as error:
         api_key_authenticate(header)
-    return error.value.code, error.value.status
+    return error.value.code, ERROR_CODES[error.value.code].status
 
 
 def test_valid_key_authenticates(api_key, api_secret):

@@ -4,7 +4,10 @@ Dependencies between apps point one way: portal → {playground, api, metering, 
 playground → {api, metering, accounts}, api → metering → accounts; `accounts` imports no
 other project app, and `engine` and `acs_client` no Django app. Within an app, no two modules
 import each other, directly or through others: an import inside a function counts as much as
-one at the top of the module, so a lazy import cannot hide a cycle.
+one at the top of the module, so a lazy import cannot hide a cycle. No module takes a private
+name (`_name`) from another module of ours: what two modules share is public in one of them.
+And no `ApiError` is given an HTTP status: `api.errors.ERROR_CODES` gives each code its one.
+An app renders no template from another app's folder (`templates/<app>/`).
 """
 
 import ast
@@ -62,6 +65,53 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
     return {module for module in found if module.split(".")[0] in PROJECT}
 
 
+def private_imports(name: str, source: str, *, is_package: bool = False) -> list[str]:
+    """`from x import _name` in the module `name` where x is another project module."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        if base.split(".")[0] in PROJECT and base != name:
+            found += [f"{name} imports {base}.{alias.name}" for alias in node.names]
+    return [line for line in found if line.rpartition(".")[2].startswith("_")]
+
+
+def api_errors_given_a_status(source: str) -> list[str]:
+    """Calls `ApiError(...)` that pass an HTTP status: an int literal or a `status=` anywhere,
+    or more than the two positional arguments (code, message)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = node.func.attr if isinstance(node.func, ast.Attribute) else node.func
+        if getattr(callee, "id", callee) != "ApiError":
+            continue
+        has_int = any(isinstance(arg, ast.Constant) and type(arg.value) is int for arg in node.args)
+        if has_int or len(node.args) > 2 or any(k.arg == "status" for k in node.keywords):
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def foreign_templates(name: str, source: str) -> list[str]:
+    """Template names ("app/page.html", "app/page.html#part") in the module `name` that lie
+    in another project app's folder of templates/."""
+    app = name.split(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            folder, _, rest = node.value.partition("/")
+            is_template = rest.partition("#")[0].endswith(".html")
+            if is_template and folder in PROJECT and folder != app:
+                found.append(f"{name} renders {node.value}")
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     return {name: imported_modules(name, path, modules) for name, path in modules.items()}
@@ -106,6 +156,70 @@ def test_apps_import_only_the_apps_below_them():
 
 def test_no_import_cycles_between_the_modules_of_an_app():
     assert cycles_within_apps(import_graph()) == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    violations = [
+        line
+        for name, path in project_modules().items()
+        for line in private_imports(name, path.read_text(), is_package=path.name == "__init__.py")
+    ]
+    assert violations == []
+
+
+def test_no_api_error_is_given_a_status():
+    paths = [*project_modules().values(), *(ROOT / "tests").rglob("*.py")]
+    violations = [
+        f"{path.relative_to(ROOT)} {line}"
+        for path in paths
+        for line in api_errors_given_a_status(path.read_text())
+    ]
+    assert violations == []
+
+
+def test_no_app_renders_the_templates_of_another():
+    violations = [
+        line
+        for name, path in project_modules().items()
+        for line in foreign_templates(name, path.read_text())
+    ]
+    assert violations == []
+
+
+def test_the_template_check_catches_a_page_of_another_app():
+    source = 'render(request, "accounts/keys.html#key_list")\nrender(request, "usage/usage.html")\n'
+    assert foreign_templates("portal.views", source) == [
+        "portal.views renders accounts/keys.html#key_list"
+    ]
+    assert foreign_templates("accounts.views", 'render(request, "accounts/apply.html")') == []
+
+
+def test_the_checks_catch_a_private_import_and_an_api_error_with_a_status():
+    source = (
+        "from api.views import _json, allow\n"
+        "from .errors import _TYPE_BY_STATUS\n"
+        "from . import _helpers\n"
+        "from acs_portal.celery import task_send\n"
+        "from django.db import _private\n"
+    )
+    assert private_imports("api.jobs.views", source) == [
+        "api.jobs.views imports api.views._json",
+        "api.jobs.views imports api.jobs.errors._TYPE_BY_STATUS",
+        "api.jobs.views imports api.jobs._helpers",
+    ]
+    assert private_imports("api.views", "def _json(): pass\nfrom api.views import _json") == []
+    source = (
+        'ApiError(404, "not_found", "no")\n'
+        "errors.ApiError(entry.status, code, message)\n"
+        'ApiError(code="queue_full", message="busy", status=429)\n'
+        'ApiError("not_found", "no", retry_after=2)\n'
+        'AcsApiError(404, "not_found", "no")\n'
+    )
+    assert [line.split(":")[0] for line in api_errors_given_a_status(source)] == [
+        "line 1",
+        "line 2",
+        "line 3",
+    ]
 
 
 def test_the_rules_catch_a_forbidden_import_and_a_cycle():

@@ -29,13 +29,13 @@ def api_key_hash(secret: str) -> str:
 
 
 class AuthError(Exception):
-    """A refused credential: `code` and `status` are the contract's."""
+    """A refused credential, with the contract's error code (the gateway's error table gives
+    its HTTP status)."""
 
-    def __init__(self, code: str, message: str, status: int = 401):
+    def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
         self.message = message
-        self.status = status
 
 
 # Written at most once a minute per key, so authentication stays read-only on the hot path.
@@ -79,7 +79,7 @@ def api_key_check(key: ApiKey, *, scope: str = Scope.COMPLETIONS) -> None:
         raise AuthError("key_disabled", "This API key is paused; resume it on the API keys page.")
     user_access_check(key.user)
     if scope not in key.scopes:
-        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.", status=403)
+        raise AuthError("scope_denied", f"This API key lacks the '{scope}' scope.")
 
 
 def user_access_check(user: User) -> None:

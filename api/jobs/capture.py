@@ -52,14 +52,12 @@ async def tokenize_batch(
 def _check_capturable(model, *, tokens: list[int], layers: list[int], index: int) -> None:
     if len(tokens) + CAPTURE_MAX_TOKENS > model.max_model_len:
         raise ApiError(
-            400,
             "context_length_exceeded",
             f"Prompt {index} has {len(tokens)} tokens; model {model.name} takes at most "
             f"{model.max_model_len - CAPTURE_MAX_TOKENS} for a capture.",
         )
     if len(layers) * len(tokens) * model.hidden_size > CAPTURE_MAX_VALUES:
         raise ApiError(
-            400,
             "activation_prompt_too_long",
             f"Capturing {len(layers)} layers over the {len(tokens)} tokens of prompt {index} "
             f"exceeds the capture limit of {CAPTURE_MAX_VALUES} values; capture fewer layers "
@@ -100,11 +98,10 @@ async def capture_prompt(
         bits = decode_bfloat16_bits(body["activations"]["residual_stream"])
     except (KeyError, TypeError, ValueError) as error:
         raise ApiError(
-            502, "capture_incomplete", f"The upstream sent no usable capture for prompt {index}."
+            "capture_incomplete", f"The upstream sent no usable capture for prompt {index}."
         ) from error
     if bits.shape[:2] != (len(layers), len(tokens)) or bits.shape[2] != model.hidden_size:
         raise ApiError(
-            502,
             "capture_incomplete",
             f"The capture of prompt {index} has shape {list(bits.shape)}; expected "
             f"[{len(layers)}, {len(tokens)}, {model.hidden_size}].",

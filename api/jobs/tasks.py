@@ -4,24 +4,24 @@ periodic `jobs_sweep_task` catches whatever that misses."""
 
 from celery import shared_task
 
-from . import services
+from .services import completion_jobs, harvests
 
 
 @shared_task(acks_late=True, ignore_result=True)
 def completion_job_run_task(job_id: str) -> None:
-    services.completion_job_execute(job_id=job_id)
+    completion_jobs.completion_job_execute(job_id=job_id)
 
 
 @shared_task(acks_late=True, ignore_result=True)
 def harvest_job_run_task(job_id: str) -> None:
-    services.harvest_job_execute(job_id=job_id)
+    harvests.harvest_job_execute(job_id=job_id)
 
 
 @shared_task(ignore_result=True)
 def jobs_sweep_task() -> None:
     """Recover jobs whose worker died, delete completion jobs past their retention and the
     files of harvest jobs past theirs."""
-    services.completion_jobs_recover_stuck()
-    services.harvest_jobs_recover_stuck()
-    services.completion_jobs_expire()
-    services.harvest_jobs_expire()
+    completion_jobs.completion_jobs_recover_stuck()
+    harvests.harvest_jobs_recover_stuck()
+    completion_jobs.completion_jobs_expire()
+    harvests.harvest_jobs_expire()

@@ -10,25 +10,31 @@ from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate, owner_recheck
 from api.completions import CompletionResult
-from api.errors import ApiError, error_response, metering_refusal
+from api.errors import ApiError
+from api.http import json_response, read_json_body, request_id, result_response, v1_view
 from api.schemas import parse_body
 from api.selectors import model_get
 from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
-from api.views import _json, allow, read_json_body, request_id, result_response
-from metering.budgets import BudgetExceeded
 from metering.sql import run_db
 
-from . import selectors, services
+from . import selectors
 from .models import CompletionJob, HarvestJob, HarvestJobStatus
 from .schemas import HarvestRequest
+from .services.completion_jobs import completion_job_submit
+from .services.harvest_output import harvest_too_large
+from .services.harvests import (
+    HarvestLimitReached,
+    HarvestNotCancellable,
+    harvest_job_cancel,
+    harvest_job_submit,
+)
+from .services.idempotency import IdempotencyKeyReused
 from .signing import DownloadRefused, download_check
 from .storage import MANIFEST_NAME, harvest_bytes_estimate, harvest_file_open
 
 # How long a client polling a completion job's result is asked to wait.
 RESULT_POLL_SECONDS = 2
-# Retry-After for a key that already runs its maximum of harvest jobs.
-HARVEST_LIMIT_RETRY_SECONDS = 30
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
 
@@ -37,7 +43,7 @@ def _timestamp(value):
 
 
 def _not_found(what: str, job_id) -> ApiError:
-    return ApiError(404, "not_found", f"No {what} with id '{job_id}'.")
+    return ApiError("not_found", f"No {what} with id '{job_id}'.")
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,14 +67,12 @@ def _idempotency_key(request, *, required: bool) -> str:
     value = request.headers.get("Idempotency-Key", "").strip()
     if not value and required:
         raise ApiError(
-            400,
             "invalid_request",
             "The Idempotency-Key header is required: send a unique value per job, and the "
             "same value when you resend the same submit.",
         )
     if len(value) > MAX_IDEMPOTENCY_KEY_LENGTH:
         raise ApiError(
-            400,
             "invalid_request",
             f"The Idempotency-Key header may be at most {MAX_IDEMPOTENCY_KEY_LENGTH} characters.",
         )
@@ -76,44 +80,38 @@ def _idempotency_key(request, *, required: bool) -> str:
 
 
 @csrf_exempt
-@allow("POST")
+@v1_view("POST")
 async def completion_jobs(request):
     """Submit a completion body as a job: 202 (new), 200 (the same key and body again),
     409 idempotency_key_reused (the same key with another body)."""
-    rid = request_id(request)
-    try:
-        key = await authenticate(request)
-        idempotency_key = _idempotency_key(request, required=True)
-        payload = read_json_body(request)
-        valid = await validate_completion(payload)
-        if valid.request.stream:
-            raise ApiError(
-                400,
-                "invalid_request",
-                "'stream' is not allowed in a completion job; poll the job's result instead.",
-            )
-        async with admission_slot(key.pk):
+    key = await authenticate(request)
+    idempotency_key = _idempotency_key(request, required=True)
+    payload = read_json_body(request)
+    valid = await validate_completion(payload)
+    if valid.request.stream:
+        raise ApiError(
+            "invalid_request",
+            "'stream' is not allowed in a completion job; poll the job's result instead.",
+        )
+    async with admission_slot(key.pk):
+        try:
             job, created = await run_db(
-                services.completion_job_submit,
+                completion_job_submit,
                 key=key,
                 idempotency_key=idempotency_key,
                 payload=payload,
                 workload=request.headers.get("X-Acs-Workload", "")[:16],
             )
-    except services.IdempotencyKeyReused as conflict:
-        return error_response(_idempotency_conflict(conflict), rid)
-    except ApiError as error:
-        return error_response(error, rid)
-    return _json(request, completion_job_body(job), status=202 if created else 200)
+        except IdempotencyKeyReused as conflict:
+            raise _idempotency_conflict(conflict) from None
+    return json_response(request, completion_job_body(job), status=202 if created else 200)
 
 
-def _idempotency_conflict(conflict: services.IdempotencyKeyReused) -> ApiError:
+def _idempotency_conflict(conflict: IdempotencyKeyReused) -> ApiError:
     return ApiError(
-        409,
         "idempotency_key_reused",
         f"This Idempotency-Key already names job {conflict.job.pk}, submitted with a "
         "different body; use a new key for a new job.",
-        should_retry=False,
     )
 
 
@@ -125,25 +123,18 @@ async def _own_completion_job(request, job_id) -> CompletionJob:
     return job
 
 
-@allow("GET")
+@v1_view("GET")
 async def completion_job_detail(request, job_id):
-    try:
-        job = await _own_completion_job(request, job_id)
-    except ApiError as error:
-        return error_response(error, request_id(request))
-    return _json(request, completion_job_body(job))
+    return json_response(request, completion_job_body(await _own_completion_job(request, job_id)))
 
 
-@allow("GET")
+@v1_view("GET")
 async def completion_job_result(request, job_id):
     """202 with Retry-After while the job waits or runs; then the stored completion (200)
     or the stored error with its status."""
-    try:
-        job = await _own_completion_job(request, job_id)
-    except ApiError as error:
-        return error_response(error, request_id(request))
+    job = await _own_completion_job(request, job_id)
     if not job.is_finished:
-        response = _json(request, completion_job_body(job), status=202)
+        response = json_response(request, completion_job_body(job), status=202)
         response["Retry-After"] = str(RESULT_POLL_SECONDS)
         return response
     return result_response(
@@ -161,16 +152,15 @@ def _harvest_layers(requested, model) -> list[int]:
     if requested == "all":
         return list(range(model.n_layers))
     if not requested:
-        raise ApiError(400, "invalid_request", "'layers' must name at least one layer.")
+        raise ApiError("invalid_request", "'layers' must name at least one layer.")
     bad = [layer for layer in requested if not 0 <= layer < model.n_layers]
     if bad:
         raise ApiError(
-            400,
             "invalid_request",
             f"'layers' holds {bad[0]}; model {model.name} has layers 0 to {model.n_layers - 1}.",
         )
     if len(set(requested)) != len(requested):
-        raise ApiError(400, "invalid_request", "'layers' names a layer twice.")
+        raise ApiError("invalid_request", "'layers' names a layer twice.")
     return list(requested)
 
 
@@ -185,7 +175,7 @@ async def _harvest_size_check(harvest: HarvestRequest, model, layers: list[int])
     )
     limit = settings.ACS_HARVEST_MAX_JOB_BYTES
     if size > limit:
-        raise services.harvest_too_large(
+        raise harvest_too_large(
             f"Capturing {len(layers)} layers over the {sum(counts)} tokens of these prompts "
             f"would write about {size} bytes; one harvest job may write at most {limit}"
         )
@@ -232,29 +222,26 @@ def harvest_job_body(job: HarvestJob, *, key_id: int) -> dict:
 
 
 @csrf_exempt
-@allow("POST")
+@v1_view("POST")
 async def harvest_jobs(request):
     """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`.
     With an Idempotency-Key (optional here), as completion jobs: 200 and the existing job
     for the same key and request, 409 idempotency_key_reused for another request."""
-    rid = request_id(request)
-    try:
-        key = await authenticate(request)
-        idempotency_key = _idempotency_key(request, required=False)
-        harvest = parse_body(HarvestRequest, read_json_body(request))
-        model = await model_get(harvest.model)
-        if not model.supports_activations:
-            raise ApiError(
-                503,
-                "activation_engine_unconfigured",
-                f"Model {model.name} offers no activation capture; use another model.",
-                should_retry=False,
-            )
-        layers = _harvest_layers(harvest.layers, model)
-        await _harvest_size_check(harvest, model, layers)
-        async with admission_slot(key.pk):
+    key = await authenticate(request)
+    idempotency_key = _idempotency_key(request, required=False)
+    harvest = parse_body(HarvestRequest, read_json_body(request))
+    model = await model_get(harvest.model)
+    if not model.supports_activations:
+        raise ApiError(
+            "activation_engine_unconfigured",
+            f"Model {model.name} offers no activation capture; use another model.",
+        )
+    layers = _harvest_layers(harvest.layers, model)
+    await _harvest_size_check(harvest, model, layers)
+    async with admission_slot(key.pk):
+        try:
             job, created = await run_db(
-                services.harvest_job_submit,
+                harvest_job_submit,
                 key=key,
                 model=model.name,
                 prompts=harvest.prompts,
@@ -262,23 +249,11 @@ async def harvest_jobs(request):
                 add_special_tokens=harvest.add_special_tokens,
                 idempotency_key=idempotency_key,
             )
-    except services.IdempotencyKeyReused as conflict:
-        return error_response(_idempotency_conflict(conflict), rid)
-    except services.HarvestLimitReached as limit:
-        return error_response(
-            ApiError(
-                429,
-                "harvest_jobs_limit",
-                str(limit) + " Retry when one ends.",
-                retry_after=HARVEST_LIMIT_RETRY_SECONDS,
-            ),
-            rid,
-        )
-    except BudgetExceeded as exceeded:
-        return error_response(metering_refusal(exceeded), rid)
-    except ApiError as error:
-        return error_response(error, rid)
-    return _json(
+        except IdempotencyKeyReused as conflict:
+            raise _idempotency_conflict(conflict) from None
+        except HarvestLimitReached as limit:
+            raise ApiError("harvest_jobs_limit", f"{limit} Retry when one ends.") from None
+    return json_response(
         request,
         {
             "job_id": str(job.pk),
@@ -291,48 +266,39 @@ async def harvest_jobs(request):
 
 
 @csrf_exempt
-@allow("GET", "DELETE")
+@v1_view("GET", "DELETE")
 async def harvest_job_detail(request, job_id):
     """GET: the job's status, progress and (when done) signed download URLs. DELETE: cancel
     a pending or running job (409 harvest_not_cancellable otherwise)."""
-    rid = request_id(request)
-    try:
-        key = await authenticate(request)
-        job = await run_db(selectors.harvest_job_get, user_id=key.user_id, job_id=job_id)
-        if job is None:
-            raise _not_found("harvest job", job_id)
-        if request.method == "DELETE":
-            job = await run_db(services.harvest_job_cancel, job=job)
-    except services.HarvestNotCancellable as refusal:
-        return error_response(
-            ApiError(409, "harvest_not_cancellable", str(refusal), should_retry=False), rid
-        )
-    except ApiError as error:
-        return error_response(error, rid)
-    return _json(request, harvest_job_body(job, key_id=key.pk))
+    key = await authenticate(request)
+    job = await run_db(selectors.harvest_job_get, user_id=key.user_id, job_id=job_id)
+    if job is None:
+        raise _not_found("harvest job", job_id)
+    if request.method == "DELETE":
+        try:
+            job = await run_db(harvest_job_cancel, job=job)
+        except HarvestNotCancellable as refusal:
+            raise ApiError("harvest_not_cancellable", str(refusal)) from None
+    return json_response(request, harvest_job_body(job, key_id=key.pk))
 
 
-@allow("GET")
+@v1_view("GET")
 async def harvest_file(request, job_id, name):
     """One file of a finished harvest, for anyone holding an unexpired signed URL whose key
     (or, for the portal's links, the job's account) may still use the API."""
-    rid = request_id(request)
     try:
         key_id = download_check(token=request.GET.get("token", ""), job_id=job_id, name=name)
     except DownloadRefused as refusal:
-        return error_response(ApiError(403, "download_url_invalid", str(refusal)), rid)
+        raise ApiError("download_url_invalid", str(refusal)) from None
     job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
     if job is not None:
-        try:
-            await run_db(owner_recheck, user_id=job.user_id, key_id=key_id)
-        except ApiError as refusal:
-            return error_response(refusal, rid)
+        await run_db(owner_recheck, user_id=job.user_id, key_id=key_id)
     if job is not None and job.status == HarvestJobStatus.EXPIRED:
-        return error_response(ApiError(404, "not_found", _expiry_message()), rid)
+        raise ApiError("not_found", _expiry_message())
     if job is None or name not in job.files:
-        return error_response(ApiError(404, "not_found", f"No file '{name}' in this job."), rid)
+        raise ApiError("not_found", f"No file '{name}' in this job.")
     handle = await run_db(harvest_file_open, job.storage_prefix, name)
     content_type = "application/json" if name == MANIFEST_NAME else "application/octet-stream"
     response = FileResponse(handle, as_attachment=True, filename=name, content_type=content_type)
-    response["X-Request-Id"] = rid
+    response["X-Request-Id"] = request_id(request)
     return response

@@ -19,7 +19,7 @@ from django.db import connections
 from safetensors import deserialize
 
 from accounts.models import User
-from accounts.services import api_key_create
+from accounts.services.keys import api_key_create
 from tests.conftest import make_user
 
 from .system import REPO_ROOT

@@ -131,3 +131,21 @@ def test_the_command_attaches_and_removes_a_tokenizer(stub, plain_vllm, tmp_path
         call_command("acs_model_tokenizer", "nope", str(path))
     with pytest.raises(CommandError, match="Cannot read"):
         call_command("acs_model_tokenizer", "plain-vllm", str(tmp_path / "missing.json"))
+
+
+def test_counting_on_an_unreachable_upstream_goes_through_its_circuit_breaker(
+    client, stub, model, redis_client
+):
+    """Without a tokenizer the gateway counts with the upstream's POST /tokenize, on the
+    same path as completions: its failures feed the upstream's circuit breaker."""
+    from api.selectors import upstream_states
+    from api.upstream import FAILURE_THRESHOLD
+
+    make_model("http://127.0.0.1:9", name="unreachable", is_default=False)
+    body = {"model": "unreachable", "prompt": "hello", "max_tokens": 1}
+    for _ in range(FAILURE_THRESHOLD):
+        response = client.post("/v1/completions", json=body)
+        assert response.json()["error"]["code"] == "upstream_unreachable"
+    state = next(s for s in upstream_states() if s["model"] == "unreachable")
+    assert state["state"] == "open"
+    assert client.post("/v1/completions", json=body).json()["error"]["code"] == "circuit_open"

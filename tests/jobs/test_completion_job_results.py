@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus
+from api.jobs.services import completion_jobs
 from metering.models import UsageRecord
 from tests.overflow import overflowing_steering
 
@@ -29,8 +29,10 @@ def run_job(api_client, body: dict) -> CompletionJob:
     )
     assert submitted.status_code == 202, submitted.content
     job_id = submitted.json()["id"]
-    services.completion_job_execute(job_id=job_id)
-    assert services.completion_jobs_recover_stuck(now=timezone.now() + timedelta(hours=1)) == 0
+    completion_jobs.completion_job_execute(job_id=job_id)
+    assert (
+        completion_jobs.completion_jobs_recover_stuck(now=timezone.now() + timedelta(hours=1)) == 0
+    )
     return CompletionJob.objects.get(pk=job_id)
 
 

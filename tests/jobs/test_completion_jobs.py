@@ -15,8 +15,9 @@ from accounts.services.keys import api_key_create
 from api.admission import admission_counts
 from api.completions import CompletionResult
 from api.errors import ApiError
-from api.jobs import services, tasks
+from api.jobs import tasks
 from api.jobs.models import CompletionJob, CompletionJobStatus
+from api.jobs.services import completion_jobs
 
 BODY = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 2}
 JOB_RUN = "api.jobs.tasks.completion_job_run_task"
@@ -111,7 +112,7 @@ def test_twenty_concurrent_submits_with_one_key_create_exactly_one_job(api_key, 
     def submit(_):
         try:
             start.wait()
-            job, created = services.completion_job_submit(
+            job, created = completion_jobs.completion_job_submit(
                 key=api_key, idempotency_key="race", payload=dict(BODY)
             )
             return str(job.pk), created
@@ -160,7 +161,7 @@ def test_a_failed_job_returns_the_error_with_its_status(
     api_key.monthly_token_budget = 1
     api_key.save(update_fields=["monthly_token_budget"])
 
-    services.completion_job_execute(job_id=job_id)
+    completion_jobs.completion_job_execute(job_id=job_id)
 
     status = api_client.get(f"/v1/completion-jobs/{job_id}").json()
     assert status["status"] == "failed"
@@ -171,48 +172,54 @@ def test_a_failed_job_returns_the_error_with_its_status(
 
 
 def test_a_job_is_claimed_once(api_key, monkeypatch, sent_tasks):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="once", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="once", payload=BODY
+    )
     calls = []
 
     async def fake_run(**kwargs):
         calls.append(kwargs["payload"])
         return CompletionResult(200, {"object": "text_completion", "choices": []})
 
-    monkeypatch.setattr(services, "completion_run", fake_run)
-    services.completion_job_execute(job_id=job.pk)
-    services.completion_job_execute(job_id=job.pk)
+    monkeypatch.setattr(completion_jobs, "completion_run", fake_run)
+    completion_jobs.completion_job_execute(job_id=job.pk)
+    completion_jobs.completion_job_execute(job_id=job.pk)
     assert calls == [BODY]
     job.refresh_from_db()
     assert (job.status, job.attempts) == (CompletionJobStatus.SUCCEEDED, 1)
 
 
 def test_a_retryable_failure_requeues_the_job_after_retry_after(api_key, monkeypatch, sent_tasks):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="retry", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="retry", payload=BODY
+    )
 
     async def saturated(**kwargs):
-        error = ApiError(429, "queue_full", "Too many requests waiting.", retry_after=7)
+        error = ApiError("queue_full", "Too many requests waiting.", retry_after=7)
         return CompletionResult(429, error.body(), error.headers())
 
-    monkeypatch.setattr(services, "completion_run", saturated)
-    services.completion_job_execute(job_id=job.pk)
+    monkeypatch.setattr(completion_jobs, "completion_run", saturated)
+    completion_jobs.completion_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == CompletionJobStatus.QUEUED
     assert (JOB_RUN, str(job.pk), 7) in sent_tasks
     for _ in range(2):
-        services.completion_job_execute(job_id=job.pk)
+        completion_jobs.completion_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == CompletionJobStatus.FAILED
     assert job.error["code"] == "queue_full"
 
 
 def test_the_sweep_requeues_a_job_stuck_running_then_fails_it(api_key, settings, sent_tasks):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="stuck", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="stuck", payload=BODY
+    )
     now = timezone.now()
     CompletionJob.objects.filter(pk=job.pk).update(
         status=CompletionJobStatus.RUNNING, attempts=1, started_at=now, lease_expires_at=now
     )
-    assert services.completion_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
-    assert services.completion_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
+    assert completion_jobs.completion_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
+    assert completion_jobs.completion_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
     assert job.status == CompletionJobStatus.QUEUED
     assert sent_tasks.ids(JOB_RUN).count(str(job.pk)) == 2
@@ -222,7 +229,7 @@ def test_the_sweep_requeues_a_job_stuck_running_then_fails_it(api_key, settings,
         attempts=settings.ACS_JOB_MAX_ATTEMPTS,
         lease_expires_at=now,
     )
-    services.completion_jobs_recover_stuck(now=now + timedelta(seconds=1))
+    completion_jobs.completion_jobs_recover_stuck(now=now + timedelta(seconds=1))
     job.refresh_from_db()
     assert job.status == CompletionJobStatus.FAILED
     assert job.error["code"] == "worker_lost"
@@ -230,12 +237,14 @@ def test_the_sweep_requeues_a_job_stuck_running_then_fails_it(api_key, settings,
 
 
 def test_a_queued_job_no_worker_took_is_resent_once_per_lease(api_key, settings, sent_tasks):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="lost", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="lost", payload=BODY
+    )
     lease = timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
     later = job.created_at + lease + timedelta(seconds=1)
-    assert services.completion_jobs_recover_stuck(now=job.created_at + lease / 2) == 0
-    assert services.completion_jobs_recover_stuck(now=later) == 1
-    assert services.completion_jobs_recover_stuck(now=later + timedelta(minutes=1)) == 0
+    assert completion_jobs.completion_jobs_recover_stuck(now=job.created_at + lease / 2) == 0
+    assert completion_jobs.completion_jobs_recover_stuck(now=later) == 1
+    assert completion_jobs.completion_jobs_recover_stuck(now=later + timedelta(minutes=1)) == 0
     assert sent_tasks.ids(JOB_RUN) == [str(job.pk)] * 2
 
 
@@ -245,9 +254,9 @@ def test_jobs_are_deleted_24_hours_after_they_end(api_client, api_key, engine_mo
     CompletionJob.objects.filter(pk=job_id).update(
         status=CompletionJobStatus.SUCCEEDED, finished_at=ended, result_status=200, result_body={}
     )
-    assert services.completion_jobs_expire(now=ended + timedelta(hours=23, minutes=59)) == 0
+    assert completion_jobs.completion_jobs_expire(now=ended + timedelta(hours=23, minutes=59)) == 0
     assert api_client.get(f"/v1/completion-jobs/{job_id}").status_code == 200
-    assert services.completion_jobs_expire(now=ended + timedelta(hours=24, seconds=1)) == 1
+    assert completion_jobs.completion_jobs_expire(now=ended + timedelta(hours=24, seconds=1)) == 1
     for path in (f"/v1/completion-jobs/{job_id}", f"/v1/completion-jobs/{job_id}/result"):
         response = api_client.get(path)
         assert response.status_code == 404
@@ -265,8 +274,12 @@ def test_another_users_job_is_404(api_client, client, engine_model, other_user):
 
 def test_the_beat_sweep_task_expires_and_recovers_jobs(api_key, sent_tasks, settings):
     assert settings.CELERY_BEAT_SCHEDULE["jobs-sweep"]["task"] == tasks.jobs_sweep_task.name
-    ended, _ = services.completion_job_submit(key=api_key, idempotency_key="old", payload=BODY)
-    stuck, _ = services.completion_job_submit(key=api_key, idempotency_key="stuck", payload=BODY)
+    ended, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="old", payload=BODY
+    )
+    stuck, _ = completion_jobs.completion_job_submit(
+        key=api_key, idempotency_key="stuck", payload=BODY
+    )
     long_ago = timezone.now() - timedelta(days=2)
     CompletionJob.objects.filter(pk=ended.pk).update(
         status=CompletionJobStatus.SUCCEEDED, finished_at=long_ago

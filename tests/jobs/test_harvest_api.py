@@ -15,8 +15,9 @@ from safetensors import deserialize
 
 from accounts.services.keys import api_key_create, api_key_disable, api_key_revoke
 from accounts.services.users import user_suspend
-from api.jobs import selectors, services, tasks
+from api.jobs import selectors, tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.services import harvests
 from api.jobs.storage import MANIFEST_NAME, harvest_file_write
 from metering import windows
 from metering.models import UsagePeriod
@@ -168,7 +169,7 @@ def test_concurrent_harvest_submits_with_one_idempotency_key_create_one_job(
     def submit(index):
         try:
             start.wait()
-            job, created = services.harvest_job_submit(
+            job, created = harvests.harvest_job_submit(
                 key=keys[index % len(keys)],
                 model="smollm2-135m",
                 prompts=["Hello there."],
@@ -199,7 +200,7 @@ def test_cancel_a_pending_job_then_cancelling_again_is_409(api_client, engine_mo
     again = api_client.delete(f"/v1/harvest/{job_id}")
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "harvest_not_cancellable"
-    services.harvest_job_execute(job_id=job_id)
+    harvests.harvest_job_execute(job_id=job_id)
     assert HarvestJob.objects.get(pk=job_id).status == HarvestJobStatus.CANCELLED
 
 

@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from accounts.services.service import service_spend_cap_set
 from api.errors import ApiError
-from api.jobs import services, tasks
+from api.jobs import tasks
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.services import harvests
 from api.jobs.storage import harvest_file_write
 from metering import windows
 from metering.models import UsagePeriod, UsageRecord
@@ -25,7 +26,7 @@ LAYERS = [0, 7]
 
 
 def _submit(api_key, prompts=PROMPTS):
-    job, _ = services.harvest_job_submit(
+    job, _ = harvests.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=prompts, layers=LAYERS, add_special_tokens=True
     )
     return job
@@ -56,7 +57,7 @@ def test_harvest_captures_are_charged_to_the_token_windows_and_activation_quota(
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 2
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
 
@@ -80,7 +81,7 @@ def test_a_budget_that_cannot_cover_the_next_batch_fails_the_job_keeping_what_wa
     api_key.monthly_token_budget = counts[0] + 1 + counts[1]
     api_key.save(update_fields=["monthly_token_budget"])
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
@@ -103,7 +104,7 @@ def test_the_activation_quota_refuses_a_batch_it_cannot_cover_whole(
     api_key.monthly_activation_quota = 3
     api_key.save(update_fields=["monthly_activation_quota"])
     job = _submit(api_key, prompts=[*PROMPTS, "One more."])
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
@@ -117,15 +118,15 @@ def test_a_failed_batch_is_not_charged_and_gives_its_activation_requests_back(
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 1
     job = _submit(api_key)
-    real_capture = services.capture_batch
+    real_capture = harvests.capture_batch
 
     async def second_batch_fails(*args, **kwargs):
         if kwargs["first_index"] == 1:
-            raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+            raise ApiError("capture_incomplete", "lost", should_retry=False)
         return await real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(services, "capture_batch", second_batch_fails)
-    services.harvest_job_execute(job_id=job.pk)
+    monkeypatch.setattr(harvests, "capture_batch", second_batch_fails)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
@@ -157,8 +158,8 @@ def test_a_paused_service_refuses_harvest_submits_and_fails_a_pending_job_with_s
         captured.append(kwargs["first_index"])
         return []
 
-    monkeypatch.setattr(services, "capture_batch", capture)
-    services.harvest_job_execute(job_id=job.pk)
+    monkeypatch.setattr(harvests, "capture_batch", capture)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "spend_cap"
@@ -191,7 +192,7 @@ def test_the_worker_stops_a_job_before_its_files_pass_the_size_cap(
     # Room for the first shard only (its header aside, which the estimate leaves out).
     settings.ACS_HARVEST_MAX_JOB_BYTES = first * (len(LAYERS) * 576 * 2 + 4) + 1024
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
@@ -251,14 +252,14 @@ def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
     failing = _submit(api_key)
     assert harvest_jobs_counted() == 2
 
-    services.harvest_job_cancel(job=cancelled)
+    harvests.harvest_job_cancel(job=cancelled)
     assert harvest_jobs_counted() == 1
 
     async def upstream_lost(*args, **kwargs):
-        raise ApiError(502, "capture_incomplete", "lost", should_retry=False)
+        raise ApiError("capture_incomplete", "lost", should_retry=False)
 
-    monkeypatch.setattr(services, "capture_batch", upstream_lost)
-    services.harvest_job_execute(job_id=failing.pk)
+    monkeypatch.setattr(harvests, "capture_batch", upstream_lost)
+    harvests.harvest_job_execute(job_id=failing.pk)
     assert HarvestJob.objects.get(pk=failing.pk).status == HarvestJobStatus.FAILED
     assert harvest_jobs_counted() == 0
 
@@ -273,7 +274,7 @@ def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
     from metering.budgets import budget_release_stale
 
     settings.ACS_HARVEST_BATCH_SIZE = 1
-    real_capture_batch = services.capture_batch
+    real_capture_batch = harvests.capture_batch
     calls = []
 
     async def capture_then_die_on_the_second_batch(*args, **kwargs):
@@ -282,14 +283,14 @@ def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
             raise WorkerKilled
         return await real_capture_batch(*args, **kwargs)
 
-    monkeypatch.setattr(services, "capture_batch", capture_then_die_on_the_second_batch)
+    monkeypatch.setattr(harvests, "capture_batch", capture_then_die_on_the_second_batch)
     job = _submit(api_key)
     with pytest.raises(WorkerKilled):
-        services.harvest_job_execute(job_id=job.pk)
+        harvests.harvest_job_execute(job_id=job.pk)
     budget_release_stale(older_than=timedelta(0))
     later = timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS + 1)
-    assert services.harvest_jobs_recover_stuck(now=later) == 1
-    services.harvest_job_execute(job_id=job.pk)
+    assert harvests.harvest_jobs_recover_stuck(now=later) == 1
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
 

@@ -16,8 +16,9 @@ from tokenizers import Tokenizer
 
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
-from api.jobs import selectors, services
+from api.jobs import selectors
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.services import harvests
 from metering import windows
 from metering.models import UsagePeriod, UsageRecord
 
@@ -30,7 +31,7 @@ LAYERS = [0, 7, 29]
 
 
 def _submit(api_key, prompts=PROMPTS, layers=LAYERS):
-    job, _ = services.harvest_job_submit(
+    job, _ = harvests.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=prompts, layers=layers, add_special_tokens=True
     )
     return job
@@ -55,7 +56,7 @@ def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 2
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
@@ -102,7 +103,7 @@ def test_harvest_stats_are_the_mean_and_std_over_all_positions_but_the_first(
     engine_model, api_key, redis_client
 ):
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
     captures = []
@@ -129,7 +130,7 @@ def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 1
     job = _submit(api_key)
-    real_capture = services.capture_batch
+    real_capture = harvests.capture_batch
     batches = []
 
     async def capture_then_cancel(*args, **kwargs):
@@ -138,8 +139,8 @@ def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards
         await HarvestJob.objects.filter(pk=job.pk).aupdate(status=HarvestJobStatus.CANCELLED)
         return result
 
-    monkeypatch.setattr(services, "capture_batch", capture_then_cancel)
-    services.harvest_job_execute(job_id=job.pk)
+    monkeypatch.setattr(harvests, "capture_batch", capture_then_cancel)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert batches == [0]
@@ -163,8 +164,8 @@ def test_a_job_cancelled_before_its_first_batch_keeps_no_files(
     engine_model, api_key, settings, monkeypatch, redis_client
 ):
     job = _submit(api_key)
-    services.harvest_job_cancel(job=job)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_cancel(job=job)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.CANCELLED
     assert job.files == []
@@ -176,14 +177,14 @@ def test_progress_is_recorded_after_every_batch(engine_model, api_key, settings,
     settings.ACS_HARVEST_BATCH_SIZE = 1
     job = _submit(api_key)
     seen = []
-    real_capture = services.capture_batch
+    real_capture = harvests.capture_batch
 
     async def capture_and_look(*args, **kwargs):
         seen.append((await HarvestJob.objects.aget(pk=job.pk)).prompts_done)
         return await real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(services, "capture_batch", capture_and_look)
-    services.harvest_job_execute(job_id=job.pk)
+    monkeypatch.setattr(harvests, "capture_batch", capture_and_look)
+    harvests.harvest_job_execute(job_id=job.pk)
     assert seen == [0, 1, 2]
     job.refresh_from_db()
     assert (job.status, job.prompts_done, job.progress) == (HarvestJobStatus.DONE, 3, 1.0)
@@ -196,7 +197,7 @@ def test_a_prompt_longer_than_the_context_fails_the_job_with_a_message(
     engine_model.max_model_len = 8
     engine_model.save(update_fields=["max_model_len"])
     job = _submit(api_key, prompts=["short", "one two three four five six seven eight nine"])
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "context_length_exceeded"
@@ -209,7 +210,7 @@ def test_a_capture_over_the_size_limit_fails_the_job_with_a_message(
 ):
     monkeypatch.setattr("api.jobs.capture.CAPTURE_MAX_VALUES", 3 * 4 * 576)
     job = _submit(api_key, prompts=["one two", "one two three four five six"])
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "activation_prompt_too_long"
@@ -224,7 +225,7 @@ def test_an_unreachable_upstream_puts_the_job_back_to_pending_until_attempts_run
     engine_model.save(update_fields=["activation_upstream_urls"])
     job = _submit(api_key, prompts=["Paris"])
     for attempt in range(1, settings.ACS_JOB_MAX_ATTEMPTS + 1):
-        services.harvest_job_execute(job_id=job.pk)
+        harvests.harvest_job_execute(job_id=job.pk)
         job.refresh_from_db()
         assert job.attempts == attempt
     assert job.status == HarvestJobStatus.FAILED
@@ -240,8 +241,8 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
     HarvestJob.objects.filter(pk=job.pk).update(
         status=HarvestJobStatus.RUNNING, attempts=1, prompts_done=2, lease_expires_at=now
     )
-    assert services.harvest_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
-    assert services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
+    assert harvests.harvest_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
+    assert harvests.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
     # Its progress is kept: the next attempt resumes after the shards it recorded.
     assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 2)
@@ -252,7 +253,7 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
         attempts=settings.ACS_JOB_MAX_ATTEMPTS,
         lease_expires_at=now,
     )
-    services.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1))
+    harvests.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1))
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
     assert job.error["code"] == "worker_lost"
@@ -264,7 +265,7 @@ def test_harvest_shards_carry_their_tokens_and_metadata_for_the_loader(
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 2
     job = _submit(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     tokenizer = Tokenizer.from_str(httpx.get(f"{engine_url}/tokenizer.json").text)
     path = default_storage.path(job.storage_prefix + "shard_00000.safetensors")
@@ -304,7 +305,7 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
     settings.ACS_HARVEST_BATCH_SIZE = 1
     job = _submit(api_key)
     captured = []
-    real_capture = services.capture_batch
+    real_capture = harvests.capture_batch
 
     async def capture_until_the_worker_dies(*args, first_index, **kwargs):
         captured.append(first_index)
@@ -312,15 +313,15 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
             raise WorkerDied
         return await real_capture(*args, first_index=first_index, **kwargs)
 
-    monkeypatch.setattr(services, "capture_batch", capture_until_the_worker_dies)
+    monkeypatch.setattr(harvests, "capture_batch", capture_until_the_worker_dies)
     with pytest.raises(WorkerDied):
-        services.harvest_job_execute(job_id=job.pk)
+        harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert (job.status, job.prompts_done) == (HarvestJobStatus.RUNNING, 2)
 
     lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS + 1)
-    assert services.harvest_jobs_recover_stuck(now=timezone.now() + lease) == 1
-    services.harvest_job_execute(job_id=job.pk)
+    assert harvests.harvest_jobs_recover_stuck(now=timezone.now() + lease) == 1
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
@@ -340,9 +341,9 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
     assert month.used_tokens == sum(r.prompt_tokens + r.completion_tokens for r in records)
 
     # The stats cover the resumed shards too: the same as an attempt that never died.
-    monkeypatch.setattr(services, "capture_batch", real_capture)
+    monkeypatch.setattr(harvests, "capture_batch", real_capture)
     clean = _submit(api_key)
-    services.harvest_job_execute(job_id=clean.pk)
+    harvests.harvest_job_execute(job_id=clean.pk)
     clean.refresh_from_db()
     assert clean.status == HarvestJobStatus.DONE, clean.error
     resumed_stats = _tensors_any(job.storage_prefix + "stats.safetensors")

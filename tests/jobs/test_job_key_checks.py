@@ -9,8 +9,8 @@ from asgiref.sync import sync_to_async
 
 from accounts.services.keys import api_key_disable, api_key_revoke
 from accounts.services.users import user_suspend
-from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.services import completion_jobs, harvests
 from metering.models import UsagePeriod, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,7 +57,7 @@ def test_a_completion_job_whose_access_ended_after_submit_fails_with_the_apis_co
     assert response.status_code == 202
     lose_access(api_key)
 
-    services.completion_job_execute(job_id=response.json()["id"])
+    completion_jobs.completion_job_execute(job_id=response.json()["id"])
 
     job = CompletionJob.objects.get(pk=response.json()["id"])
     assert job.status == CompletionJobStatus.FAILED
@@ -71,7 +71,7 @@ def test_a_completion_job_whose_access_ended_after_submit_fails_with_the_apis_co
 def test_a_harvest_job_whose_access_ended_after_submit_does_not_start(
     api_key, engine_model, redis_client, monkeypatch, lose_access, code
 ):
-    job, _ = services.harvest_job_submit(
+    job, _ = harvests.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=PROMPTS, layers=[0], add_special_tokens=True
     )
     lose_access(api_key)
@@ -81,9 +81,9 @@ def test_a_harvest_job_whose_access_ended_after_submit_does_not_start(
         captured.append(kwargs["first_index"])
         return []
 
-    monkeypatch.setattr(services, "capture_batch", capture)
+    monkeypatch.setattr(harvests, "capture_batch", capture)
 
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.FAILED
@@ -96,10 +96,10 @@ def test_a_harvest_job_stops_before_its_next_batch_once_its_key_is_revoked(
     api_key, engine_model, redis_client, settings, monkeypatch
 ):
     settings.ACS_HARVEST_BATCH_SIZE = 1
-    job, _ = services.harvest_job_submit(
+    job, _ = harvests.harvest_job_submit(
         key=api_key, model="smollm2-135m", prompts=PROMPTS, layers=[0], add_special_tokens=True
     )
-    real_capture = services.capture_batch
+    real_capture = harvests.capture_batch
     batches = []
 
     async def capture_then_revoke(*args, **kwargs):
@@ -108,8 +108,8 @@ def test_a_harvest_job_stops_before_its_next_batch_once_its_key_is_revoked(
         await sync_to_async(_revoke)(api_key)
         return captures
 
-    monkeypatch.setattr(services, "capture_batch", capture_then_revoke)
-    services.harvest_job_execute(job_id=job.pk)
+    monkeypatch.setattr(harvests, "capture_batch", capture_then_revoke)
+    harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
     assert batches == [0]

@@ -12,8 +12,8 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from accounts.models import UserStatus
-from api.jobs import services
 from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.services import completion_jobs, harvests, statistics
 from api.jobs.storage import STATS_NAME, Tensor, harvest_file_write, safetensors_bytes
 from playground.models import JobKind, JobSubmission, JobSubmissionStatus
 from tests.conftest import PASSWORD
@@ -31,7 +31,7 @@ def logged_in(client, approved_user):
 
 
 def _harvest(api_key, prompts=("Hello there.", "Residual streams.")):
-    job, _ = services.harvest_job_submit(
+    job, _ = harvests.harvest_job_submit(
         key=api_key,
         model="smollm2-135m",
         prompts=list(prompts),
@@ -70,7 +70,7 @@ def test_active_jobs_are_polled_in_place(logged_in, api_key):
 
 @pytest.mark.django_db
 def test_polling_stops_when_no_job_is_active(logged_in, api_key):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="k", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(key=api_key, idempotency_key="k", payload=BODY)
     CompletionJob.objects.filter(pk=job.pk).update(
         status=CompletionJobStatus.FAILED,
         result_status=429,
@@ -135,7 +135,7 @@ def test_a_running_job_cancelled_from_the_page_is_followed_until_its_worker_stop
     assert "Cancelled" in html and "Stopping after its current batch" in html
     assert 'hx-trigger="every 2s"' in html  # the page keeps reading the job
     # The worker stops and keeps what it wrote: the page stops polling and lists it.
-    stats = services.ActivationStats(n_layers=2, hidden_size=4)
+    stats = statistics.ActivationStats(n_layers=2, hidden_size=4)
     harvest_file_write(job.storage_prefix, "stats.safetensors", stats.safetensors())
     HarvestJob.objects.filter(pk=job.pk).update(
         lease_expires_at=None,
@@ -149,7 +149,7 @@ def test_a_running_job_cancelled_from_the_page_is_followed_until_its_worker_stop
 @pytest.mark.django_db
 def test_a_pending_job_cancelled_is_not_followed(logged_in, api_key):
     job = _harvest(api_key)
-    services.harvest_job_cancel(job=job)
+    harvests.harvest_job_cancel(job=job)
     html = logged_in.get("/jobs/").content.decode()
     assert "Cancelled" in html and "Stopping" not in html and 'hx-trigger="every' not in html
 
@@ -157,8 +157,8 @@ def test_a_pending_job_cancelled_is_not_followed(logged_in, api_key):
 @pytest.mark.django_db
 def test_a_cancelled_job_lists_the_shards_it_wrote(logged_in, api_key):
     job = _harvest(api_key)
-    services.harvest_job_cancel(job=job)
-    stats = services.ActivationStats(n_layers=2, hidden_size=4)
+    harvests.harvest_job_cancel(job=job)
+    stats = statistics.ActivationStats(n_layers=2, hidden_size=4)
     harvest_file_write(job.storage_prefix, "stats.safetensors", stats.safetensors())
     HarvestJob.objects.filter(pk=job.pk).update(
         prompts_done=1, files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"]
@@ -171,7 +171,7 @@ def test_a_cancelled_job_lists_the_shards_it_wrote(logged_in, api_key):
 
 @pytest.mark.django_db
 def test_completion_result_download_is_the_stored_body(logged_in, client, api_key, other_user):
-    job, _ = services.completion_job_submit(key=api_key, idempotency_key="r", payload=BODY)
+    job, _ = completion_jobs.completion_job_submit(key=api_key, idempotency_key="r", payload=BODY)
     assert logged_in.get(f"/jobs/completion/{job.pk}/result.json").status_code == 404
     CompletionJob.objects.filter(pk=job.pk).update(
         status=CompletionJobStatus.SUCCEEDED, result_status=200, result_body={"choices": []}
@@ -189,7 +189,7 @@ def test_a_finished_harvest_has_download_links_and_a_norm_chart(
     logged_in, api_key, engine_model, redis_client
 ):
     job = _harvest(api_key)
-    services.harvest_job_execute(job_id=job.pk)
+    harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
     assert job.status == HarvestJobStatus.DONE, job.error
     page = logged_in.get("/jobs/")
@@ -250,7 +250,7 @@ def test_the_plot_link_swaps_the_chart_in_and_scrolls_to_it_or_loads_the_page_at
 
 @pytest.fixture
 def model_list(monkeypatch):
-    monkeypatch.setattr("playground.services.language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr("portal.jobs_views.model_cards", lambda: [MODEL])
 
 
 COMPLETION_POST = {
@@ -385,3 +385,23 @@ def test_a_refused_submission_shows_the_apis_error(logged_in, approved_user, mod
     assert "Refused" in html
     assert "harvest_quota_exceeded: No harvest jobs left &lt;this month&gt;." in html
     assert "hx-trigger" not in html
+
+
+def test_the_playground_and_jobs_pages_list_models_from_the_database_and_create_no_key(
+    logged_in, approved_user, redis_client
+):
+    """A page GET neither creates the user's playground key nor asks /v1/models (the gateway
+    is not running here): the model list is read from the database, and the key is made by
+    the first run or job submitted."""
+    from accounts.models import ApiKey
+    from api.models import LanguageModel
+
+    LanguageModel.objects.create(
+        name="db-model", upstream_urls=["http://127.0.0.1:9"], max_model_len=64, n_layers=4,
+        hidden_size=8, vocab_size=1000, supports_activations=True,
+    )  # fmt: skip
+    for url in ("/playground/", "/jobs/"):
+        page = logged_in.get(url)
+        assert page.status_code == 200
+        assert '<option value="db-model"' in page.content.decode()
+    assert not ApiKey.objects.filter(user=approved_user, is_playground=True).exists()

@@ -3,8 +3,8 @@ active job whose next poll may bring one."""
 
 import pytest
 
-from api.jobs import services
 from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.services import harvests
 from tests.conftest import PASSWORD
 
 from .test_jobs_page import _harvest
@@ -35,5 +35,5 @@ def test_a_page_with_an_active_harvest_loads_plotly(logged_in, api_key):
 @pytest.mark.django_db
 def test_a_page_with_only_a_cancelled_harvest_does_not_load_plotly(logged_in, api_key):
     job = _harvest(api_key)
-    services.harvest_job_cancel(job=job)
+    harvests.harvest_job_cancel(job=job)
     assert PLOTLY not in logged_in.get("/jobs/").content.decode()

@@ -28,7 +28,7 @@ from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
-from playground import services
+from playground import services, views
 from playground.models import Run, RunKind, RunStatus, SteeringScore
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
@@ -82,7 +82,7 @@ def science(engine_url, gateway_url, approved_user, settings, redis_client, monk
     monkeypatch.setattr(
         "playground.services.AcsClient", functools.partial(AcsClient, transport=recorder)
     )
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL_ENTRY], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL_ENTRY])
     queued = []
     monkeypatch.setattr(celery_app, "send_task", lambda name, args, **_: queued.append(args[0]))
     tokenizer = Tokenizer.from_str(httpx.get(f"{engine_url}/tokenizer.json").text)

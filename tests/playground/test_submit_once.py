@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from playground import services
+from playground import services, views
 from playground.models import Run, RunKind
 
 from .test_views import HTMX, MODEL
@@ -19,7 +19,7 @@ from .test_views import HTMX, MODEL
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from django.urls import reverse
 
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
-from playground import selectors, services, streams
+from playground import selectors, services, streams, views
 from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
 
 from .conftest import recorded
@@ -39,7 +39,7 @@ EVIL = "<script>alert('pwned')</script><b>bold</b>"
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_page_lists_every_request_field_with_limits(user_client):
 
 def test_model_without_activations_disables_capture_with_the_reason(user_client, monkeypatch):
     plain = {**MODEL, "capabilities": {**MODEL["capabilities"], "activations": False}}
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([plain], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [plain])
     page = user_client.get(reverse("playground:page")).content.decode()
     assert "smollm2-135m does not support activation capture or steering." in page
     assert 'name="capture" disabled' in page or 'disabled id="id_capture"' in page

@@ -9,7 +9,7 @@ from django.utils import timezone
 from accounts.services.keys import api_key_create
 from accounts.services.service import service_spend_cap_set
 from metering.models import UsageDaily, UsageRecord
-from metering.selectors import UsageWindow, latency_percentiles, usage_summary
+from metering.selectors import UsageDateRange, latency_percentiles, usage_summary
 
 from .conftest import table_rows, utc
 
@@ -172,8 +172,8 @@ def test_seed_command_writes_records_and_matching_daily_roll_ups(db):
     direct = UsageRecord.objects.aggregate(p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
     assert daily == {"n": 3500, **direct}
     today = timezone.now().date()
-    window = UsageWindow(start=today - dt.timedelta(days=45), end=today)
-    summary = usage_summary(window)
+    date_range = UsageDateRange(start=today - dt.timedelta(days=45), end=today)
+    summary = usage_summary(date_range)
     assert summary["totals"]["requests"] == 3500
     for day in summary["days"]:
         on_day = UsageRecord.objects.filter(

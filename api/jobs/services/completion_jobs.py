@@ -1,0 +1,158 @@
+"""Completion jobs: submitted in the web process, run by a worker through the same completion
+path as POST /v1/completions, recovered and expired by the jobs sweep."""
+
+import logging
+import uuid
+from datetime import timedelta
+
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.db import DataError, IntegrityError, transaction
+from django.utils import timezone
+
+from accounts.models import ApiKey
+from acs_portal.celery import task_send
+from api.auth import key_recheck
+from api.completions import completion_run
+from api.errors import ApiError, result_unstorable
+
+from ..models import CompletionJob, CompletionJobStatus
+from .idempotency import IdempotencyKeyReused, request_fingerprint
+from .queue import job_claim, jobs_recover, worker_lost_error
+
+logger = logging.getLogger(__name__)
+
+# Response headers of the completion path that are part of the stored result; the rest
+# (request id, content type, length, encoding) belong to the response that serves it.
+_STORED_RESULT_HEADERS = ("Retry-After", "X-Should-Retry", "X-Acs-Max-Tokens-Clamped")
+
+# The task that runs a job (`api.jobs.tasks`), enqueued by name.
+COMPLETION_JOB_RUN_TASK = "api.jobs.tasks.completion_job_run_task"
+
+
+def completion_job_submit(
+    *, key: ApiKey, idempotency_key: str, payload: dict, workload: str = ""
+) -> tuple[CompletionJob, bool]:
+    """Create the job for an already validated completion body, or return the job this user
+    created earlier with the same Idempotency-Key and body: `(job, created)`. Raises
+    `IdempotencyKeyReused` when the key names a job with another body. Concurrent submits
+    with one key create exactly one job (a unique constraint decides)."""
+    fingerprint = request_fingerprint(payload)
+    try:
+        with transaction.atomic():
+            job = CompletionJob.objects.create(
+                user_id=key.user_id,
+                key=key,
+                idempotency_key=idempotency_key,
+                request_hash=fingerprint,
+                request=payload,
+                workload=workload,
+                lease_expires_at=timezone.now()
+                + timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+            )
+    except IntegrityError:
+        job = CompletionJob.objects.get(user_id=key.user_id, idempotency_key=idempotency_key)
+        if job.request_hash != fingerprint:
+            raise IdempotencyKeyReused(job) from None
+        return job, False
+    transaction.on_commit(lambda: task_send(COMPLETION_JOB_RUN_TASK, str(job.pk)))
+    return job, True
+
+
+def completion_job_execute(*, job_id, now=None) -> None:
+    """Run a queued job through the same completion path as POST /v1/completions (budgets,
+    admission and metering apply) and store its response. A key revoked or paused, or an
+    account suspended, since the job was submitted fails it with the error the API would
+    answer now, before any upstream work. A response the contract marks as
+    retryable (it has Retry-After) re-queues the job after that delay, up to
+    ACS_JOB_MAX_ATTEMPTS attempts in all. A result the database cannot store fails the job
+    with result_unstorable (it ran and was billed once). Does nothing if the job is not
+    queued."""
+    now = now or timezone.now()
+    job = job_claim(
+        CompletionJob,
+        job_id=job_id,
+        from_status=CompletionJobStatus.QUEUED,
+        to_status=CompletionJobStatus.RUNNING,
+        lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+        now=now,
+    )
+    if job is None:
+        return
+    request_id = f"job-{job.pk.hex[:12]}-{uuid.uuid4().hex[:12]}"
+    try:
+        result = async_to_sync(completion_run)(
+            key=key_recheck(job.key_id),
+            payload=job.request,
+            request_id=request_id,
+            endpoint="completion-jobs",
+            workload=job.workload,
+        )
+        status, body, headers = result.status, result.body, dict(result.headers)
+    except ApiError as refusal:
+        # From key_recheck: completion_run answers its own errors as a result.
+        status, body, headers = refusal.status, refusal.body(), refusal.headers()
+    except Exception:
+        # completion_run answers every failure of the request itself; this is the worker's.
+        logger.exception("completion job %s crashed (request %s)", job.pk, request_id)
+        error = ApiError(
+            "internal_error", f"The job failed inside the service; quote {request_id}."
+        )
+        status, body, headers = error.status, error.body(), error.headers()
+    retry_after = headers.get("Retry-After")
+    if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
+        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
+            status=CompletionJobStatus.QUEUED,
+            lease_expires_at=timezone.now()
+            + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+        )
+        task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
+        return
+    try:
+        _completion_job_finish(job, status=status, body=body, headers=headers)
+    except DataError as refused:
+        # Run again, the job would be billed again and refused again: it fails, once.
+        logger.warning("completion job %s: result not stored: %s", job.pk, refused)
+        error = result_unstorable(refused, request_id=request_id)
+        _completion_job_finish(job, status=error.status, body=error.body(), headers=error.headers())
+
+
+def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
+    """Store a running job's outcome (DataError when the database cannot hold `body`)."""
+    with transaction.atomic():
+        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
+            status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
+            finished_at=timezone.now(),
+            lease_expires_at=None,
+            result_status=status,
+            result_body=body,
+            result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
+        )
+
+
+def completion_jobs_recover_stuck(*, now=None) -> int:
+    """Re-queue (or fail, after ACS_JOB_MAX_ATTEMPTS attempts) completion jobs whose worker
+    died, and re-send queued jobs no worker took within a lease; see `jobs_recover`."""
+    now = now or timezone.now()
+    return jobs_recover(
+        CompletionJob,
+        waiting=CompletionJobStatus.QUEUED,
+        lease_seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS,
+        task=COMPLETION_JOB_RUN_TASK,
+        fail_fields=lambda attempts: {
+            "status": CompletionJobStatus.FAILED,
+            "finished_at": now,
+            "result_status": 500,
+            "result_body": worker_lost_error(attempts),
+        },
+        now=now,
+    )
+
+
+def completion_jobs_expire(*, now=None) -> int:
+    """Delete jobs (request and result) that ended more than ACS_COMPLETION_JOB_RETENTION
+    seconds ago; returns how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.ACS_COMPLETION_JOB_RETENTION_SECONDS)
+    deleted, _ = CompletionJob.objects.filter(finished_at__lt=cutoff).delete()
+    return deleted

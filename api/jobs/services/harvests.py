@@ -1,0 +1,388 @@
+"""Harvest jobs: submitted in the web process, run by a worker batch by batch (each batch
+paid for like /v1 captures through `metering.jobs`), cancelled, recovered and expired."""
+
+import logging
+import time
+from datetime import timedelta
+
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Case, F, When
+from django.utils import timezone
+
+from accounts.models import ApiKey
+from acs_portal.celery import task_send
+from api.auth import key_recheck
+from api.errors import ApiError, metering_refusal
+from api.models import LanguageModel
+from api.tokenizer import token_strings
+from api.upstream import tenant_of
+from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
+from metering.jobs import job_meter, job_metered, job_release, job_reserve
+
+from ..capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
+from ..models import HARVEST_ACTIVE_STATUSES, HARVEST_ENDED_STATUSES, HarvestJob, HarvestJobStatus
+from ..storage import harvest_files_delete
+from .harvest_output import HarvestOutput, batch_request_id
+from .idempotency import IdempotencyKeyReused, request_fingerprint
+from .queue import job_claim, jobs_recover, worker_lost_error
+
+logger = logging.getLogger(__name__)
+
+# The task that runs a job (`api.jobs.tasks`), enqueued by name.
+HARVEST_JOB_RUN_TASK = "api.jobs.tasks.harvest_job_run_task"
+
+
+class HarvestLimitReached(Exception):
+    """The key already runs as many harvest jobs as it may."""
+
+
+class HarvestNotCancellable(Exception):
+    """The job already ended."""
+
+
+def harvest_job_submit(
+    *,
+    key: ApiKey,
+    model: str,
+    prompts: list[str],
+    layers: list[int],
+    add_special_tokens: bool,
+    idempotency_key: str = "",
+) -> tuple[HarvestJob, bool]:
+    """Create a pending harvest job for validated input and count it against the key's
+    monthly harvest quota: `(job, True)`. With an `idempotency_key` this user already
+    submitted the same request under, `(that job, False)`, consuming nothing; under another
+    request, `IdempotencyKeyReused` (concurrent submits with one key create exactly one
+    job: a unique constraint decides). Raises `HarvestLimitReached` when the key already has
+    ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY pending or running jobs (checked under a lock on the
+    key, so concurrent submits cannot overshoot), `BudgetExceeded` (harvest_quota_exceeded)
+    when the quota is spent; neither consumes quota."""
+    fingerprint = request_fingerprint(
+        {
+            "model": model,
+            "prompts": prompts,
+            "layers": layers,
+            "add_special_tokens": add_special_tokens,
+        }
+    )
+    try:
+        with transaction.atomic():
+            ApiKey.objects.select_for_update().filter(pk=key.pk).first()
+            if idempotency_key and (
+                earlier := _harvest_job_named(key.user_id, idempotency_key, fingerprint)
+            ):
+                return earlier, False
+            active = HarvestJob.objects.filter(key=key, status__in=HARVEST_ACTIVE_STATUSES)
+            if (count := active.count()) >= settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY:
+                raise HarvestLimitReached(
+                    f"This key already has {count} harvest jobs pending or running; "
+                    f"at most {settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY} may be."
+                )
+            harvest_quota_consume(key=key)
+            job = HarvestJob.objects.create(
+                user_id=key.user_id,
+                key=key,
+                idempotency_key=idempotency_key,
+                request_hash=fingerprint,
+                model=model,
+                prompts=prompts,
+                layers=layers,
+                add_special_tokens=add_special_tokens,
+                n_prompts=len(prompts),
+                lease_expires_at=timezone.now()
+                + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+            )
+            transaction.on_commit(lambda: task_send(HARVEST_JOB_RUN_TASK, str(job.pk)))
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        # Another key of the user created the job with this Idempotency-Key meanwhile.
+        return _harvest_job_named(key.user_id, idempotency_key, fingerprint), False
+    return job, True
+
+
+def _harvest_job_named(user_id, idempotency_key: str, fingerprint: str) -> HarvestJob | None:
+    """The user's job submitted with `idempotency_key`, or None; `IdempotencyKeyReused` when
+    its request was another."""
+    job = HarvestJob.objects.filter(user_id=user_id, idempotency_key=idempotency_key).first()
+    if job is not None and job.request_hash != fingerprint:
+        raise IdempotencyKeyReused(job)
+    return job
+
+
+def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
+    """Cancel a pending or running job (a running worker stops before its next batch and
+    keeps the batches it wrote as the job's files) and give its harvest-quota slot back, or
+    raise `HarvestNotCancellable`."""
+    now = now or timezone.now()
+    # A running job keeps its worker's lease until the worker stops (`_harvest_continue`):
+    # until then it may still add the batches it wrote (`HarvestJob.is_stopping`).
+    cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
+        status=HarvestJobStatus.CANCELLED,
+        completed_at=now,
+        lease_expires_at=Case(
+            When(status=HarvestJobStatus.RUNNING, then=F("lease_expires_at")), default=None
+        ),
+    )
+    job.refresh_from_db()
+    if not cancelled:
+        raise HarvestNotCancellable(
+            f"The job is {job.status}; only pending or running jobs can be cancelled."
+        )
+    _harvest_quota_give_back(job)
+    return job
+
+
+def _harvest_quota_give_back(job: HarvestJob) -> None:
+    """A job that ended without files (cancelled, or failed before it had any to keep) does
+    not count against the harvest quota; its captures were paid batch by batch."""
+    harvest_quota_refund(key_id=job.key_id, submitted_at=job.created_at)
+
+
+class _HarvestStopped(Exception):
+    """The job left `running` (cancelled, or failed by the sweep) while a worker ran it."""
+
+
+class _HarvestRefused(Exception):
+    """A budget, quota, spend-cap or size limit refused the next batch: the job fails with
+    `error` and keeps the batches already written (`files`, `prompts_done`)."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+        self.files: list[str] = []
+        self.prompts_done = 0
+
+
+def harvest_job_execute(*, job_id, now=None) -> None:
+    """Capture every prompt of a pending job through the model's activation upstream, a batch
+    of ACS_HARVEST_BATCH_SIZE prompts at a time, writing one safetensors shard per batch,
+    then `stats.safetensors`, then `manifest.json` last. Does nothing if the job is not
+    pending.
+
+    Before each batch the worker checks for cancellation and renews its lease, re-checks the
+    key and its account (a key revoked or paused, or an account suspended, fails the job
+    with the API's code), and pays for the batch like /v1 captures (`_batch_capture`). A
+    budget, quota or spend-cap refusal, or a batch that would take the job's files past
+    ACS_HARVEST_MAX_JOB_BYTES, fails the job with that code and keeps what was written (with
+    its stats and a manifest) for download: a paused service fails a harvest rather than
+    holding its job slot for the hour the pause lasts at least. A retryable upstream error
+    (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
+    attempts; any other error fails it with a message. Every attempt resumes after the last
+    shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
+    for but had not recorded is captured again at no second charge."""
+    now = now or timezone.now()
+    job = job_claim(
+        HarvestJob,
+        job_id=job_id,
+        from_status=HarvestJobStatus.PENDING,
+        to_status=HarvestJobStatus.RUNNING,
+        lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+        now=now,
+    )
+    if job is None:
+        return
+    try:
+        files = _harvest(job)
+    except _HarvestStopped:
+        return
+    except _HarvestRefused as refused:
+        _harvest_fail(job, refused.error, prompts_done=refused.prompts_done, files=refused.files)
+        return
+    except ApiError as error:
+        if (
+            error.should_retry
+            and error.retry_after
+            and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS
+        ):
+            if HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+                status=HarvestJobStatus.PENDING,
+                lease_expires_at=timezone.now()
+                + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+            ):
+                task_send(HARVEST_JOB_RUN_TASK, str(job.pk), countdown=error.retry_after)
+            return
+        _harvest_fail(job, error)
+        return
+    except Exception:
+        logger.exception("harvest job %s crashed", job.pk)
+        _harvest_fail(
+            job,
+            ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
+        )
+        return
+    HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+        status=HarvestJobStatus.DONE,
+        prompts_done=job.n_prompts,
+        completed_at=timezone.now(),
+        lease_expires_at=None,
+        files=files,
+    )
+
+
+def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
+    """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
+    the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
+    failed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+        status=HarvestJobStatus.FAILED,
+        completed_at=timezone.now(),
+        lease_expires_at=None,
+        error=error.body()["error"],
+        **kept,
+    )
+    if failed and not kept.get("files"):
+        _harvest_quota_give_back(job)
+
+
+def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
+    """Record the shards written (the progress a later attempt resumes from) and renew the
+    lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
+    renewed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+        prompts_done=output.prompts_written,
+        shards=output.shards,
+        lease_expires_at=timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+    )
+    if not renewed:
+        raise _HarvestStopped
+
+
+def _harvest(job: HarvestJob) -> list[str]:
+    """Write the job's files; returns their names, the manifest last."""
+    language_model = LanguageModel.objects.filter(name=job.model).first()
+    if language_model is None or not language_model.supports_activations:
+        raise ApiError(
+            "activation_engine_unconfigured",
+            f"Model {job.model!r} no longer offers activation capture.",
+        )
+    output = HarvestOutput(job, hidden_size=language_model.hidden_size)
+    batch_size = settings.ACS_HARVEST_BATCH_SIZE
+    for start in range(output.prompts_written, job.n_prompts, batch_size):
+        _harvest_continue(job, output)
+        key = key_recheck(job.key_id)
+        token_lists = async_to_sync(tokenize_batch)(
+            language_model,
+            prompts=job.prompts[start : start + batch_size],
+            layers=job.layers,
+            add_special_tokens=job.add_special_tokens,
+            first_index=start,
+        )
+        try:
+            if too_large := output.overflow(token_lists, first_index=start):
+                raise _HarvestRefused(too_large)
+            captures = _batch_capture(
+                job, key=key, model=language_model, token_lists=token_lists, first_index=start
+            )
+        except _HarvestRefused as refused:
+            refused.prompts_done = output.prompts_written
+            refused.files = output.finish() if output.shards else []
+            raise
+        output.add_shard(
+            captures,
+            first_index=start,
+            token_strings=async_to_sync(token_strings)(language_model, token_lists),
+        )
+    _harvest_continue(job, output)
+    return output.finish()
+
+
+def _harvest_continue(job: HarvestJob, output: HarvestOutput) -> None:
+    """`_harvest_heartbeat`; when the job was cancelled meanwhile, first keep the batches it
+    wrote (with their stats and a manifest) as the cancelled job's files."""
+    try:
+        _harvest_heartbeat(job, output)
+    except _HarvestStopped:
+        kept = {}
+        if output.shards:
+            kept = {"files": output.finish(), "prompts_done": output.prompts_written}
+        HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
+            lease_expires_at=None, **kept
+        )
+        raise
+
+
+def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture]:
+    """Capture one tokenized batch, paid for like the same captures sent to /v1/completions:
+    its worst case (its prompt tokens, one generated token and one activation request per
+    prompt) is reserved against every budget window first (raising _HarvestRefused with the
+    API's code when they cannot cover it), then settled to the upstream's usage, with a usage
+    record; a batch that fails is settled to nothing and its activation requests given back."""
+    started = time.perf_counter()
+    request_id = batch_request_id(job, first_index)
+    batch = {"model": model, "token_lists": token_lists, "first_index": first_index}
+    if job_metered(key_id=key.pk, request_id=request_id, since=job.created_at):
+        # An earlier attempt paid for this batch before its worker died: the new attempt
+        # captures it again for its files, at no second charge.
+        return _capture(job, **batch)
+    try:
+        hold = job_reserve(
+            key=key,
+            prompt_tokens=sum(len(tokens) for tokens in token_lists),
+            max_tokens=CAPTURE_MAX_TOKENS,
+            completions=len(token_lists),
+        )
+    except BudgetExceeded as exceeded:
+        raise _HarvestRefused(metering_refusal(exceeded)) from None
+    try:
+        captures = _capture(job, **batch)
+    except BaseException:
+        job_release(hold=hold)
+        raise
+    job_meter(
+        hold=hold,
+        key=key,
+        request_id=request_id,
+        endpoint="harvest",
+        model=job.model,
+        completions=len(captures),
+        prompt_tokens=sum(capture.prompt_tokens for capture in captures),
+        completion_tokens=sum(capture.completion_tokens for capture in captures),
+        latency_ms=(time.perf_counter() - started) * 1000,
+        activation_layers=job.layers,
+    )
+    return captures
+
+
+def _capture(job: HarvestJob, *, model, token_lists, first_index) -> list[Capture]:
+    return async_to_sync(capture_batch)(
+        model,
+        token_lists=token_lists,
+        layers=job.layers,
+        first_index=first_index,
+        tenant=tenant_of(job.user_id),
+    )
+
+
+def harvest_jobs_recover_stuck(*, now=None) -> int:
+    """Put harvest jobs whose worker died back to pending (to resume after their last
+    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send pending
+    jobs no worker took within a lease; see `jobs_recover`."""
+    now = now or timezone.now()
+    return jobs_recover(
+        HarvestJob,
+        waiting=HarvestJobStatus.PENDING,
+        lease_seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS,
+        task=HARVEST_JOB_RUN_TASK,
+        fail_fields=lambda attempts: {
+            "status": HarvestJobStatus.FAILED,
+            "completed_at": now,
+            "error": worker_lost_error(attempts)["error"],
+        },
+        now=now,
+    )
+
+
+def harvest_jobs_expire(*, now=None) -> int:
+    """Delete the files of harvest jobs that ended more than ACS_HARVEST_RETENTION_SECONDS
+    ago and mark them expired (their prompts go too); returns how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
+    ended = HarvestJob.objects.filter(status__in=HARVEST_ENDED_STATUSES, completed_at__lt=cutoff)
+    expired = 0
+    for job in ended.only("pk"):
+        harvest_files_delete(job.storage_prefix)
+        expired += ended.filter(pk=job.pk).update(
+            status=HarvestJobStatus.EXPIRED, files=[], shards=[], prompts=[]
+        )
+    return expired
