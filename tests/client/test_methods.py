@@ -49,7 +49,7 @@ def test_models_mirror_the_model_list_with_capabilities(ada, raw):
 def test_an_unknown_model_raises_its_code_status_and_request_id(ada):
     with pytest.raises(AcsApiError) as caught:
         ada.model("no-such-model")
-    assert (caught.value.status, caught.value.code) == (404, "model_not_found")
+    assert (caught.value.status, caught.value.code) == (400, "model_not_found")
     assert caught.value.request_id
     assert caught.value.should_retry is False
 
