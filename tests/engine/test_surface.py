@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MODEL, REPO_ROOT, EngineProcess
+from conftest import MODEL, REPO_ROOT, engine_in_process
 
 from engine.config import EngineConfig, bind_refusal
 from tests.servers import engine_command, free_port, stop, wait_ready
@@ -56,15 +56,12 @@ def test_json_media_type_with_charset_is_served(client):
 
 
 @pytest.fixture(scope="module")
-def guarded_engine():
-    process = EngineProcess(
-        {"ACS_ENGINE_TOKEN": TOKEN, "ACS_ENGINE_ALLOWED_HOSTS": "127.0.0.1,engine.internal"}
-    )
-    try:
-        process.wait_until_loaded()  # /health needs no token: liveness probes poll it
-        yield process
-    finally:
-        process.close()
+def guarded_engine(reference):
+    # Started once /health answers 200: it needs no token, as liveness probes poll it.
+    with engine_in_process(
+        reference, token=TOKEN, allowed_hosts=frozenset({"127.0.0.1", "engine.internal"})
+    ) as engine:
+        yield engine
 
 
 def test_engine_with_a_token_refuses_requests_without_it(guarded_engine):
