@@ -1,18 +1,21 @@
 """Starting the project's servers for tests: free loopback ports, the real embedded engine as
-a subprocess, and waiting until a server is ready. Plain Python (stdlib + httpx), so the
-engine suite (in .venv-engine) and the web suites (in .venv) share it."""
+a subprocess, an ASGI app under uvicorn in a thread, and waiting until a server is ready.
+Plain Python (stdlib, httpx and uvicorn), so the engine suite (in .venv-engine) and the web
+suites (in .venv) share it."""
 
 import base64
 import os
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
@@ -102,3 +105,26 @@ def engine_server(extra_env: dict | None = None) -> Iterator[str]:
         yield url
     finally:
         stop(process)
+
+
+def serve_in_thread(app, **config):
+    """Run an ASGI app under uvicorn on a free loopback port; returns (server, thread, url)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = {"lifespan": "off", **config}
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stop_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(timeout=10)

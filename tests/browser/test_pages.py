@@ -2,6 +2,8 @@
 static files hashed, compressed and cached for years; plotly.js only on pages that draw.
 `bench/pages.py` prints the table this test measures."""
 
+import statistics
+
 import pytest
 from playwright.sync_api import expect
 
@@ -10,9 +12,11 @@ from .test_playground import run_panel_after
 pytestmark = pytest.mark.django_db
 
 GOAL_MS = 1000
-# The assertions leave room for a loaded 2-core machine (the goal above is what bench/pages.py
-# compares against); the old pages, with 4.8 MB of plotly.js uncompressed, fail the size.
-BOUND_MS = 20_000
+# The median page meets the goal; each page may take up to five times it, room for a loaded
+# 2-core machine (a quiet one measured 150-1050 ms, the playground slowest; at a load average
+# of 11, /usage/ took 3.2 s; docs/performance.md). The old pages, with 4.8 MB of plotly.js
+# uncompressed, fail the size.
+BOUND_MS = 5 * GOAL_MS
 MAX_BYTES = 600_000
 TEN_YEARS = 315360000
 PLOTLY = "/static/vendor/plotly-acs-"
@@ -81,6 +85,7 @@ def test_every_page_loads_fast_in_a_fresh_browser_with_cached_compressed_static(
     loads += [first_load(browser, system.web_url, path, logged_in) for path in paths]
     print_table(loads)
 
+    assert statistics.median(load["load_ms"] for load in loads) < GOAL_MS
     for load in loads:
         assert load["load_ms"] < BOUND_MS, load["path"]
         assert load["bytes"] < MAX_BYTES, load["path"]

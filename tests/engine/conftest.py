@@ -2,12 +2,16 @@
 
 The server runs `python -m engine serve` on a free loopback port and is shared by the whole
 session. The reference model is a separate in-process copy (loaded from the same cache) used to
-compute expected logprobs and hidden states directly.
+compute expected logprobs and hidden states directly. Servers with other settings (a token, tiny
+limits, float32) serve those in-process copies (`InProcessEngine`): a model load is seconds of
+two busy cores, so the session loads each dtype once.
 """
 
 import os
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -19,7 +23,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from reference_model import ReferenceModel, cpu_description  # noqa: E402
 
-from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+from tests.servers import (  # noqa: E402
+    engine_command,
+    free_port,
+    serve_in_thread,
+    stop,
+    stop_server,
+    wait_ready,
+)
 
 MODEL = "smollm2-135m"
 
@@ -58,6 +69,43 @@ class EngineProcess:
         stop(self.process)
 
 
+class InProcessEngine:
+    """The engine's app (`create_app(config)`: routes, guard, scheduler) served by uvicorn in a
+    thread of this process, on a model this process has already loaded; the same surface as
+    `EngineProcess`."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.pid = os.getpid()
+        self.client = httpx.Client(base_url=url, timeout=120)
+
+    def stats(self) -> dict:
+        return self.client.get("/health").json()
+
+
+@contextmanager
+def engine_in_process(loaded, **settings):
+    """An `InProcessEngine` on `loaded` with `EngineConfig(**settings)`, until the block ends."""
+    from engine import server
+    from engine.config import EngineConfig
+
+    config = EngineConfig(threads=torch.get_num_threads(), **settings)
+    with pytest.MonkeyPatch.context() as patch:
+        # The app's loader thread takes this model instead of loading one.
+        patch.setattr(server, "load_model", lambda cache_dir: loaded)
+        uvicorn_server, thread, url = serve_in_thread(server.create_app(config), lifespan="on")
+        running = InProcessEngine(url)
+        try:
+            deadline = time.monotonic() + 30
+            while running.client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "the in-process engine did not start"
+                time.sleep(0.01)
+            yield running
+        finally:
+            running.client.close()
+            stop_server(uvicorn_server, thread)
+
+
 @pytest.fixture(scope="session")
 def engine():
     process = EngineProcess()
@@ -86,13 +134,35 @@ def complete(client):
 
 
 @pytest.fixture(scope="session")
-def reference():
-    """An in-process copy of the model (eval, bf16); hidden_states[-1] is not the normed one."""
-    from engine.loader import load_model
-
-    loaded = load_model()
+def reference(model_loaded_with):
+    """An in-process copy of the model (eval, in the engine's default dtype); hidden_states[-1]
+    is not the normed one (the engine's own decoder, which in-process servers and schedulers
+    run on this copy, reads no such flag)."""
+    loaded = model_loaded_with()
     loaded.model.config.tie_last_hidden_states = False
     return loaded
+
+
+@pytest.fixture(scope="session")
+def model_loaded_with():
+    """`model_loaded_with(**environment)`: the engine's model as `load_model()` loads it with
+    these ACS_ENGINE_* variables set (`ACS_ENGINE_DTYPE="float32"`), loaded once per session
+    for each device and dtype they resolve to."""
+    from engine.loader import compute_dtype, engine_device, load_model
+
+    loaded = {}
+
+    def load(**environment) -> object:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in environment.items():
+                patch.setenv(name, value)
+            device = engine_device()
+            key = (device, compute_dtype(device))
+            if key not in loaded:
+                loaded[key] = load_model()
+        return loaded[key]
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -39,13 +39,9 @@ class Forward:
 
 
 @pytest.fixture(scope="module")
-def exact():
+def exact(model_loaded_with):
     """A float32 copy of the model."""
-    from engine.loader import load_model
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ACS_ENGINE_DTYPE", "float32")
-        return load_model()
+    return model_loaded_with(ACS_ENGINE_DTYPE="float32")
 
 
 @contextmanager

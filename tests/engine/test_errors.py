@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
-from conftest import MODEL, EngineProcess
+from conftest import MODEL, engine_in_process
 
 from acs_client.codec import encode_vector
 from tests.bombs import zero_bomb
@@ -147,13 +147,9 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine):
 
 
 @pytest.fixture(scope="module")
-def tiny_engine():
-    process = EngineProcess({"ACS_ENGINE_MAX_ACTIVE": "1", "ACS_ENGINE_MAX_WAITING": "1"})
-    try:
-        process.wait_until_loaded()
-        yield process
-    finally:
-        process.close()
+def tiny_engine(reference):
+    with engine_in_process(reference, max_active=1, max_waiting=1) as engine:
+        yield engine
 
 
 def test_queue_overflow_is_a_503_with_retry_after(tiny_engine):
@@ -176,9 +172,15 @@ def test_queue_overflow_is_a_503_with_retry_after(tiny_engine):
 
 
 def peak_rss_kb(pid: int) -> int:
-    """The process's peak resident set size (VmHWM, kB) since it started."""
+    """The process's peak resident set size (VmHWM, kB) since it started or was reset."""
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Lower the process's peak resident set size to its current one (proc(5): clear_refs 5),
+    so the peak measures what comes next, not what the process held before."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 @pytest.mark.parametrize(
@@ -197,7 +199,8 @@ def test_steering_decompression_bomb_is_a_400_without_a_memory_spike(
 ):
     vector = {"activations": zero_bomb(shape, values), "layer_indices": [3], **spec}
     bomb = {"apply_steering_vectors": [vector]}
-    pid = tiny_engine.process.pid
+    pid = tiny_engine.pid
+    reset_peak_rss(pid)
     peak_before = peak_rss_kb(pid)
     response = tiny_engine.client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1, **bomb}

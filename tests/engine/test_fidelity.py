@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import MODEL, EngineProcess
+from conftest import MODEL, engine_in_process
 from reference_model import ReferenceRun, Steering, cpu_description
 
 from acs_client.codec import decode, encode_vector
@@ -147,20 +147,17 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=list(TOLERANCES))
-def tested_engine(request, engine):
+def tested_engine(request, engine, model_loaded_with):
     """An engine computing in the parametrised dtype: the session's engine when it already
-    does, else one started for it. Yields (dtype, client)."""
+    does, else one on a model loaded for it in this process. Yields (dtype, client)."""
     dtype = request.param
     if engine.stats()["dtype"] == dtype:
         yield dtype, engine.client
         return
-    other = EngineProcess({"ACS_ENGINE_DTYPE": dtype, "ACS_ENGINE_DEVICE": "cpu"})
-    try:
-        other.wait_until_loaded()
+    loaded = model_loaded_with(ACS_ENGINE_DTYPE=dtype, ACS_ENGINE_DEVICE="cpu")
+    with engine_in_process(loaded) as other:
         assert other.stats()["dtype"] == dtype
         yield dtype, other.client
-    finally:
-        other.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MODEL, REPO_ROOT, EngineProcess
+from conftest import MODEL, REPO_ROOT, engine_in_process
 
 from engine.config import EngineConfig, bind_refusal
 from tests.servers import engine_command, free_port, stop, wait_ready
@@ -56,15 +56,12 @@ def test_json_media_type_with_charset_is_served(client):
 
 
 @pytest.fixture(scope="module")
-def guarded_engine():
-    process = EngineProcess(
-        {"ACS_ENGINE_TOKEN": TOKEN, "ACS_ENGINE_ALLOWED_HOSTS": "127.0.0.1,engine.internal"}
-    )
-    try:
-        process.wait_until_loaded()  # /health needs no token: liveness probes poll it
-        yield process
-    finally:
-        process.close()
+def guarded_engine(reference):
+    # Started once /health answers 200: it needs no token, as liveness probes poll it.
+    with engine_in_process(
+        reference, token=TOKEN, allowed_hosts=frozenset({"127.0.0.1", "engine.internal"})
+    ) as engine:
+        yield engine
 
 
 def test_engine_with_a_token_refuses_requests_without_it(guarded_engine):
@@ -107,12 +104,17 @@ def serve(host: str, env: dict) -> tuple[subprocess.Popen, int]:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.7", "engine.internal"])
-def test_engine_refuses_to_listen_beyond_loopback_without_a_token(host):
-    env = {name: value for name, value in os.environ.items() if name != "ACS_ENGINE_TOKEN"}
-    process, _ = serve(host, env)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 2
-    assert f"refusing to listen on {host!r} without ACS_ENGINE_TOKEN" in stderr
+def test_engine_refuses_to_listen_beyond_loopback_without_a_token(host, monkeypatch, capsys):
+    """`python -m engine serve --host HOST`, run in this process (no interpreter to start)."""
+    from engine import __main__ as command
+
+    monkeypatch.delenv("ACS_ENGINE_TOKEN", raising=False)
+    monkeypatch.setattr(sys, "argv", ["python -m engine", "serve", "--host", host])
+    monkeypatch.setattr(command.uvicorn, "run", lambda *args, **kwargs: pytest.fail("it served"))
+    with pytest.raises(SystemExit) as exit:
+        command.main()
+    assert exit.value.code == 2
+    assert f"refusing to listen on {host!r} without ACS_ENGINE_TOKEN" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])

@@ -12,8 +12,9 @@ from django.db import connections
 from api import admission, completions, selectors, upstream
 from api.models import LanguageModel
 from metering import background, leases, windows
+from tests.servers import serve_in_thread, stop_server
 
-from .stub import StubUpstream, serve_in_thread, stop_server
+from .stub import StubUpstream
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,12 @@ and the gateway benchmark. Its behaviour is switched through `StubUpstream.mode`
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
-import uvicorn
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from tests.servers import serve_in_thread, stop_server
 
 WORDS = ["[UNK]", "the", "capital", "of", "france", "is", "paris", "hello", "tok"]
 
@@ -29,7 +27,9 @@ class StubUpstream:
     between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
     `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
     threading.Event completions wait for), `logprob` (report this logprob, e.g. NaN, for
-    every token, as Python's json writes it)."""
+    every token, as Python's json writes it), `token` (refuse every request but /health
+    without `Authorization: Bearer <token>` as the engine with ACS_ENGINE_TOKEN does: 401
+    invalid_token)."""
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
@@ -62,7 +62,10 @@ class StubUpstream:
                 break
         path = scope["path"]
         self.paths.append(path)
-        if path == "/health":
+        if self._unauthorised(scope):
+            error = {"code": "invalid_token", "message": "needs the token"}
+            await _json(send, {"error": {"type": "authentication_error", **error}}, 401)
+        elif path == "/health":
             ok = self.mode.get("healthy", True)
             await _json(send, {"status": "ok", "model_loaded": ok}, 200 if ok else 503)
         elif path == "/tokenizer.json":
@@ -89,6 +92,12 @@ class StubUpstream:
             await self._completions(payload, send)
         finally:
             self.in_flight -= 1
+
+    def _unauthorised(self, scope) -> bool:
+        token = self.mode.get("token")
+        if not token or scope["path"] == "/health":
+            return False
+        return dict(scope["headers"]).get(b"authorization") != f"Bearer {token}".encode()
 
     def reset(self) -> None:
         self.mode = {"serve_tokenizer_json": True, "healthy": True}
@@ -213,26 +222,3 @@ async def _raw(send, content: bytes, status: int = 200, headers=None):
 
 async def _json(send, payload, status=200, headers=None):
     await _raw(send, json.dumps(payload).encode(), status, headers)
-
-
-def serve_in_thread(app, **config):
-    """Run an ASGI app under uvicorn on a free loopback port; returns (server, thread, url)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = {"lifespan": "off", **config}
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
-def stop_server(server, thread) -> None:
-    server.should_exit = True
-    thread.join(timeout=10)
