@@ -1,7 +1,7 @@
 """Pages of the vector library: save a capture run's mean as a vector, rename and delete a
 vector. Another user's run or vector is a 404."""
 
-from django.http import Http404
+from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods, require_POST
@@ -58,14 +58,17 @@ def vector_save_from_run(request, run_id):
 
 
 def _library_answer(request, *, status: int = 200, **context):
-    """The vector library: for htmx its partial (which the steering forms follow through
-    `vectorsChanged`), otherwise the playground page."""
+    """After a change to the library: for htmx, no content and the `vectorsChanged` event
+    (the library and the steering forms reload), or the library's partial showing the
+    errors; otherwise the playground page."""
+    if status == 200:
+        if wants_fragment(request):
+            # No content: the library and both steering forms reload on the event.
+            return trigger_client_event(HttpResponse(status=204), "vectorsChanged")
+        return redirect(_library_url())
     page_context = _page_context(request, **context)
     if wants_fragment(request):
-        response = render(request, "playground/page.html#vectors", page_context)
-        return trigger_client_event(response, "vectorsChanged") if status == 200 else response
-    if status == 200:
-        return redirect(_library_url())
+        return render(request, "playground/page.html#vectors", page_context)
     return render(request, "playground/page.html", page_context, status=status)
 
 
@@ -73,7 +76,7 @@ def _library_answer(request, *, status: int = 200, **context):
 @require_POST
 def vector_rename(request, vector_id):
     vector = selectors.vector_for_user(user=request.user, vector_id=vector_id)
-    form = RenameVectorForm(request.POST, instance=vector)
+    form = RenameVectorForm(request.POST, instance=vector, prefix=f"rename-{vector.pk}")
     if not form.is_valid():
         vector.refresh_from_db()
         return _library_answer(request, status=400, rename_form=form, rename_vector=vector)
