@@ -531,7 +531,9 @@ def vector_upload(request):
     )
     if request.htmx:
         context = _page_context(request)
-        return render(request, "playground/page.html#vectors", context)
+        response = render(request, "playground/page.html#vectors", context)
+        # The steering forms' vector lists follow the library.
+        return trigger_client_event(response, "vectorsChanged", after="settle")
     return redirect("playground:page")
 
 
