@@ -11,8 +11,10 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from accounts.models import User
-from playground.models import Run, RunKind, RunStatus
+from playground import services
+from playground.models import Run, RunKind, RunStatus, SteeringScore
 from tests.conftest import make_user
+from tests.playground.conftest import recorded
 
 from .conftest import _logged_in_page
 from .test_playground import RUN_PANEL, submit_completion
@@ -67,7 +69,39 @@ def history_user(system, django_db_blocker):
                 for index in range(3)
             ]
             Run.objects.bulk_create(completions + sweeps)
+            seed_a_filled_playground(user)
     return user
+
+
+def seed_a_filled_playground(user) -> None:
+    """What a researcher's playground shows after a while: a vector in the library, a
+    steering comparison, and a capture as the latest completion run (recorded /v1 answers)."""
+    vector = services.steering_vector_create(
+        user=user, name=f"a vector with a long name {LONG_TOKEN}", model="smollm2-135m",
+        layer=4, method="upload", vector=np.ones(576, dtype=np.float32),
+        details={"filename": f"{LONG_TOKEN}.npy"},
+    )  # fmt: skip
+    group = uuid.uuid4()
+    for kind, scale, answer in (
+        (RunKind.STEERING_BASELINE, 0.0, "steer_baseline.json"),
+        (RunKind.STEERING_STEERED, 4.0, "steer_steered.json"),
+    ):
+        Run.objects.create(
+            user=user, kind=kind, group=group, scale=scale, vector=vector,
+            status=RunStatus.SUCCEEDED, response=recorded(answer),
+            request={"model": "smollm2-135m", "prompt": f"I think that {LONG_TOKEN}",
+                     "max_tokens": 8, "apply_steering_vectors": []},
+        )  # fmt: skip
+    # Its same-token comparison has ended, so the page does not keep polling for it.
+    SteeringScore.objects.create(
+        group=group, user=user, status=RunStatus.FAILED, error_code="not_comparable"
+    )
+    Run.objects.create(
+        user=user, kind=RunKind.COMPLETION, status=RunStatus.SUCCEEDED,
+        response=recorded("capture.json"),
+        request={"model": "smollm2-135m", "prompt": f"Hello world, {LONG_TOKEN}",
+                 "max_tokens": 1, "output_residual_stream": [0, 4, 8]},
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -180,20 +214,20 @@ def test_history_filters_paginate_and_go_back(history_page):
     page = history_page
     page.goto("/playground/runs/")
     history = page.locator("#history")
-    expect(history).to_contain_text("Page 1 of 2 (33 runs)")
+    expect(history).to_contain_text("Page 1 of 2 (36 runs)")
     page.locator("#id_kind").select_option("completion")
-    expect(history).to_contain_text("Page 1 of 2 (30 runs)")
+    expect(history).to_contain_text("Page 1 of 2 (31 runs)")
     assert page.url.endswith("/playground/runs/?kind=completion&prompt=&vector=")
     page.click("#history a[rel=next]")
-    expect(history).to_contain_text("Page 2 of 2 (30 runs)")
+    expect(history).to_contain_text("Page 2 of 2 (31 runs)")
     expect(history).to_contain_text("history prompt 29")
     assert "page=2" in page.url and "kind=completion" in page.url
     page.go_back()
-    expect(page.locator("#history")).to_contain_text("Page 1 of 2 (30 runs)")
+    expect(page.locator("#history")).to_contain_text("Page 1 of 2 (31 runs)")
     expect(page.locator("#history")).to_contain_text("history prompt 00")
     expect(page.locator("#id_kind")).to_have_value("completion")
     page.go_back()
-    expect(page.locator("#history")).to_contain_text("Page 1 of 2 (33 runs)")
+    expect(page.locator("#history")).to_contain_text("Page 1 of 2 (36 runs)")
     # Bookmarkable: the filtered URL loads the filtered page.
     page.goto("/playground/runs/?prompt=sweep+prompt+1")
     expect(page.locator("#history tbody tr")).to_have_count(1)
