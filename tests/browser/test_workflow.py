@@ -77,7 +77,7 @@ def seed_a_filled_playground(user) -> None:
     """What a researcher's playground shows after a while: a vector in the library, a
     steering comparison, and a capture as the latest completion run (recorded /v1 answers)."""
     vector = services.steering_vector_create(
-        user=user, name=f"a vector with a long name {LONG_TOKEN}", model="smollm2-135m",
+        user=user, name=f"long {LONG_TOKEN[:90]}", model="smollm2-135m",
         layer=4, method="upload", vector=np.ones(576, dtype=np.float32),
         details={"filename": f"{LONG_TOKEN}.npy"},
     )  # fmt: skip
