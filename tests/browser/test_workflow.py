@@ -133,6 +133,7 @@ def test_steer_from_the_main_form_and_see_a_steered_run(page):
     upload_vector(page, name, layer=3)
     # The completion form's vector list follows the library without a reload.
     steering = page.locator("#completion-steering")
+    expect(steering.locator("option", has_text=f"{name} (layer 3)")).to_have_count(1)
     expect(steering).not_to_have_attribute("open", "")
     steering.locator("summary").click()
     page.locator("#id_steer_vector").select_option(label=f"{name} (layer 3)")
@@ -155,8 +156,10 @@ def test_steer_from_the_main_form_and_see_a_steered_run(page):
         expect(panel).not_to_have_attribute("data-run-id", run_id)
     expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=90_000)
     expect(panel.locator(".steered-with")).to_contain_text(f"Steered with {name} × 8 at layer 3")
-    panel.locator("summary", has_text="Request (exactly as sent)").click()
-    expect(panel.locator("pre", has_text="apply_steering_vectors")).to_contain_text('"scale": 8')
+    sent = panel.locator("details", has_text="Request (exactly as sent)")
+    sent.locator("summary").click()
+    expect(sent.locator("pre")).to_contain_text('"apply_steering_vectors"')
+    expect(sent.locator("pre")).to_contain_text('"scale": 8')
 
 
 def test_save_a_vector_from_a_capture_and_find_it_in_the_library(page):
@@ -169,11 +172,12 @@ def test_save_a_vector_from_a_capture_and_find_it_in_the_library(page):
     save = panel.locator("details.save-vector")
     save.locator("summary").click()
     expect(save.locator("input[name=positions]")).to_have_value("1-5")
+    save.locator("input[name=name]").fill(name)
     save.locator("input[name=positions]").fill("1-99")
     save.locator("button[type=submit]").click()
     expect(page.locator("details.save-vector .errorlist")).to_contain_text("outside 0–5")
     save = page.locator("details.save-vector")
-    save.locator("input[name=name]").fill(name)
+    expect(save.locator("input[name=name]")).to_have_value(name)
     save.locator("select[name=layer]").select_option("8")
     save.locator("input[name=positions]").fill("1-5")
     save.locator("button[type=submit]").click()
@@ -191,7 +195,8 @@ def test_rename_and_delete_a_vector(page):
     upload_vector(page, name)
     row = library_row(page, name)
     row.locator("summary", has_text="Rename").click()
-    row.locator("input[type=text]").fill("")
+    # Blank (spaces pass the browser's own check): the server's field error.
+    row.locator("input[type=text]").fill("   ")
     row.locator("button", has_text="Save name").click()
     expect(library_row(page, name).locator(".errorlist")).to_contain_text("required")
     library_row(page, name).locator("input[type=text]").fill(f"{name}-renamed")
