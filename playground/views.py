@@ -531,9 +531,7 @@ def vector_upload(request):
     )
     if request.htmx:
         context = _page_context(request)
-        response = render(request, "playground/page.html#vectors", context)
-        # The steering forms' vector lists follow the library.
-        return trigger_client_event(response, "vectorsChanged", after="settle")
+        return render(request, "playground/page.html#vectors", context)
     return redirect("playground:page")
 
 

