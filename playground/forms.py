@@ -23,6 +23,7 @@ from api.limits import MAX_BODY_BYTES
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
 from .services import VectorError, vector_from_upload
+from .vectors import steering_entry
 
 DEFAULT_MAX_LOGPROBS = 100
 MAX_SWEEP_SCALES = 12
@@ -150,10 +151,40 @@ class CompletionForm(SubmitOnceForm):
     capture_layers = forms.CharField(
         required=False, max_length=LIST_FIELD_MAX_CHARS, help_text="Layer indices, e.g. 0, 8, 16."
     )
+    steer_vector = forms.ModelChoiceField(
+        queryset=SteeringVector.objects.none(),
+        required=False,
+        label="Steer with",
+        empty_label="No steering",
+        help_text="A vector of your library, added to the residual stream at every position.",
+    )
+    steer_layers = forms.CharField(
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        label="Steering layers",
+        help_text="Layers to add the vector at; empty: the vector's own layer.",
+    )
+    steer_scale = forms.FloatField(
+        required=False,
+        initial=4,
+        label="Steering scale",
+        help_text=f"The vector is multiplied by this before it is added; within ±{MAX_SCALE:g}.",
+    )
 
-    def __init__(self, *args, models: list[dict], capabilities: ModelCapabilities, **kwargs):
+    def __init__(
+        self,
+        *args,
+        models: list[dict],
+        capabilities: ModelCapabilities,
+        user=None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.capabilities = capabilities
+        if "steer_vector" in self.fields:  # (the Jobs page's subclass does not steer)
+            self.fields["steer_vector"].queryset = SteeringVector.objects.filter(user=user)
+            if capabilities.n_layers:
+                self.fields["steer_layers"].help_text += f" 0–{capabilities.n_layers - 1}."
         self.fields["model"].choices = [(m["id"], m["id"]) for m in models] or [
             (capabilities.id, capabilities.id or "(model list unavailable)")
         ]
@@ -234,7 +265,46 @@ class CompletionForm(SubmitOnceForm):
                 self.add_error("capture", "Capture needs exactly one prompt and n = 1.")
             if data.get("stream"):
                 self.add_error("stream", "Capture cannot be streamed; turn streaming off.")
+        if "steer_vector" in self.fields:
+            self._clean_steering(data)
         return data
+
+    def _clean_steering(self, data: dict) -> None:
+        """Check the steering fields; sets `steer_layer_list` when a vector is picked."""
+        vector = data.get("steer_vector")
+        if vector is None:
+            if data.get("steer_layers"):
+                self.add_error("steer_vector", "Pick a vector to steer with, or clear the layers.")
+            return
+        if self.capabilities.activations_reason:
+            self.add_error("steer_vector", self.capabilities.activations_reason)
+            return
+        if data.get("model") and vector.model != data["model"]:
+            self.add_error(
+                "steer_vector",
+                f"{vector.name} was made for {vector.model}; pick a vector of {data['model']}.",
+            )
+            return
+        hidden = self.capabilities.hidden_size
+        if hidden and vector.hidden_size != hidden:
+            self.add_error(
+                "steer_vector",
+                f"{vector.name} has {vector.hidden_size} values; {data['model']} needs {hidden}.",
+            )
+            return
+        try:
+            data["steer_layer_list"] = (
+                _layer_list(data["steer_layers"], self.capabilities)
+                if data.get("steer_layers")
+                else [vector.layer]
+            )
+        except forms.ValidationError as error:
+            self.add_error("steer_layers", error)
+        scale = data.get("steer_scale")
+        if scale is None:
+            self.add_error("steer_scale", "Give the scale to steer with.")
+        elif abs(scale) > MAX_SCALE:
+            self.add_error("steer_scale", f"Within ±{MAX_SCALE:g}.")
 
     def to_request(self) -> dict:
         """The request body exactly as it will be sent (empty fields left out)."""
@@ -259,6 +329,14 @@ class CompletionForm(SubmitOnceForm):
             body["output_residual_stream"] = True
         elif data.get("capture") == "layers":
             body["output_residual_stream"] = data["layers"]
+        if data.get("steer_vector"):
+            body["apply_steering_vectors"] = [
+                steering_entry(
+                    data["steer_vector"],
+                    layers=data["steer_layer_list"],
+                    scale=data["steer_scale"],
+                )
+            ]
         return body
 
     @staticmethod
@@ -285,6 +363,11 @@ class CompletionForm(SubmitOnceForm):
         elif isinstance(capture, list):
             initial["capture"] = "layers"
             initial["capture_layers"] = ", ".join(str(layer) for layer in capture)
+        steering = request.get("apply_steering_vectors") or []
+        if len(steering) == 1:
+            layers = steering[0]["layer_indices"]
+            initial["steer_layers"] = ", ".join(str(layer) for layer in layers)
+            initial["steer_scale"] = steering[0].get("scale", 1.0)
         return initial
 
 
@@ -487,6 +570,9 @@ class CompletionJobForm(CompletionForm):
     include_usage = None
     capture = None
     capture_layers = None
+    steer_vector = None
+    steer_layers = None
+    steer_scale = None
 
 
 def prompts_from_file(upload) -> list[str]:

@@ -166,6 +166,7 @@ class VectorMethod(models.TextChoices):
     CONTRAST_LAST = "contrast_last", "Contrast prompts, last-token difference"
     CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"
     UPLOAD = "upload", "Uploaded .npy"
+    CAPTURE_MEAN = "capture_mean", "Mean of a capture"
 
 
 class SteeringVector(models.Model):

@@ -604,7 +604,7 @@ def steering_runs_create(
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
-        activations = encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
+        activations = steering_activations(vector, layers)
         with transaction.atomic():
             for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
                 request = dict(base_request)
@@ -636,6 +636,12 @@ def steering_runs_create(
     return submitted_once(
         user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
     )
+
+
+def steering_activations(vector: SteeringVector, layers: list[int]) -> dict:
+    """The vector as the codec object of an `apply_steering_vectors` entry: one row of it
+    per layer in `layers` (shape [len(layers), hidden])."""
+    return encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
 
 
 def with_target_scored(request: dict, target: str) -> dict:

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import vector_views, views
 
 app_name = "playground"
 
@@ -21,6 +21,13 @@ urlpatterns = [
     path("vectors/contrast/", views.vector_contrast_create, name="vector_contrast"),
     path("vectors/upload/", views.vector_upload, name="vector_upload"),
     path("vectors/<int:vector_id>.npy", views.vector_download, name="vector_download"),
+    path("vectors/<int:vector_id>/rename/", vector_views.vector_rename, name="vector_rename"),
+    path("vectors/<int:vector_id>/delete/", vector_views.vector_delete, name="vector_delete"),
+    path(
+        "runs/<uuid:run_id>/save-vector/",
+        vector_views.vector_save_from_run,
+        name="vector_from_run",
+    ),
     path("steer/", views.steering_submit, name="steer"),
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
 ]

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 
 from accounts.access import approved_required
+from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
 from api.selectors import model_cards
 
@@ -29,7 +30,9 @@ from .forms import (
     SteeringForm,
     UploadVectorForm,
 )
+from .history import HistoryFilterForm, runs_page
 from .models import Run, RunKind, RunStatus, VectorMethod
+from .vector_forms import SaveVectorForm
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
 RESPONSE_SHOWN_CHARS = 200_000
@@ -48,6 +51,7 @@ def _forms(request, capabilities, models, *, completion=None, initial=None):
         or CompletionForm(
             models=models,
             capabilities=capabilities,
+            user=request.user,
             initial=initial or {"model": capabilities.id, "stream": True, "include_usage": True},
         ),
         "contrast_form": ContrastVectorForm(capabilities=capabilities),
@@ -74,6 +78,7 @@ def _page_context(request, **overrides):
 # Parts of the page that htmx reloads on their own (element id → partial name).
 PAGE_PARTIALS = {
     "completion-form": "completion_form",
+    "completion-steering": "completion_steering",
     "vectors": "vectors",
     "steering-box": "steering_form",
 }
@@ -111,6 +116,8 @@ def run_edit(request, run_id):
     """The playground with the form filled from a stored run (edit and re-run)."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     initial = CompletionForm.initial_from_request(run.request)
+    if run.vector_id and run.request.get("apply_steering_vectors"):
+        initial["steer_vector"] = run.vector_id
     context = _page_context(request, initial=initial)
     return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
 
@@ -130,7 +137,7 @@ def _form_error(request, *, form, context_name: str, fragment: str, target: str)
 @require_POST
 def run_submit(request):
     models, capabilities = _models(request)
-    form = CompletionForm(request.POST, models=models, capabilities=capabilities)
+    form = CompletionForm(request.POST, models=models, capabilities=capabilities, user=request.user)
     if not form.is_valid():
         return _form_error(
             request,
@@ -139,10 +146,20 @@ def run_submit(request):
             fragment="completion_form",
             target="#completion-form",
         )
+    data = form.cleaned_data
+    vector = data.get("steer_vector")
+    steering = {}
+    if vector is not None:
+        steering = {
+            "vector": vector,
+            "scale": data["steer_scale"],
+            "meta": {"vector_name": vector.name, "layers": data["steer_layer_list"]},
+        }
     run = services.run_create(
         user=request.user,
         request=form.to_request(),
-        submit_token=form.cleaned_data["submit_token"],
+        submit_token=data["submit_token"],
+        **steering,
     )
     return _with_new_submit_token(request, _run_created(request, run), form)
 
@@ -174,10 +191,25 @@ def run_rerun(request, run_id):
 @approved_required
 @require_GET
 def run_history(request):
-    context = {"runs": selectors.runs_for_user(user=request.user)}
-    if request.htmx:
-        return render(request, "playground/history.html#history", context)
-    return render(request, "playground/history.html", context)
+    """The user's runs, filtered and a page at a time (the filters are the query string).
+    The playground page's recent-runs box (htmx target `recent-runs`) gets the first page of
+    all runs without the filters, linking here."""
+    form = HistoryFilterForm(request.GET, user=request.user)
+    embedded = bool(request.htmx) and request.htmx.target == "recent-runs"
+    context = {"filter_form": form, "embedded": embedded}
+    status = 200
+    if embedded:
+        context["runs"] = selectors.runs_for_user(user=request.user)
+    elif form.is_valid():
+        page = runs_page(user=request.user, **form.cleaned_data, page=request.GET.get("page"))
+        context.update(page=page, runs=page.object_list)
+    else:
+        status = 400
+    if wants_fragment(request):
+        return varies_on_htmx(
+            render(request, "playground/history.html#history", context, status=status)
+        )
+    return varies_on_htmx(render(request, "playground/history.html", context, status=status))
 
 
 def _figure(name: str, figure) -> dict:
@@ -206,7 +238,7 @@ def _pretty_request(request: dict) -> str:
     return json.dumps(shown, indent=2, ensure_ascii=False)
 
 
-def _run_context(run: Run, choice: int = 0) -> dict:
+def _run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
     """The run page; per-choice figures (tokens, top-k, surprisal, distribution) show
     choice number `choice`."""
     context = {
@@ -241,7 +273,9 @@ def _run_context(run: Run, choice: int = 0) -> dict:
                 _figure("distribution", figures.prompt_distribution_figure(prompt_logprobs, 1))
             )
     if (response.get("activations") or {}).get("residual_stream"):
-        context["activations"] = _activations_context(run, ActivationPicks())
+        capture = figures.activations(run.request, response, run.tokens)
+        context["activations"] = _activations_context(run, ActivationPicks(), capture)
+        context["save_vector_form"] = save_vector_form or SaveVectorForm(run=run, capture=capture)
     return context
 
 

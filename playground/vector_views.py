@@ -1,0 +1,96 @@
+"""Pages of the vector library: save a capture run's mean as a vector, rename and delete a
+vector. Another user's run or vector is a 404."""
+
+from django.http import Http404, HttpResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods, require_POST
+from django_htmx.http import trigger_client_event
+
+from accounts.access import approved_required
+from accounts.htmx import wants_fragment
+
+from . import selectors, vectors
+from .models import Run
+from .vector_forms import RenameVectorForm, SaveVectorForm
+from .views import _page_context, _run_context
+
+
+def _library_url() -> str:
+    return reverse("playground:page") + "#vectors"
+
+
+@approved_required
+@require_POST
+def vector_save_from_run(request, run_id):
+    """Save the mean of the run's capture (at a layer, over positions, optionally minus
+    another capture's mean) as a library vector."""
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    try:
+        capture = vectors.capture_of(run)
+    except vectors.CaptureError as error:
+        raise Http404(str(error)) from None
+    form = SaveVectorForm(request.POST, run=run, capture=capture)
+    saved = None
+    if form.is_valid():
+        data = form.cleaned_data
+        try:
+            saved = vectors.steering_vector_from_capture(
+                user=request.user,
+                run=run,
+                name=data["name"],
+                layer=data["layer"],
+                positions=data["positions"],
+                subtract_run=data["subtract_run"],
+            )
+        except vectors.CaptureError as error:
+            form.add_error("subtract_run", str(error))
+    if saved is not None and not request.htmx:
+        return redirect(_library_url())
+    if not wants_fragment(request):
+        context = _run_context(run, save_vector_form=form)
+        return render(request, "playground/run_detail.html", context, status=400)
+    if saved is not None:
+        form = SaveVectorForm(run=run, capture=capture)
+    context = {"run": run, "save_vector_form": form, "saved_vector": saved}
+    response = render(request, "playground/run_detail.html#save_vector", context)
+    return trigger_client_event(response, "vectorsChanged") if saved else response
+
+
+def _library_answer(request, *, status: int = 200, **context):
+    """After a change to the library: for htmx, no content and the `vectorsChanged` event
+    (the library and the steering forms reload), or the library's partial showing the
+    errors; otherwise the playground page."""
+    if status == 200:
+        if wants_fragment(request):
+            # No content: the library and both steering forms reload on the event.
+            return trigger_client_event(HttpResponse(status=204), "vectorsChanged")
+        return redirect(_library_url())
+    page_context = _page_context(request, **context)
+    if wants_fragment(request):
+        return render(request, "playground/page.html#vectors", page_context)
+    return render(request, "playground/page.html", page_context, status=status)
+
+
+@approved_required
+@require_POST
+def vector_rename(request, vector_id):
+    vector = selectors.vector_for_user(user=request.user, vector_id=vector_id)
+    form = RenameVectorForm(request.POST, instance=vector, prefix=f"rename-{vector.pk}")
+    if not form.is_valid():
+        vector.refresh_from_db()
+        return _library_answer(request, status=400, rename_form=form, rename_vector=vector)
+    vectors.steering_vector_rename(vector=vector, name=form.cleaned_data["name"])
+    return _library_answer(request)
+
+
+@approved_required
+@require_http_methods(["GET", "POST"])
+def vector_delete(request, vector_id):
+    """GET: the confirmation page (saying which runs used the vector); POST: delete it."""
+    vector = selectors.vector_for_user(user=request.user, vector_id=vector_id)
+    if request.method == "GET":
+        context = {"vector": vector, "runs_using": Run.objects.filter(vector=vector).count()}
+        return render(request, "playground/vector_delete.html", context)
+    vectors.steering_vector_delete(vector=vector)
+    return _library_answer(request)
