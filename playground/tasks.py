@@ -3,7 +3,7 @@
 from celery import shared_task
 from django.conf import settings
 
-from . import services
+from . import compare, services
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
@@ -30,6 +30,12 @@ def job_submission_send_task(self, submission_id: str) -> None:
 def steering_score_execute_task(score_id: str) -> None:
     """Compare a steering comparison's runs on the same tokens (teacher-forced requests)."""
     services.steering_score_execute(score_id=score_id)
+
+
+@shared_task(acks_late=True)
+def run_comparison_execute_task(comparison_id: str) -> None:
+    """Score two runs on each other's tokens (teacher-forced requests; see `compare`)."""
+    compare.comparison_execute(comparison_id=comparison_id)
 
 
 @shared_task

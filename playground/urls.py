@@ -23,4 +23,6 @@ urlpatterns = [
     path("vectors/<int:vector_id>.npy", views.vector_download, name="vector_download"),
     path("steer/", views.steering_submit, name="steer"),
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
+    path("compare/", views.run_compare, name="compare"),
+    path("compare/score/", views.run_compare_score, name="compare_score"),
 ]
