@@ -20,7 +20,7 @@ from django_htmx.http import reswap, retarget, trigger_client_event
 from accounts.access import approved_required
 from acs_client.codec import decode
 
-from . import compare, figures, selectors, services, streams
+from . import compare, figures, scrub, selectors, services, streams
 from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
@@ -612,6 +612,14 @@ def _group_context(runs: list[Run]) -> dict:
                 )
         figure = figures.scale_sweep_figure(points, target, unit)
         context["figures"].insert(0, _figure("sweep", figure))
+        steps = scrub.sweep_steps(runs, compared)
+        # The slider starts at the largest scale: the step whose effect is likeliest seen.
+        context["scrub"] = {
+            "steps": steps,
+            "current": steps[-1],
+            "index": len(steps) - 1,
+            "script_id": f"scrub-steps-{runs[0].group}",
+        }
     return context
 
 
