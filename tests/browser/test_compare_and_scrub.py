@@ -14,13 +14,15 @@ from playwright.sync_api import expect
 
 from .screenshots import WIDTHS, save_screenshots
 from .test_playground import submit_completion
+from .test_run_panel import expect_finished
 
 pytestmark = pytest.mark.django_db
 
 
 def finished_run_id(page, **fields) -> str:
     panel = submit_completion(page, **fields)
-    expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=90_000)
+    expect_finished(panel)
+    expect(panel).to_have_attribute("data-run-status", "succeeded")
     return panel.get_attribute("data-run-id")
 
 
@@ -55,7 +57,9 @@ def test_compare_with_another_run_shows_the_diff_and_scores_the_same_tokens(page
     # A double click queues the scoring once; the panel follows it until it is done.
     page.get_by_role("button", name="Score on the same tokens").dblclick()
     status = page.locator("[data-comparison-status]")
-    expect(status).to_have_attribute("data-comparison-status", "succeeded", timeout=120_000)
+    pending = re.compile("^(none|queued|running)$")
+    expect(status).not_to_have_attribute("data-comparison-status", pending, timeout=120_000)
+    assert status.get_attribute("data-comparison-status") == "succeeded", status.inner_text()
     expect_drawn(page, "[data-plot='logprob-a']")
     expect_drawn(page, "[data-plot='logprob-b']")
     expect(page.locator("[data-mean-delta='a']")).to_contain_text("nats/token")

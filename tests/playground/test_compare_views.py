@@ -1,12 +1,16 @@
 """The comparison page of two runs: access (another user's run, a bad id: 404), htmx partial
 with and without HX-Request, the token diff, runs without captures, queueing the scoring."""
 
+import functools
+import json
 import re
 import uuid
 
+import httpx
 import pytest
 from django.urls import reverse
 
+from acs_client.client import AcsClient
 from playground import compare
 from playground.models import Run, RunComparison, RunStatus
 
@@ -18,6 +22,8 @@ PROMPT = {
     "ids": [504, 3575, 282, 4649, 314],
     "strings": ["The", " capital", " of", " France", " is"],
 }
+
+WITHOUT_LOGPROBS = {"choices": [{"index": 0, "text": " Paris", "logprobs": None}], "usage": {}}
 
 
 @pytest.fixture
@@ -196,3 +202,42 @@ def test_run_page_and_steering_comparison_link_to_the_comparison(user_client, ap
     page = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     link = compare_url(baseline, steered).replace("&", "&amp;")
     assert f'href="{link}" data-compare-link>compare with baseline</a>' in page
+
+
+def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user, monkeypatch):
+    """Both sequences go in each of the two requests, once under A's settings (unsteered)
+    and once under B's (its steering); a run that asked for no logprobs is scored too."""
+    steering = [{"activations": {"data": "x"}, "layer_indices": [6], "scale": 8.0}]
+    a = finished_run(approved_user, completion=[(7042, " Paris")], response=WITHOUT_LOGPROBS)
+    b = finished_run(approved_user, completion=[(24196, " Lyon")], response=WITHOUT_LOGPROBS)
+    Run.objects.filter(pk=b.pk).update(request={**b.request, "apply_steering_vectors": steering})
+    b.refresh_from_db()
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        # Every token −1 nat unsteered, −3 nats steered.
+        logprob = -3.0 if body.get("apply_steering_vectors") else -1.0
+        choices = [
+            {"index": index, "text": "", "prompt_logprobs": [None] + [
+                {str(token): {"logprob": logprob, "rank": 1, "decoded_token": "?"}}
+                for token in prompt[1:]
+            ]}
+            for index, prompt in enumerate(body["prompt"])
+        ]  # fmt: skip
+        return httpx.Response(200, json={"choices": choices, "usage": {}})
+
+    transport = httpx.MockTransport(answer)
+    monkeypatch.setattr(
+        "playground.compare.AcsClient", functools.partial(AcsClient, transport=transport)
+    )
+    comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
+    comparison = compare.comparison_execute(comparison_id=comparison.pk)
+    assert comparison.status == RunStatus.SUCCEEDED, comparison.error_message
+    sequences = [PROMPT["ids"] + [7042], PROMPT["ids"] + [24196]]
+    assert [body["prompt"] for body in sent] == [sequences, sequences]
+    assert [body.get("apply_steering_vectors") for body in sent] == [None, steering]
+    assert all(body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 for body in sent)
+    differences = compare.logprob_differences(comparison.results)
+    assert differences["a"]["delta"] == differences["b"]["delta"] == [-2.0] * 5
