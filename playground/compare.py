@@ -17,6 +17,7 @@ the residual-stream outputs of block L): positions are aligned by index, up to t
 the two captures, whether or not the tokens there are the same.
 """
 
+import datetime as dt
 import difflib
 import json
 import logging
@@ -201,6 +202,21 @@ def _compare(client: AcsClient, run_a: Run, run_b: Run) -> dict:
         body["prompt"] = [sequences["a"]["ids"], sequences["b"]["ids"]]
         answers[side] = send(f"both runs' tokens under run {side.upper()}'s settings", body)
     return {**sequences, "answers": answers, "requests": requests}
+
+
+def comparisons_fail_stuck(*, now=None) -> int:
+    """Fail comparisons still queued or running after `PLAYGROUND_RUN_STUCK_SECONDS` (their
+    worker died, or none took them), so their pages stop waiting. Returns how many."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return RunComparison.objects.filter(
+        status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
+    ).update(
+        status=RunStatus.FAILED,
+        error_code="worker_lost",
+        error_message="The scoring did not finish; score again.",
+        finished_at=now,
+    )
 
 
 def logprob_differences(results: dict) -> dict[str, dict]:

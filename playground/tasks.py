@@ -41,10 +41,11 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 @shared_task
 def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`
-    and `services.job_submissions_fail_stuck`)."""
+    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`,
+    `services.job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`)."""
     return (
         services.runs_fail_stuck()
         + services.steering_scores_fail_stuck()
         + services.job_submissions_fail_stuck()
+        + compare.comparisons_fail_stuck()
     )

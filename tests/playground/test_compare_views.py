@@ -1,6 +1,7 @@
 """The comparison page of two runs: access (another user's run, a bad id: 404), htmx partial
 with and without HX-Request, the token diff, runs without captures, queueing the scoring."""
 
+import datetime as dt
 import functools
 import json
 import re
@@ -9,9 +10,10 @@ import uuid
 import httpx
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from acs_client.client import AcsClient
-from playground import compare
+from playground import compare, tasks
 from playground.models import Run, RunComparison, RunStatus
 
 from .conftest import recorded
@@ -241,3 +243,18 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
     assert all(body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 for body in sent)
     differences = compare.logprob_differences(comparison.results)
     assert differences["a"]["delta"] == differences["b"]["delta"] == [-2.0] * 5
+
+
+def test_a_scoring_no_worker_finished_is_failed_by_the_sweep(approved_user):
+    a = finished_run(approved_user, completion=[(7042, " Paris")])
+    b = finished_run(approved_user, completion=[(24196, " Lyon")])
+    stuck = RunComparison.objects.create(
+        user=approved_user, run_a=a, run_b=b, status=RunStatus.RUNNING,
+        created_at=timezone.now() - dt.timedelta(hours=1),
+    )  # fmt: skip
+    fresh = RunComparison.objects.create(user=approved_user, run_a=b, run_b=a)
+    assert tasks.runs_sweep_task() == 1
+    stuck.refresh_from_db()
+    fresh.refresh_from_db()
+    assert (stuck.status, stuck.error_code) == (RunStatus.FAILED, "worker_lost")
+    assert fresh.status == RunStatus.QUEUED
