@@ -90,6 +90,7 @@ def test_comparison_numbers_match_numpy_from_the_raw_answers(recorder, approved_
         reverse("playground:compare") + f"?a={run_a.id}&b={run_b.id}"
     ).content.decode()
     figures = embedded(page)
+    assert "data-same-settings" not in page
     for index, side in enumerate(("a", "b")):
         delta = logprobs(under["b"], index, side) - logprobs(under["a"], index, side)
         [bars] = figures[f"logprob-{side}"]["data"]

@@ -72,6 +72,8 @@ def test_comparison_highlights_the_tokens_that_differ(user_client, approved_user
     assert highlighted(page, "a") == [" Paris"] and highlighted(page, "b") == [" Lyon"]
     # The shared prompt is shown, not highlighted.
     assert page.count('<span class="tok" title="position 1 (prompt)"> capital</span>') == 2
+    # Unsteered runs of one model: the same-token Δ can only be 0, and the page says so.
+    assert "data-same-settings" in page
 
 
 def test_comparison_partial_with_htmx_and_whole_page_without(user_client, approved_user):
