@@ -667,7 +667,7 @@ def run_compare(request):
     a form to pick it among the user's latest runs."""
     run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
     if run_a is None or run_b is None:
-        runs = selectors.runs_for_user(user=request.user)
+        runs = [run for run in selectors.runs_for_user(user=request.user) if run != run_a]
         return render(
             request, "playground/compare.html", {"run_a": run_a, "run_b": run_b, "runs": runs}
         )

@@ -113,6 +113,9 @@ def test_one_run_named_offers_the_users_other_runs_to_compare_with(
     options = re.findall(r'<option value="([^"]+)"', page)
     assert options == [str(b.id)] and str(theirs.id) not in page
     assert f'name="a" value="{a.id}"' in page
+    Run.objects.filter(pk=b.pk).delete()
+    alone = user_client.get(compare_url(a)).content.decode()
+    assert "You have no other run to compare with yet." in alone and "<select" not in alone
 
 
 def test_runs_without_captures_say_so(user_client, approved_user):
