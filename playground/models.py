@@ -258,3 +258,37 @@ class JobSubmission(models.Model):
     @property
     def is_pending(self):
         return self.status in (JobSubmissionStatus.QUEUED, JobSubmissionStatus.SENDING)
+
+
+class RunComparison(models.Model):
+    """Two runs of one user scored on the same tokens (see `compare`): once asked for on the
+    comparison page, a worker sends teacher-forced requests through /v1 with the user's
+    playground key (metered like runs), each run's tokens under `run_a`'s request settings
+    and under `run_b`'s, and keeps the token ids sent and the raw answers in `results`.
+    Status moves queued → running → succeeded | failed."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="run_comparisons"
+    )
+    run_a = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    run_b = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    status = models.CharField(
+        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
+    results = models.JSONField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run_a", "run_b"], name="one_comparison_per_run_pair")
+        ]
+
+    def __str__(self):
+        return f"comparison {self.run_a_id} vs {self.run_b_id} ({self.status})"
+
+    @property
+    def is_finished(self):
+        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)

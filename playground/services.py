@@ -741,10 +741,11 @@ def _run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
             "cannot be scored under the other model."
         )
     ids, strings = list(completion["ids"]), completion["strings"]
-    reported = run.response["choices"][0]["logprobs"]["token_logprobs"]
     for index, token_id in enumerate(ids):
         if token_id is not None:
             continue
+        # Only a run with logprobs has ids unknown (its tokens come from them, see run_tokens).
+        reported = run.response["choices"][0]["logprobs"]["token_logprobs"]
         body = scoring.teacher_forced_request(
             run.request, prompt["ids"] + ids[:index] + [0], full_vocabulary=False,
             steered=run.scale != 0,

@@ -3,7 +3,7 @@
 from celery import shared_task
 from django.conf import settings
 
-from . import services
+from . import compare, services
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
@@ -32,13 +32,20 @@ def steering_score_execute_task(score_id: str) -> None:
     services.steering_score_execute(score_id=score_id)
 
 
+@shared_task(acks_late=True)
+def run_comparison_execute_task(comparison_id: str) -> None:
+    """Score two runs on each other's tokens (teacher-forced requests; see `compare`)."""
+    compare.comparison_execute(comparison_id=comparison_id)
+
+
 @shared_task
 def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`
-    and `services.job_submissions_fail_stuck`)."""
+    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`,
+    `services.job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`)."""
     return (
         services.runs_fail_stuck()
         + services.steering_scores_fail_stuck()
         + services.job_submissions_fail_stuck()
+        + compare.comparisons_fail_stuck()
     )

@@ -30,4 +30,6 @@ urlpatterns = [
     ),
     path("steer/", views.steering_submit, name="steer"),
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
+    path("compare/", views.run_compare, name="compare"),
+    path("compare/score/", views.run_compare_score, name="compare_score"),
 ]

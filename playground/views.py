@@ -12,6 +12,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
+from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
@@ -21,7 +22,7 @@ from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
 from api.selectors import model_cards
 
-from . import figures, selectors, services, streams
+from . import compare, figures, scrub, selectors, services, streams
 from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
@@ -645,6 +646,14 @@ def _group_context(runs: list[Run]) -> dict:
                 )
         figure = figures.scale_sweep_figure(points, target, unit)
         context["figures"].insert(0, _figure("sweep", figure))
+        steps = scrub.sweep_steps(runs, compared)
+        # The slider starts at the largest scale: the step whose effect is likeliest seen.
+        context["scrub"] = {
+            "steps": steps,
+            "current": steps[-1],
+            "index": len(steps) - 1,
+            "script_id": f"scrub-steps-{runs[0].group}",
+        }
     return context
 
 
@@ -659,3 +668,57 @@ def group_detail(request, group):
         # The contrast pair has just produced its vector: refresh the library and form.
         response = trigger_client_event(response, "vectorsChanged")
     return response
+
+
+# ---------------------------------------------------------------------------------------
+# Two runs compared
+
+
+def _run_param(request, name: str) -> Run | None:
+    """The user's run named by the query or form parameter `name` (None when absent); 404
+    for an id that is not a run of theirs."""
+    value = request.GET.get(name) or request.POST.get(name)
+    if not value:
+        return None
+    try:
+        run_id = uuid.UUID(value)
+    except ValueError:
+        raise Http404(f"{name} is not a run id.") from None
+    return selectors.run_for_user(user=request.user, run_id=run_id)
+
+
+def _compare_response(request, run_a: Run, run_b: Run):
+    context = compare.comparison_context(run_a, run_b)
+    if request.htmx:
+        return render(request, "playground/compare.html#comparison_panel", context)
+    return render(request, "playground/compare.html", context)
+
+
+@approved_required
+@require_GET
+def run_compare(request):
+    """Two of the user's runs compared (`?a=<run>&b=<run>`, a permalink); with a run missing,
+    a form to pick it among the user's latest runs."""
+    run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
+    if run_a is None or run_b is None:
+        runs = [run for run in selectors.runs_for_user(user=request.user) if run != run_a]
+        return render(
+            request, "playground/compare.html", {"run_a": run_a, "run_b": run_b, "runs": runs}
+        )
+    return _compare_response(request, run_a, run_b)
+
+
+@approved_required
+@require_POST
+def run_compare_score(request):
+    """Queue the same-token scoring of two runs (teacher-forced requests, billed)."""
+    run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
+    if run_a is None or run_b is None:
+        raise Http404("Name both runs, a and b.")
+    reason = compare.scoring_unavailable_reason(run_a, run_b)
+    if reason:
+        return HttpResponse(reason, status=400, content_type="text/plain; charset=utf-8")
+    compare.comparison_queue(user=request.user, run_a=run_a, run_b=run_b)
+    if request.htmx:
+        return _compare_response(request, run_a, run_b)
+    return redirect(f"{reverse('playground:compare')}?a={run_a.pk}&b={run_b.pk}")

@@ -1,0 +1,82 @@
+"""The scrubber of a finished sweep: the page embeds, per scale, what the slider shows (the
+run's text, the scale as entered, its same-token figure), with and without HX-Request."""
+
+import json
+import re
+import uuid
+
+import pytest
+from django.urls import reverse
+
+from playground import services
+from playground.models import Run, RunKind, RunStatus, SteeringScore
+
+from .conftest import recorded
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+@pytest.fixture
+def user_client(client, approved_user):
+    client.force_login(approved_user)
+    return client
+
+
+def sweep(user, texts: dict[float, str], *, score_status=RunStatus.FAILED):
+    """A finished sweep whose run at each scale wrote `texts[scale]`."""
+    group = uuid.uuid4()
+    for scale, text in texts.items():
+        response = recorded("completion_logprobs.json")
+        response["choices"][0]["text"] = text
+        Run.objects.create(
+            user=user, kind=RunKind.SWEEP, group=group, scale=scale, status=RunStatus.SUCCEEDED,
+            request={"model": "smollm2-135m", "prompt": "I feel", "max_tokens": 6},
+            response=response, meta={"target_token": "", "scale_unit": "absolute"},
+        )  # fmt: skip
+    SteeringScore.objects.create(group=group, user=user, status=score_status)
+    return group
+
+
+def steps_of(page: str, group) -> list[dict]:
+    script = re.search(
+        rf'<script id="scrub-steps-{group}" type="application/json">(.*?)</script>', page, re.S
+    )
+    return json.loads(script.group(1))
+
+
+def test_sweep_page_embeds_each_scale_for_the_slider(user_client, approved_user):
+    group = sweep(approved_user, {0.0: " fine", -4.0: " sad", 8.0: " <b>happy</b>"})
+    url = reverse("playground:group_detail", args=[group])
+    page = user_client.get(url).content.decode()
+    steps = steps_of(page, group)
+    assert [(s["scale"], s["label"], s["text"]) for s in steps] == [
+        (-4.0, "-4 (steered)", " sad"),
+        (0.0, "0 (baseline)", " fine"),
+        (8.0, "8 (steered)", " <b>happy</b>"),
+    ]
+    runs = {run.scale: run for run in Run.objects.filter(group=group)}
+    assert [s["url"] for s in steps] == [
+        reverse("playground:run_detail", args=[runs[scale].pk]) for scale in (-4.0, 0.0, 8.0)
+    ]
+    # The slider opens at the largest scale, its text shown as text.
+    assert 'type="range"' in page and 'max="2" step="1" value="2"' in page
+    assert 'aria-valuetext="8 (steered)"' in page
+    assert 'data-scrub-text aria-live="polite"> &lt;b&gt;happy&lt;/b&gt;</pre>' in page
+    assert "js/scrub.js" in page
+    partial = user_client.get(url, **HTMX).content.decode()
+    assert "<html" not in partial and steps_of(partial, group) == steps
+
+
+def test_the_playground_page_scrubs_the_latest_sweep_too(user_client, approved_user, monkeypatch):
+    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([], ""))
+    group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
+    page = user_client.get(reverse("playground:page")).content.decode()
+    assert [s["scale"] for s in steps_of(page, group)] == [0.0, 4.0, 8.0]
+    assert "js/scrub.js" in page
+
+
+def test_a_sweep_still_running_has_no_slider(user_client, approved_user):
+    group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
+    Run.objects.filter(group=group, scale=8.0).update(status=RunStatus.RUNNING)
+    page = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    assert 'type="range"' not in page
