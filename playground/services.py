@@ -26,7 +26,7 @@ from acs_portal.celery import task_send
 from acs_portal.redis import redis_sync
 from api.errors import result_unstorable
 
-from . import figures, scoring, streams
+from . import figures, patching, scoring, streams
 from .models import (
     JobKind,
     JobSubmission,
@@ -235,6 +235,8 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
         )
     if run.kind == RunKind.CONTRAST:
         steering_vector_from_contrast(group=run.group)
+    if run.kind == RunKind.PATCHING_CAPTURE:
+        patching.patched_runs_create(group=run.group)
     if run.kind in STEERING_KINDS:
         steering_score_queue(group=run.group)
     return run

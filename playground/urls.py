@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import patching_views, views
 
 app_name = "playground"
 
@@ -23,4 +23,8 @@ urlpatterns = [
     path("vectors/<int:vector_id>.npy", views.vector_download, name="vector_download"),
     path("steer/", views.steering_submit, name="steer"),
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
+    path("patching/", patching_views.patching_page, name="patching"),
+    path("patching/new/", patching_views.patching_submit, name="patching_submit"),
+    path("patching/<uuid:group>/", patching_views.patching_detail, name="patching_detail"),
+    path("patching/<uuid:group>/cancel/", patching_views.patching_cancel, name="patching_cancel"),
 ]
