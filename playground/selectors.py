@@ -9,7 +9,14 @@ import shlex
 from django.http import Http404
 from django.utils import timezone
 
-from .models import JobSubmission, JobSubmissionStatus, Run, SteeringScore, SteeringVector
+from .models import (
+    JobSubmission,
+    JobSubmissionStatus,
+    Run,
+    RunKind,
+    SteeringScore,
+    SteeringVector,
+)
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -28,9 +35,13 @@ def latest_run_for_user(*, user, kind: str) -> Run | None:
 
 
 def latest_group_for_user(*, user):
-    """The group of the user's latest comparison, sweep or contrast pair, if any."""
+    """The group of the user's latest comparison, sweep or contrast pair, if any (patching
+    grids have their own page)."""
     return (
-        Run.objects.filter(user=user, group__isnull=False).values_list("group", flat=True).first()
+        Run.objects.filter(user=user, group__isnull=False)
+        .exclude(kind__in=(RunKind.PATCHING_CAPTURE, RunKind.PATCHED))
+        .values_list("group", flat=True)
+        .first()
     )
 
 

@@ -15,7 +15,7 @@ from django.urls import reverse
 
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
-from playground import patching, patching_forms, services
+from playground import patching, patching_forms, selectors, services
 from playground.models import Run, RunKind, RunStatus
 
 from .test_views import HTMX, MODEL
@@ -346,3 +346,13 @@ def test_grid_numbers_match_numpy_on_the_stored_answers(ada, captured_grid):
 )
 def test_effect_colours_clip_to_the_legend(effect, colour):
     assert patching.effect_colour(effect) == colour
+
+
+def test_the_playground_page_does_not_take_a_grid_for_a_steering_comparison(
+    ada, approved_user, no_enqueue, submit
+):
+    submit(ada, htmx=False)
+    assert selectors.latest_group_for_user(user=approved_user) is None
+    page = ada.get(reverse("playground:page")).content.decode()
+    assert "Steered vs baseline" not in page and "What each arm sent" not in page
+    assert 'href="/playground/patching/"' in page
