@@ -225,6 +225,10 @@ class PatchingGrid:
     cancelled: bool
 
     @property
+    def target_shown(self) -> str:
+        return figures.visible_token(self.spec["target"])
+
+    @property
     def labels(self) -> list[dict]:
         """Each patched position: its index and its clean and corrupted tokens."""
         spec = self.spec
