@@ -117,7 +117,7 @@ def test_a_grid_of_more_cells_than_allowed_is_refused():
     ]
 
 
-def test_page_with_and_without_htmx(ada):
+def test_page_shows_the_form_and_where_the_grid_will_appear(ada):
     page = ada.get(reverse("playground:patching"))
     assert page.status_code == 200
     assert b"<html" in page.content and b'id="patching-form"' in page.content
