@@ -33,7 +33,7 @@ from api.tokenizer import PromptTokens
 
 # `services` imports this module (its workers create the patched runs), so it is used here
 # as `services.x` only, at call time.
-from . import figures, services
+from . import figures, selectors, services
 from .models import Run, RunKind, RunStatus
 
 # |clean − corrupted| below this many nats leaves nothing to restore: no normalised effect.
@@ -320,7 +320,7 @@ class PatchingGrid:
 
 def patching_grid_for_user(*, user: User, group) -> PatchingGrid | None:
     """The user's grid `group`, or None when there is none (another user's included)."""
-    runs = list(Run.objects.filter(user=user, group=group, kind__in=PATCHING_KINDS))
+    runs = list(Run.objects.filter(user=user, group=group, kind__in=selectors.PATCHING_KINDS))
     captures = {run.meta["role"]: run for run in runs if run.kind == RunKind.PATCHING_CAPTURE}
     if set(captures) != {"clean", "corrupted"}:
         return None
@@ -349,6 +349,3 @@ def latest_patching_group(*, user: User):
         .values_list("group", flat=True)
         .first()
     )
-
-
-PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)

@@ -18,6 +18,9 @@ from .models import (
     SteeringVector,
 )
 
+# Runs of activation patching grids, which have their own pages (`patching_views`).
+PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
+
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
     "echo", "stream", "stream_options",
@@ -39,7 +42,7 @@ def latest_group_for_user(*, user):
     grids have their own page)."""
     return (
         Run.objects.filter(user=user, group__isnull=False)
-        .exclude(kind__in=(RunKind.PATCHING_CAPTURE, RunKind.PATCHED))
+        .exclude(kind__in=PATCHING_KINDS)
         .values_list("group", flat=True)
         .first()
     )
@@ -56,7 +59,7 @@ def run_for_user(*, user, run_id) -> Run:
 def group_runs_for_user(*, user, group) -> list[Run]:
     """The runs of one comparison, sweep or contrast pair, ordered by scale; 404 if none."""
     runs = sorted(
-        Run.objects.filter(group=group, user=user),
+        Run.objects.filter(group=group, user=user).exclude(kind__in=PATCHING_KINDS),
         key=lambda run: (run.scale if run.scale is not None else 0, run.meta.get("role", "")),
     )
     if not runs:

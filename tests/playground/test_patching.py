@@ -356,3 +356,9 @@ def test_the_playground_page_does_not_take_a_grid_for_a_steering_comparison(
     page = ada.get(reverse("playground:page")).content.decode()
     assert "Steered vs baseline" not in page and "What each arm sent" not in page
     assert 'href="/playground/patching/"' in page
+
+
+def test_a_grid_is_no_steering_comparison_at_the_comparison_url(ada, no_enqueue, submit):
+    submit(ada, htmx=False)
+    group = Run.objects.first().group
+    assert ada.get(reverse("playground:group_detail", args=[group])).status_code == 404
