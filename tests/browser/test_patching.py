@@ -119,9 +119,15 @@ def test_a_grid_runs_through_a_reload_and_matches_torch_hooks(page):
         abs(c["logprob"] - reference["cells"][f"{c['layer']},{c['position']}"])
         for c in numbers["cells"]
     ]
+    effect_errors = [
+        abs(c["effect"] - (reference["cells"][f"{c['layer']},{c['position']}"] - corrupted) / gap)
+        for c in numbers["cells"]
+        for corrupted in [reference["corrupted"]]
+    ]
     print(
         f"patching grid vs float32 torch hooks ({reference['compute_dtype']} engine): "
-        f"max |Δ logprob| {max(errors):.4f} nats, clean {numbers['clean_logprob']:.4f} vs "
+        f"max |Δ logprob| {max(errors):.4f} nats, max |Δ effect| {max(effect_errors):.4f}, "
+        f"clean {numbers['clean_logprob']:.4f} vs "
         f"{reference['clean']:.4f}, corrupted {numbers['corrupted_logprob']:.4f} vs "
         f"{reference['corrupted']:.4f}"
     )
