@@ -13,6 +13,7 @@ import hashlib
 import logging
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,10 @@ _MISSING_RETRY_S = 300.0
 
 _tokenizers: dict[tuple[str, str], Tokenizer | None] = {}
 _missing_until: dict[tuple[str, str], float] = {}
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
+# One lock per event loop: an asyncio.Lock only works within one loop, and playground workers
+# load tokenizers from several threads at once, each running its own loop (async_to_sync);
+# a waiter on another loop than the holder's would never be woken.
+_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cache_path(model_name: str, source: str) -> Path:
@@ -53,7 +57,8 @@ async def load_tokenizer(model) -> Tokenizer | None:
         return _tokenizers[cache_key]
     if _missing_until.get(cache_key, 0.0) > time.monotonic():
         return None
-    lock = _locks.setdefault(cache_key, asyncio.Lock())
+    loop_locks = _locks.setdefault(asyncio.get_running_loop(), {})
+    lock = loop_locks.setdefault(cache_key, asyncio.Lock())
     async with lock:
         if cache_key in _tokenizers:
             return _tokenizers[cache_key]

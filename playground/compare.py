@@ -35,7 +35,7 @@ from acs_portal.celery import task_send
 
 from . import figures, scoring
 from .models import Run, RunComparison, RunStatus
-from .services import ScoreUnavailable, _run_token_ids, _worker_secret
+from .services import ScoreUnavailable, run_token_ids, worker_secret
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
     comparison = RunComparison.objects.select_related("user", "run_a", "run_b").get(
         pk=comparison_id
     )
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(comparison.user))
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(comparison.user))
     fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
     try:
         fields.update(results=_compare(client, comparison.run_a, comparison.run_b))
@@ -192,7 +192,7 @@ def _compare(client: AcsClient, run_a: Run, run_b: Run) -> dict:
 
     sequences = {}
     for side, run in (("a", run_a), ("b", run_b)):
-        prompt_ids, completion_ids, _ = _run_token_ids(run, send)
+        prompt_ids, completion_ids, _ = run_token_ids(run, send)
         sequences[side] = {"ids": prompt_ids + completion_ids, "prompt_length": len(prompt_ids)}
     answers = {}
     for side, run in (("a", run_a), ("b", run_b)):

@@ -39,7 +39,7 @@ MAX_STEERING_PROMPT_CHARS = 8000
 LIST_FIELD_MAX_CHARS = 1000
 
 
-def _split_list(text: str, *, field: str, max_count: int) -> list[str]:
+def split_list(text: str, *, field: str, max_count: int) -> list[str]:
     """The comma-separated parts of `text`, refused before splitting when there are more
     than `max_count` (a field of 100,000 zeros must not become a list of 100,000)."""
     if text.count(",") >= max_count:
@@ -49,10 +49,10 @@ def _split_list(text: str, *, field: str, max_count: int) -> list[str]:
     return [part for part in text.replace(" ", "").split(",") if part]
 
 
-def _int_list(text: str, *, field: str, max_count: int) -> list[int]:
+def int_list(text: str, *, field: str, max_count: int) -> list[int]:
     """Distinct whole numbers, at most `max_count` of them."""
     try:
-        values = [int(part) for part in _split_list(text, field=field, max_count=max_count)]
+        values = [int(part) for part in split_list(text, field=field, max_count=max_count)]
     except ValueError:
         raise forms.ValidationError(f"{field}: write whole numbers separated by commas.") from None
     if not values:
@@ -65,7 +65,7 @@ def _int_list(text: str, *, field: str, max_count: int) -> list[int]:
 
 def _float_list(text: str, *, field: str, max_count: int) -> list[float]:
     try:
-        values = [float(p) for p in _split_list(text, field=field, max_count=max_count)]
+        values = [float(p) for p in split_list(text, field=field, max_count=max_count)]
     except ValueError:
         raise forms.ValidationError(f"{field}: write numbers separated by commas.") from None
     if not values or not all(math.isfinite(value) for value in values):
@@ -374,7 +374,7 @@ class CompletionForm(SubmitOnceForm):
 def _layer_list(text: str, capabilities: ModelCapabilities) -> list[int]:
     """Distinct layer indices of the model, at most one per layer it has."""
     n_layers = capabilities.n_layers
-    layers = _int_list(text, field="Layers", max_count=n_layers or MAX_LAYERS_UNKNOWN_MODEL)
+    layers = int_list(text, field="Layers", max_count=n_layers or MAX_LAYERS_UNKNOWN_MODEL)
     outside = next((v for v in layers if v < 0 or (n_layers and v >= n_layers)), None)
     if outside is not None:
         top = f" Layers run from 0 to {n_layers - 1}." if n_layers else ""

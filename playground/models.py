@@ -14,6 +14,8 @@ class RunKind(models.TextChoices):
     STEERING_BASELINE = "steering_baseline", "Steering baseline"
     STEERING_STEERED = "steering_steered", "Steered"
     SWEEP = "sweep", "Scale sweep"
+    PATCHING_CAPTURE = "patching_capture", "Patching capture"
+    PATCHED = "patched", "Patched run"
 
 
 class RunStatus(models.TextChoices):

@@ -9,7 +9,17 @@ import shlex
 from django.http import Http404
 from django.utils import timezone
 
-from .models import JobSubmission, JobSubmissionStatus, Run, SteeringScore, SteeringVector
+from .models import (
+    JobSubmission,
+    JobSubmissionStatus,
+    Run,
+    RunKind,
+    SteeringScore,
+    SteeringVector,
+)
+
+# Runs of activation patching grids, which have their own pages (`patching_views`).
+PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -28,9 +38,13 @@ def latest_run_for_user(*, user, kind: str) -> Run | None:
 
 
 def latest_group_for_user(*, user):
-    """The group of the user's latest comparison, sweep or contrast pair, if any."""
+    """The group of the user's latest comparison, sweep or contrast pair, if any (patching
+    grids have their own page)."""
     return (
-        Run.objects.filter(user=user, group__isnull=False).values_list("group", flat=True).first()
+        Run.objects.filter(user=user, group__isnull=False)
+        .exclude(kind__in=PATCHING_KINDS)
+        .values_list("group", flat=True)
+        .first()
     )
 
 
@@ -45,7 +59,7 @@ def run_for_user(*, user, run_id) -> Run:
 def group_runs_for_user(*, user, group) -> list[Run]:
     """The runs of one comparison, sweep or contrast pair, ordered by scale; 404 if none."""
     runs = sorted(
-        Run.objects.filter(group=group, user=user),
+        Run.objects.filter(group=group, user=user).exclude(kind__in=PATCHING_KINDS),
         key=lambda run: (run.scale if run.scale is not None else 0, run.meta.get("role", "")),
     )
     if not runs:

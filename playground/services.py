@@ -194,7 +194,7 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     if run is None:
         return None
     streams.publish(run.id, {"type": "status", "status": RunStatus.RUNNING})
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(run.user))
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(run.user))
     progress = {"tokens": 0}
     try:
         if run.request.get("stream"):
@@ -238,7 +238,7 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     return run
 
 
-def _worker_secret(user: User) -> str:
+def worker_secret(user: User) -> str:
     # The key normally exists (run_create makes it); reading it without the lock keeps the
     # worker's path to the first token short.
     key = ApiKey.objects.filter(user=user, is_playground=True).first()
@@ -699,7 +699,7 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     runs = Run.objects.filter(group=score.group, status=RunStatus.SUCCEEDED).order_by("scale")
     baseline = next(run for run in runs if run.scale == 0)
     steered = [run for run in runs if run.scale != 0]
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(score.user))
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(score.user))
     fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
     try:
         fields.update(results=_steering_compare(client, baseline, steered))
@@ -723,7 +723,7 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
 RESOLVE_TOP_K = 20
 
 
-def _run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
+def run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
     """The prompt's token ids, and the completion's ids and strings, of a run's first choice.
 
     A completion token whose string several tokens decode to (a piece of a character, shown
@@ -780,7 +780,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         sent.append({"purpose": purpose, "request_id": completion.request_id})
         return completion.body
 
-    prompt_ids, base_ids, base_strings = _run_token_ids(baseline, send)
+    prompt_ids, base_ids, base_strings = run_token_ids(baseline, send)
     first = len(prompt_ids)
     full = first + len(base_ids) <= KL_MAX_TOKENS
     answer = send(
@@ -795,7 +795,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         scoring.full_distributions(logprobs, first, len(base_ids)) if full else None
     )
     del answer, logprobs
-    own = {run.pk: _run_token_ids(run, send) for run in steered}
+    own = {run.pk: run_token_ids(run, send) for run in steered}
     body = scoring.teacher_forced_request(
         baseline.request, prompt_ids, full_vocabulary=False, steered=False
     )
@@ -923,7 +923,7 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
     if not claimed:
         return None
     submission = JobSubmission.objects.select_related("user").get(pk=submission_id)
-    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=_worker_secret(submission.user))
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(submission.user))
     try:
         if submission.kind == JobKind.COMPLETION:
             job_id = client.submit_completion_job(

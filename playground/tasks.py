@@ -3,16 +3,27 @@
 from celery import shared_task
 from django.conf import settings
 
-from . import compare, services
+from . import compare, patching, services
+from .models import RunKind, RunStatus
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
 def run_execute_task(self, run_id: str) -> None:
     """Execute one playground run; retried only on transient API errors."""
     try:
-        services.run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
+        run = services.run_execute(
+            run_id=run_id, final_attempt=self.request.retries >= self.max_retries
+        )
     except services.RunRetry as retry:
         raise self.retry(countdown=retry.countdown) from None
+    # A patching grid's patched runs follow its captures; started here because `patching`
+    # builds its runs with `services`.
+    if (
+        run is not None
+        and run.kind == RunKind.PATCHING_CAPTURE
+        and run.status == RunStatus.SUCCEEDED
+    ):
+        patching.patched_runs_create(group=run.group)
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import vector_views, views
+from . import patching_views, vector_views, views
 
 app_name = "playground"
 
@@ -32,4 +32,8 @@ urlpatterns = [
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
     path("compare/", views.run_compare, name="compare"),
     path("compare/score/", views.run_compare_score, name="compare_score"),
+    path("patching/", patching_views.patching_page, name="patching"),
+    path("patching/new/", patching_views.patching_submit, name="patching_submit"),
+    path("patching/<uuid:group>/", patching_views.patching_detail, name="patching_detail"),
+    path("patching/<uuid:group>/cancel/", patching_views.patching_cancel, name="patching_cancel"),
 ]

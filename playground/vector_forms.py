@@ -3,7 +3,7 @@
 from django import forms
 
 from .figures import Capture
-from .forms import _split_list
+from .forms import split_list
 from .models import Run, RunStatus, SteeringVector
 from .vectors import default_positions
 
@@ -15,7 +15,7 @@ def position_list(text: str, *, count: int) -> list[int]:
     """Positions written as whole numbers and ranges ("1-4, 7"), each once, all below
     `count`."""
     positions = []
-    for part in _split_list(text.replace("–", "-"), field="Positions", max_count=count):
+    for part in split_list(text.replace("–", "-"), field="Positions", max_count=count):
         first, _, last = part.partition("-")
         try:
             start, end = int(first), int(last or first)

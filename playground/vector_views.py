@@ -13,7 +13,7 @@ from accounts.htmx import wants_fragment
 from . import selectors, vectors
 from .models import Run
 from .vector_forms import RenameVectorForm, SaveVectorForm
-from .views import _page_context, _run_context
+from .views import page_context, run_context
 
 
 def _library_url() -> str:
@@ -48,7 +48,7 @@ def vector_save_from_run(request, run_id):
     if saved is not None and not request.htmx:
         return redirect(_library_url())
     if not wants_fragment(request):
-        context = _run_context(run, save_vector_form=form)
+        context = run_context(run, save_vector_form=form)
         return render(request, "playground/run_detail.html", context, status=400)
     if saved is not None:
         form = SaveVectorForm(run=run, capture=capture)
@@ -66,10 +66,10 @@ def _library_answer(request, *, status: int = 200, **context):
             # No content: the library and both steering forms reload on the event.
             return trigger_client_event(HttpResponse(status=204), "vectorsChanged")
         return redirect(_library_url())
-    page_context = _page_context(request, **context)
+    full_context = page_context(request, **context)
     if wants_fragment(request):
-        return render(request, "playground/page.html#vectors", page_context)
-    return render(request, "playground/page.html", page_context, status=status)
+        return render(request, "playground/page.html#vectors", full_context)
+    return render(request, "playground/page.html", full_context, status=status)
 
 
 @approved_required

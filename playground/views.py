@@ -39,7 +39,7 @@ from .vector_forms import SaveVectorForm
 RESPONSE_SHOWN_CHARS = 200_000
 
 
-def _models(request) -> tuple[list[dict], ModelCapabilities]:
+def models_and_capabilities(request) -> tuple[list[dict], ModelCapabilities]:
     models = model_cards()
     wanted = request.GET.get("model") or request.POST.get("model")
     entry = next((m for m in models if m["id"] == wanted), models[0] if models else None)
@@ -61,8 +61,8 @@ def _forms(request, capabilities, models, *, completion=None, initial=None):
     }
 
 
-def _page_context(request, **overrides):
-    models, capabilities = _models(request)
+def page_context(request, **overrides):
+    models, capabilities = models_and_capabilities(request)
     context = {
         "models": models,
         "capabilities": capabilities,
@@ -90,7 +90,7 @@ def _latest_runs_context(request) -> dict:
     run and latest comparison (or sweep or contrast pair), followed live while they run, so
     that a reload or Back keeps showing them."""
     run = selectors.latest_run_for_user(user=request.user, kind=RunKind.COMPLETION)
-    context = _run_context(run) if run else {}
+    context = run_context(run) if run else {}
     group = selectors.latest_group_for_user(user=request.user)
     if group:
         runs = selectors.group_runs_for_user(user=request.user, group=group)
@@ -103,7 +103,7 @@ def _latest_runs_context(request) -> dict:
 @never_cache
 def playground_page(request):
     """The playground. Never cached, so that Back asks again and shows the latest run."""
-    context = _page_context(request)
+    context = page_context(request)
     if request.htmx and request.htmx.target in PAGE_PARTIALS:
         partial = PAGE_PARTIALS[request.htmx.target]
         return render(request, f"playground/page.html#{partial}", context)
@@ -119,14 +119,14 @@ def run_edit(request, run_id):
     initial = CompletionForm.initial_from_request(run.request)
     if run.vector_id and run.request.get("apply_steering_vectors"):
         initial["steer_vector"] = run.vector_id
-    context = _page_context(request, initial=initial)
+    context = page_context(request, initial=initial)
     return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
 
 
 def _form_error(request, *, form, context_name: str, fragment: str, target: str):
     """The page showing `form`'s errors (the form under `context_name`): for htmx, only the
     page's `fragment`, swapped over `target`; otherwise the whole page with status 400."""
-    context = _page_context(request)
+    context = page_context(request)
     context[context_name] = form
     if request.htmx:
         response = render(request, f"playground/page.html#{fragment}", context)
@@ -137,7 +137,7 @@ def _form_error(request, *, form, context_name: str, fragment: str, target: str)
 @approved_required
 @require_POST
 def run_submit(request):
-    models, capabilities = _models(request)
+    models, capabilities = models_and_capabilities(request)
     form = CompletionForm(request.POST, models=models, capabilities=capabilities, user=request.user)
     if not form.is_valid():
         return _form_error(
@@ -162,10 +162,10 @@ def run_submit(request):
         submit_token=data["submit_token"],
         **steering,
     )
-    return _with_new_submit_token(request, _run_created(request, run), form)
+    return with_new_submit_token(request, _run_created(request, run), form)
 
 
-def _with_new_submit_token(request, response, form):
+def with_new_submit_token(request, response, form):
     """An htmx answer to `form` leaves the form on the page: give it a new one-time token
     (out of band), so that its next deliberate submission is a new one."""
     if request.htmx:
@@ -178,7 +178,7 @@ def _with_new_submit_token(request, response, form):
 def _run_created(request, run: Run):
     if not request.htmx:
         return redirect("playground:run_detail", run_id=run.id)
-    response = render(request, "playground/run_detail.html#run_panel", _run_context(run))
+    response = render(request, "playground/run_detail.html#run_panel", run_context(run))
     return trigger_client_event(response, "runCreated")
 
 
@@ -239,7 +239,7 @@ def _pretty_request(request: dict) -> str:
     return json.dumps(shown, indent=2, ensure_ascii=False)
 
 
-def _run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
+def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
     """The run page; per-choice figures (tokens, top-k, surprisal, distribution) show
     choice number `choice`."""
     context = {
@@ -372,7 +372,7 @@ def _choice_param(request, run: Run) -> int:
 @require_GET
 def run_detail(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    context = _run_context(run, _choice_param(request, run))
+    context = run_context(run, _choice_param(request, run))
     if request.htmx:
         return render(request, "playground/run_detail.html#run_panel", context)
     return render(request, "playground/run_detail.html", context)
@@ -490,7 +490,7 @@ async def run_events(request, run_id):
 @approved_required
 @require_POST
 def vector_contrast_create(request):
-    _, capabilities = _models(request)
+    _, capabilities = models_and_capabilities(request)
     if capabilities.activations_reason:
         raise PermissionDenied(capabilities.activations_reason)
     form = ContrastVectorForm(request.POST, capabilities=capabilities)
@@ -509,13 +509,13 @@ def vector_contrast_create(request):
         negative=data["negative"],
         submit_token=data["submit_token"],
     )
-    return _with_new_submit_token(request, _group_response(request, group), form)
+    return with_new_submit_token(request, _group_response(request, group), form)
 
 
 @approved_required
 @require_POST
 def vector_upload(request):
-    _, capabilities = _models(request)
+    _, capabilities = models_and_capabilities(request)
     form = UploadVectorForm(request.POST, request.FILES, capabilities=capabilities)
     if not form.is_valid():
         return _form_error(
@@ -531,7 +531,7 @@ def vector_upload(request):
         details={"filename": request.FILES["upload-file"].name},
     )
     if request.htmx:
-        context = _page_context(request)
+        context = page_context(request)
         return render(request, "playground/page.html#vectors", context)
     return redirect("playground:page")
 
@@ -551,7 +551,7 @@ def vector_download(request, vector_id):
 @approved_required
 @require_POST
 def steering_submit(request):
-    _, capabilities = _models(request)
+    _, capabilities = models_and_capabilities(request)
     form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
     if not form.is_valid():
         return _form_error(
@@ -575,7 +575,7 @@ def steering_submit(request):
         target_token=data.get("target_token") or "",
         submit_token=data["submit_token"],
     )
-    return _with_new_submit_token(request, _group_response(request, group), form)
+    return with_new_submit_token(request, _group_response(request, group), form)
 
 
 def _group_response(request, group):

@@ -1,0 +1,157 @@
+"""The activation patching form: prompts tokenized as the gateway counts them (the path
+`run_tokens` uses for Run.tokens), checked to be of the same length, a one-token target, and
+the layers and positions to patch."""
+
+from asgiref.sync import async_to_sync
+from django import forms
+
+from api.errors import ApiError
+from api.selectors import model_get
+from api.tokenizer import PromptTokens, prompt_tokens
+
+from . import figures
+from .forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
+
+# Each cell is one request through the workers; a grid larger than this is refused (a
+# 30-layer model and a 16-token prompt make 480 cells).
+MAX_PATCHING_CELLS = 512
+MAX_PATCHING_PROMPT_TOKENS = 64
+MAX_PATCHING_PROMPT_CHARS = 1000
+
+
+async def _tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
+    model = await model_get(model_id)
+    return [await prompt_tokens(model, text, add_special_tokens=special) for text, special in texts]
+
+
+def tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
+    """The tokens of each `(text, add_special_tokens)` under `model_id`'s tokenizer (raises
+    ApiError when the model or its tokenizer cannot be reached)."""
+    return async_to_sync(_tokenize)(model_id, texts)
+
+
+def _shown(tokens: PromptTokens) -> str:
+    if tokens.strings is None:
+        return f"ids {tokens.ids}"
+    return " ".join(f"‘{figures.visible_token(string)}’" for string in tokens.strings)
+
+
+class PatchingForm(SubmitOnceForm):
+    """A clean and a corrupted prompt of the same token length, a one-token target, and the
+    layers and positions to patch (empty: all)."""
+
+    prefix = "patch"
+
+    clean_prompt = forms.CharField(
+        label="Clean prompt",
+        strip=False,
+        max_length=MAX_PATCHING_PROMPT_CHARS,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="The prompt whose activations are patched in.",
+    )
+    corrupted_prompt = forms.CharField(
+        label="Corrupted prompt",
+        strip=False,
+        max_length=MAX_PATCHING_PROMPT_CHARS,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="Same number of tokens as the clean prompt; usually a few words changed.",
+    )
+    target = forms.CharField(
+        label="Target token",
+        strip=False,
+        max_length=100,
+        help_text="One token, with its leading space if it has one (e.g. “ Paris”); its "
+        "logprob after the prompt is what patching restores.",
+    )
+    layers = forms.CharField(
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        help_text="Comma-separated layer indices; empty: every layer.",
+    )
+    positions = forms.CharField(
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        help_text="Comma-separated token positions (0 is the first token); empty: every one.",
+    )
+
+    def __init__(self, *args, capabilities: ModelCapabilities, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capabilities = capabilities
+        if capabilities.n_layers:
+            self.fields["layers"].help_text += f" Layers 0–{capabilities.n_layers - 1}."
+        self.fields[
+            "positions"
+        ].help_text += f" At most {MAX_PATCHING_CELLS} layers × positions (one request each)."
+
+    def clean(self):
+        data = super().clean()
+        reason = self.capabilities.activations_reason
+        if reason:
+            raise forms.ValidationError(reason)
+        if not all(data.get(name) for name in ("clean_prompt", "corrupted_prompt", "target")):
+            return data
+        try:
+            clean, corrupted, target = tokenize(
+                self.capabilities.id,
+                [
+                    (data["clean_prompt"], True),
+                    (data["corrupted_prompt"], True),
+                    (data["target"], False),
+                ],
+            )
+        except ApiError as error:
+            raise forms.ValidationError(
+                f"The prompts could not be tokenized ({error.code}: {error.message})."
+            ) from None
+        if len(clean.ids) != len(corrupted.ids):
+            self.add_error(
+                "corrupted_prompt",
+                f"The corrupted prompt is {len(corrupted.ids)} tokens and the clean prompt "
+                f"{len(clean.ids)}; patching needs the same length. Clean: {_shown(clean)}. "
+                f"Corrupted: {_shown(corrupted)}.",
+            )
+        elif len(clean.ids) > MAX_PATCHING_PROMPT_TOKENS:
+            self.add_error(
+                "clean_prompt",
+                f"The prompts are {len(clean.ids)} tokens; at most {MAX_PATCHING_PROMPT_TOKENS}.",
+            )
+        if len(target.ids) != 1:
+            self.add_error(
+                "target",
+                f"The target must be one token; it is {len(target.ids)}: {_shown(target)}.",
+            )
+        if self.errors:
+            return data
+        data["clean_tokens"], data["corrupted_tokens"] = clean, corrupted
+        data["target_id"] = target.ids[0]
+        data["layer_list"] = self._indices("layers", self.capabilities.n_layers, "layer")
+        data["position_list"] = self._indices("positions", len(clean.ids), "position")
+        if self.errors:
+            return data
+        cells = len(data["layer_list"]) * len(data["position_list"])
+        if cells > MAX_PATCHING_CELLS:
+            self.add_error(
+                "positions",
+                f"{len(data['layer_list'])} layers × {len(data['position_list'])} positions "
+                f"is {cells} requests; at most {MAX_PATCHING_CELLS}. Choose fewer.",
+            )
+        return data
+
+    def _indices(self, name: str, count: int | None, what: str) -> list[int] | None:
+        """The sorted indices given in field `name` (all `count` when empty), each checked."""
+        text = self.cleaned_data.get(name) or ""
+        if not text.strip():
+            if count is None:
+                self.add_error(name, f"The model's {what} count is unknown: list the {name}.")
+                return None
+            return list(range(count))
+        try:
+            values = int_list(text, field=name.capitalize(), max_count=count or 1000)
+        except forms.ValidationError as error:
+            self.add_error(name, error)
+            return None
+        outside = next((v for v in values if v < 0 or (count and v >= count)), None)
+        if outside is not None:
+            self.add_error(name, f"No such {what}: {outside}. They run from 0 to {count - 1}.")
+            return None
+        return sorted(values)
