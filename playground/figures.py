@@ -91,7 +91,10 @@ FULL_VOCAB_TOP_SHOWN = 20
 
 
 def _top_list(pairs, actual: str, limit: int | None = None) -> list[dict]:
-    """The alternatives `(token, logprob)` from the most likely down (the first `limit`)."""
+    """The alternatives `(token, logprob)` from the most likely down (the first `limit`),
+    equally likely ones by token text: bfloat16 logprobs tie often, and the stored answer
+    (jsonb) does not keep the order the API sent them in. Give `pairs` in rank order where
+    the API states ranks: ties then keep it."""
     ordered = sorted(pairs, key=lambda pair: -pair[1])[:limit]
     return [
         {"token": token, "logprob": logprob, "is_actual": token == actual}
@@ -125,7 +128,13 @@ def prompt_positions(
         token = actual["decoded_token"]
         if remaining.endswith(token):
             remaining = remaining[: len(remaining) - len(token)]
-        pairs = [(item["decoded_token"], item["logprob"]) for item in entry.values()]
+        # Among equal ranks the position's own token comes last: when the API added it to
+        # the k asked for, it is that extra one.
+        by_rank = sorted(
+            entry.items(),
+            key=lambda pair: (pair[1]["rank"], pair[0] == token_id, pair[1]["decoded_token"]),
+        )
+        pairs = [(item["decoded_token"], item["logprob"]) for _, item in by_rank]
         reversed_positions.append(
             {
                 "source": "prompt",
@@ -163,7 +172,7 @@ def completion_positions(logprobs: dict | None, *, skip: int = 0, k: int = 0) ->
             continue
         logprob = logprobs["token_logprobs"][index]
         alternatives = tops[index] if index < len(tops) and tops[index] else {}
-        top = _top_list(alternatives.items(), token)
+        top = _top_list(sorted(alternatives.items()), token)
         higher = [item for item in top if logprob is not None and item["logprob"] > logprob]
         # Its rank is known only within the k asked for; beyond them, tokens that were not
         # returned may come between.

@@ -398,7 +398,7 @@ def run_figure(request, run_id, name):
     response = run.response
     choice = _choice_param(request, run)
     if name == "topk":
-        positions = figures.token_positions(run.request, response, choice)
+        positions = figures.token_positions(run.request, response, choice, run.tokens)
         position = positions[_int_param(request, "position", upper=len(positions))]
         figure = figures.top_k_figure(position)
     elif name == "distribution":
