@@ -193,7 +193,9 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     run = run_claim(run_id=run_id)
     if run is None:
         return None
-    streams.publish(run.id, {"type": "status", "status": RunStatus.RUNNING})
+    streams.publish(
+        run.id, {"type": "status", "status": RunStatus.RUNNING, "label": RunStatus.RUNNING.label}
+    )
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(run.user))
     progress = {"tokens": 0}
     try:

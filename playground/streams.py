@@ -2,8 +2,9 @@
 
 The worker appends events with `publish`; the web process reads them with `follow`, which
 first replays everything already there and then blocks for the rest, so a page reloaded
-mid-run resumes where it was. Events are small JSON objects with a `type`:
-`status` ({"status"}), `token` ({"choice", "text"}), `end` ({"status", "error"?}).
+mid-run resumes where it was. Events are small JSON objects with a `type`: `status`
+({"status", "label": the status as pages name it}), `token` ({"choice", "text"}), `end`
+({"status", "error"?}).
 """
 
 import json

@@ -49,7 +49,7 @@
     source.onmessage = function (message) {
       var event = JSON.parse(message.data);
       if (event.type === "status") {
-        badge.textContent = event.status;
+        badge.textContent = event.label;
         badge.className = "badge " + event.status;
         panel.dataset.runStatus = event.status;
       } else if (event.type === "token") {

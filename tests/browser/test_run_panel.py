@@ -204,3 +204,28 @@ def test_tokens_with_quotes_and_markup_are_shown_as_typed(page):
     hover = strip.locator(".hoverlayer .hovertext")
     expect(hover).to_contain_text('"')
     assert not any(entity in hover.text_content() for entity in ESCAPED)
+
+
+# Records every text the run badges show, from the page's first script on.
+BADGE_RECORDER = """
+window.badgeTexts = [];
+new MutationObserver(() => document.querySelectorAll("[data-run-badge]").forEach(
+    (badge) => window.badgeTexts.push(badge.textContent.trim())
+)).observe(document, {subtree: true, childList: true, characterData: true});
+"""
+
+
+def test_a_run_that_ends_at_once_says_why_and_the_live_badge_reads_as_everywhere(page):
+    page.add_init_script(BADGE_RECORDER)
+    # Greedy after "Once upon a time" the first token holds one of these stop strings.
+    panel = submit_completion(
+        page, prompt="Once upon a time", max_tokens=16, temperature=0, stop=" \n,\n.",
+        stream=True,
+    )  # fmt: skip
+    expect_finished(panel)
+    expect(panel.locator("[data-empty-choice]")).to_contain_text(
+        "the model stopped at its first token"
+    )
+    expect(panel.locator(".timings")).to_contain_text(re.compile(r"\d{2}:\d{2}:\d{2} UTC"))
+    shown = set(page.evaluate("window.badgeTexts"))
+    assert "Running" in shown and shown <= {"Queued", "Running", "Succeeded"}, shown

@@ -3,6 +3,7 @@ without HX-Request, model output shown as text, the SSE replay, downloads and fo
 
 import ast
 import asyncio
+import datetime as dt
 import io
 import json
 import re
@@ -272,6 +273,28 @@ def test_run_page_shows_request_response_timings_usage_and_figures(user_client, 
     for name in ("tokens", "topk", "surprisal"):
         assert f'data-plot="{name}"' in body
     assert "Copy as Python (openai SDK)" in body and "Edit and re-run" in body
+
+
+def test_run_panel_times_are_utc_to_the_second(user_client, approved_user):
+    queued = dt.datetime(2026, 12, 1, 14, 3, 59, 744861, tzinfo=dt.UTC)
+    run = finished_run(approved_user, queued_at=queued)
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert "2026-12-01 14:03:59 UTC" in body
+    assert "744861" not in body
+
+
+def test_a_choice_that_ended_at_once_says_why_it_is_empty(user_client, approved_user):
+    response = recorded("completion_logprobs.json")
+    response["choices"][0].update(text="", finish_reason="stop")
+    response["choices"][0]["logprobs"] = None
+    request = {"model": "smollm2-135m", "prompt": "x", "stop": [" "]}
+    run = finished_run(approved_user, request=request, response=response)
+    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert "the model stopped at its first token" in body
+    assert "held a stop string of the request" in body
+    full = finished_run(approved_user)
+    body = user_client.get(reverse("playground:run_detail", args=[full.id])).content.decode()
+    assert "data-empty-choice" not in body
 
 
 def test_htmx_run_panel_is_a_partial(user_client, approved_user):
