@@ -99,7 +99,8 @@ def test_token_labels_keep_quotes_plotly_would_show_as_entities():
 
 def test_top_k_figure_highlights_the_actual_token(positions):
     bar = figures.top_k_figure(positions[6]).data[0]
-    assert list(bar.y) == [".", ",", "·and", ").", "·("]
+    # ")." and " (" are equally likely (bfloat16): ties go by token text.
+    assert list(bar.y) == [".", ",", "·and", "·(", ")."]
     assert bar.marker.color[0] == "#1f5fbf" and bar.marker.color[1] == "#9db3d6"
 
 

@@ -8,7 +8,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from playground import services
+from playground import services, views
 from playground.history import RUNS_PER_PAGE
 from playground.models import Run, RunKind, RunStatus
 
@@ -19,7 +19,7 @@ HISTORY = "playground:run_history"
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
 
 
 @pytest.fixture

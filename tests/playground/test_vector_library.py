@@ -11,7 +11,7 @@ import zstandard
 from django.urls import reverse
 
 from acs_client.codec import decode
-from playground import services, vectors
+from playground import services, vectors, views
 from playground.models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
 
 from .conftest import recorded
@@ -29,7 +29,7 @@ BF16_RELATIVE = 2.0**-8
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
 
 
 @pytest.fixture
