@@ -15,7 +15,7 @@ from django.urls import reverse
 
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
-from playground import patching, patching_forms, selectors, services, tasks
+from playground import patching, patching_forms, selectors, tasks, views
 from playground.models import Run, RunKind, RunStatus
 
 from .test_views import HTMX, MODEL
@@ -39,7 +39,7 @@ def word_tokens(text: str, add_special_tokens: bool) -> PromptTokens:
 
 @pytest.fixture(autouse=True)
 def tokenizer(monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([MODEL], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     monkeypatch.setattr(
         patching_forms,
         "tokenize",

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from django.urls import reverse
 
-from playground import services
+from playground import views
 from playground.models import Run, RunKind, RunStatus, SteeringScore
 
 from .conftest import recorded
@@ -68,7 +68,7 @@ def test_sweep_page_embeds_each_scale_for_the_slider(user_client, approved_user)
 
 
 def test_the_playground_page_scrubs_the_latest_sweep_too(user_client, approved_user, monkeypatch):
-    monkeypatch.setattr(services, "language_models_fetch", lambda *, user: ([], ""))
+    monkeypatch.setattr(views, "model_cards", lambda: [])
     group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
     page = user_client.get(reverse("playground:page")).content.decode()
     assert [s["scale"] for s in steps_of(page, group)] == [0.0, 4.0, 8.0]
