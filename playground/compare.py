@@ -35,7 +35,8 @@ from acs_portal.celery import task_send
 
 from . import figures, scoring
 from .models import Run, RunComparison, RunStatus
-from .services import ScoreUnavailable, run_token_ids, worker_secret
+from .services.keys import worker_secret
+from .services.scores import ScoreUnavailable, run_token_ids
 
 logger = logging.getLogger(__name__)
 

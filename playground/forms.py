@@ -22,7 +22,7 @@ from api.limits import MAX_BODY_BYTES
 
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
-from .services import VectorError, vector_from_upload
+from .services.vectors import VectorError, vector_from_upload
 from .vectors import steering_entry
 
 DEFAULT_MAX_LOGPROBS = 100

@@ -31,10 +31,9 @@ from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
 
-# `services` imports this module (its workers create the patched runs), so it is used here
-# as `services.x` only, at call time.
-from . import figures, selectors, services
+from . import figures, selectors
 from .models import Run, RunKind, RunStatus
+from .services.runs import run_create, submitted_once
 
 # |clean − corrupted| below this many nats leaves nothing to restore: no normalised effect.
 MIN_LOGPROB_GAP = 1e-3
@@ -86,7 +85,7 @@ def patching_grid_create(
         group = uuid.uuid4()
         with transaction.atomic():
             for role, tokens in (("clean", clean), ("corrupted", corrupted)):
-                services.run_create(
+                run_create(
                     user=user,
                     kind=RunKind.PATCHING_CAPTURE,
                     group=group,
@@ -98,7 +97,7 @@ def patching_grid_create(
                 )
         return group
 
-    return services.submitted_once(
+    return submitted_once(
         user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
     )
 
@@ -144,7 +143,7 @@ def patched_runs_create(*, group) -> int:
                         "norm_match": False,
                     }
                 ]
-                services.run_create(
+                run_create(
                     user=clean.user,
                     kind=RunKind.PATCHED,
                     group=group,

@@ -3,18 +3,20 @@
 from celery import shared_task
 from django.conf import settings
 
-from . import compare, patching, services
+from . import compare, patching
 from .models import RunKind, RunStatus
+from .services.run_execution import RunRetry, run_execute
+from .services.runs import runs_fail_stuck
+from .services.scores import steering_score_execute, steering_scores_fail_stuck
+from .services.submissions import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
 def run_execute_task(self, run_id: str) -> None:
     """Execute one playground run; retried only on transient API errors."""
     try:
-        run = services.run_execute(
-            run_id=run_id, final_attempt=self.request.retries >= self.max_retries
-        )
-    except services.RunRetry as retry:
+        run = run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
+    except RunRetry as retry:
         raise self.retry(countdown=retry.countdown) from None
     # A patching grid's patched runs follow its captures; started here because `patching`
     # builds its runs with `services`.
@@ -30,17 +32,17 @@ def run_execute_task(self, run_id: str) -> None:
 def job_submission_send_task(self, submission_id: str) -> None:
     """Send one job asked for on the Jobs page to /v1; retried only when the API asks to."""
     try:
-        services.job_submission_send(
+        job_submission_send(
             submission_id=submission_id, final_attempt=self.request.retries >= self.max_retries
         )
-    except services.SubmissionRetry as retry:
+    except SubmissionRetry as retry:
         raise self.retry(countdown=retry.countdown) from None
 
 
 @shared_task(acks_late=True)
 def steering_score_execute_task(score_id: str) -> None:
     """Compare a steering comparison's runs on the same tokens (teacher-forced requests)."""
-    services.steering_score_execute(score_id=score_id)
+    steering_score_execute(score_id=score_id)
 
 
 @shared_task(acks_late=True)
@@ -52,11 +54,11 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 @shared_task
 def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `services.runs_fail_stuck`, `services.steering_scores_fail_stuck`,
-    `services.job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`)."""
+    queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
+    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`)."""
     return (
-        services.runs_fail_stuck()
-        + services.steering_scores_fail_stuck()
-        + services.job_submissions_fail_stuck()
+        runs_fail_stuck()
+        + steering_scores_fail_stuck()
+        + job_submissions_fail_stuck()
         + compare.comparisons_fail_stuck()
     )

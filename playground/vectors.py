@@ -10,7 +10,7 @@ from accounts.models import User
 
 from . import figures
 from .models import Run, SteeringVector, VectorMethod
-from .services import steering_activations, steering_vector_create
+from .services.vectors import steering_activations, steering_vector_create
 
 
 class CaptureError(ValueError):

@@ -22,7 +22,7 @@ from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
 from api.selectors import model_cards
 
-from . import compare, figures, scrub, selectors, services, streams
+from . import compare, figures, scrub, selectors, streams
 from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
@@ -33,6 +33,13 @@ from .forms import (
 )
 from .history import HistoryFilterForm, runs_page
 from .models import Run, RunKind, RunStatus, VectorMethod
+from .services.runs import run_create
+from .services.vectors import (
+    REFERENCE_PROMPTS,
+    contrast_runs_create,
+    steering_runs_create,
+    steering_vector_create,
+)
 from .vector_forms import SaveVectorForm
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
@@ -69,7 +76,7 @@ def page_context(request, **overrides):
         "runs": selectors.runs_for_user(user=request.user),
         "vectors": selectors.vectors_for_user(user=request.user),
         "typical_norm_definition": figures.TYPICAL_NORM_DEFINITION,
-        "reference_prompt_count": len(services.REFERENCE_PROMPTS),
+        "reference_prompt_count": len(REFERENCE_PROMPTS),
     }
     context.update(_forms(request, capabilities, models, initial=overrides.pop("initial", None)))
     context.update(overrides)
@@ -156,7 +163,7 @@ def run_submit(request):
             "scale": data["steer_scale"],
             "meta": {"vector_name": vector.name, "layers": data["steer_layer_list"]},
         }
-    run = services.run_create(
+    run = run_create(
         user=request.user,
         request=form.to_request(),
         submit_token=data["submit_token"],
@@ -186,7 +193,7 @@ def _run_created(request, run: Run):
 @require_POST
 def run_rerun(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    return _run_created(request, services.run_create(user=request.user, request=run.request))
+    return _run_created(request, run_create(user=request.user, request=run.request))
 
 
 @approved_required
@@ -499,7 +506,7 @@ def vector_contrast_create(request):
             request, form=form, context_name="contrast_form", fragment="vectors", target="#vectors"
         )
     data = form.cleaned_data
-    group = services.contrast_runs_create(
+    group = contrast_runs_create(
         user=request.user,
         model=capabilities.id,
         name=data["name"],
@@ -521,7 +528,7 @@ def vector_upload(request):
         return _form_error(
             request, form=form, context_name="upload_form", fragment="vectors", target="#vectors"
         )
-    services.steering_vector_create(
+    steering_vector_create(
         user=request.user,
         name=form.cleaned_data["name"],
         model=capabilities.id,
@@ -563,7 +570,7 @@ def steering_submit(request):
         )
     data = form.cleaned_data
     scales = data["scale_list"]
-    group = services.steering_runs_create(
+    group = steering_runs_create(
         user=request.user,
         base_request=form.base_request(),
         vector=data["vector"],

@@ -15,9 +15,9 @@ from api.jobs import selectors
 from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
 from api.selectors import model_cards
 from playground import selectors as playground_selectors
-from playground import services as playground_services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind
+from playground.services.submissions import job_submission_create
 
 from .figures import harvest_norm_figure
 
@@ -122,7 +122,7 @@ def _job_submit(request, *, kind: str, form_class, activations: bool = False):
     form = form_class(request.POST, request.FILES, models=models, capabilities=capabilities)
     if not form.is_valid():
         return _form_errors(request, **{f"{prefix}_form": form})
-    playground_services.job_submission_create(
+    job_submission_create(
         user=request.user,
         kind=kind,
         request=form.to_request(),

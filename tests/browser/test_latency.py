@@ -9,7 +9,7 @@ from playwright.sync_api import expect
 
 from accounts.models import ApiKey
 from playground.models import Run
-from playground.services import playground_key_secret
+from playground.services.keys import playground_key_secret
 
 from .conftest import BROWSER_USER
 from .test_playground import run_panel_after

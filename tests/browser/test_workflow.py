@@ -11,8 +11,8 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from accounts.models import User
-from playground import services
 from playground.models import Run, RunKind, RunStatus, SteeringScore
+from playground.services.vectors import steering_vector_create
 from tests.conftest import make_user
 from tests.playground.conftest import recorded
 
@@ -76,7 +76,7 @@ def history_user(system, django_db_blocker):
 def seed_a_filled_playground(user) -> None:
     """What a researcher's playground shows after a while: a vector in the library, a
     steering comparison, and a capture as the latest completion run (recorded /v1 answers)."""
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=user, name=f"long {LONG_TOKEN[:90]}", model="smollm2-135m",
         layer=4, method="upload", vector=np.ones(576, dtype=np.float32),
         details={"filename": f"{LONG_TOKEN}.npy"},

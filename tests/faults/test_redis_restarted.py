@@ -15,8 +15,8 @@ from acs_portal.celery import app as celery_app
 from acs_portal.redis import redis_sync_reset
 from api.auth import GENERATION_KEY, access_generation_bump
 from metering.models import UsageRecord
-from playground import services as playground_services
 from playground.models import Run
+from playground.services.runs import run_create
 from tests.playground.conftest import replay
 
 from .conftest import STUB_MODEL, wait_for
@@ -147,7 +147,7 @@ def test_redis_restart_keeps_holds_and_admission_and_playground_recover(
 def _playground_run_succeeds(account) -> None:
     """Send a playground run through the system's broker; its worker calls the gateway and
     publishes the run's events to Redis."""
-    run = playground_services.run_create(
+    run = run_create(
         user=account.user, request={"model": STUB_MODEL, "prompt": "hello", "max_tokens": 2}
     )
     finished = wait_for(

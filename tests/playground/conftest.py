@@ -15,6 +15,12 @@ from playground import streams
 from tests.gateway.conftest import gateway_url  # noqa: F401 (the live /v1 gateway)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The modules whose workers call /v1 with `AcsClient`.
+WORKER_MODULES = (
+    "playground.services.run_execution",
+    "playground.services.scores",
+    "playground.services.submissions",
+)
 
 
 def replay(run_id) -> list[dict]:
@@ -45,10 +51,17 @@ def gateway(monkeypatch):
     fake = Gateway()
     fake.requests = []
     transport = httpx.MockTransport(fake)
-    monkeypatch.setattr(
-        "playground.services.AcsClient", functools.partial(AcsClient, transport=transport)
-    )
+    workers_client(monkeypatch, transport)
     return fake
+
+
+def workers_client(monkeypatch, transport: httpx.BaseTransport) -> None:
+    """Send the /v1 calls of the playground's workers (runs, same-token scores, job
+    submissions) through `transport`."""
+    for module in WORKER_MODULES:
+        monkeypatch.setattr(
+            f"{module}.AcsClient", functools.partial(AcsClient, transport=transport)
+        )
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ tokenizer.json for the prompt's tokens), never with `playground.figures` or `sco
 """
 
 import base64
-import functools
 import html
 import json
 import re
@@ -23,15 +22,24 @@ import zstandard
 from django.urls import reverse
 from tokenizers import Tokenizer
 
-from acs_client.client import AcsClient
 from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
-from playground import services, views
+from playground import views
 from playground.models import Run, RunKind, RunStatus, SteeringScore
+from playground.services.run_execution import run_execute
+from playground.services.runs import run_create
+from playground.services.scores import steering_score_execute
+from playground.services.vectors import (
+    contrast_runs_create,
+    steering_runs_create,
+    steering_vector_create,
+)
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
+
+from .conftest import workers_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -79,9 +87,7 @@ def science(engine_url, gateway_url, approved_user, settings, redis_client, monk
     registry_clear()
     settings.GATEWAY_URL = gateway_url
     recorder = Recorder()
-    monkeypatch.setattr(
-        "playground.services.AcsClient", functools.partial(AcsClient, transport=recorder)
-    )
+    workers_client(monkeypatch, recorder)
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL_ENTRY])
     queued = []
     monkeypatch.setattr(celery_app, "send_task", lambda name, args, **_: queued.append(args[0]))
@@ -134,8 +140,8 @@ def figure_of(response) -> dict:
 
 
 def run_through(user, request: dict) -> Run:
-    run = services.run_create(user=user, request=request)
-    run = services.run_execute(run_id=run.id, final_attempt=True)
+    run = run_create(user=user, request=request)
+    run = run_execute(run_id=run.id, final_attempt=True)
     assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error_message)
     return run
 
@@ -397,20 +403,20 @@ def same_tokens(recorder, tokenizer, steered_request, steered_raw, *, prompt_ids
 
 def steer(user, *, prompt, scales, kind, target=""):
     rng = np.random.default_rng(0)
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=user, name="noise", model=MODEL, layer=6, method="upload",
         vector=(rng.standard_normal(576) * 2).astype(np.float32), details={"filename": "n.npy"},
     )  # fmt: skip
-    group = services.steering_runs_create(
+    group = steering_runs_create(
         user=user,
         base_request={"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0,
                       "seed": 0, "logprobs": 2},
         vector=vector, layers=[6], scales=scales, kind=kind, target_token=target,
     )  # fmt: skip
     for run in Run.objects.filter(group=group):
-        services.run_execute(run_id=run.id, final_attempt=True)
+        run_execute(run_id=run.id, final_attempt=True)
     score = SteeringScore.objects.get(group=group)
-    score = services.steering_score_execute(score_id=score.pk)
+    score = steering_score_execute(score_id=score.pk)
     assert score.status == RunStatus.SUCCEEDED, (score.error_code, score.error_message)
     return group, sorted(Run.objects.filter(group=group), key=lambda run: run.scale)
 
@@ -487,12 +493,12 @@ def test_typical_norm_is_the_median_over_reference_positions_after_the_first(
     science, approved_user, page_client
 ):
     recorder, _ = science
-    group = services.contrast_runs_create(
+    group = contrast_runs_create(
         user=approved_user, model=MODEL, name="mood", layer=12, method="contrast_last",
         positive="Joy, delight, happiness", negative="Grief, sorrow, sadness",
     )  # fmt: skip
     for run in Run.objects.filter(group=group):
-        services.run_execute(run_id=run.id, final_attempt=True)
+        run_execute(run_id=run.id, final_attempt=True)
     references = [
         residual_stream(recorder.answer_to(run.request))[0]
         for run in Run.objects.filter(group=group, meta__role="reference")

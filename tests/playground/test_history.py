@@ -8,9 +8,10 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from playground import services, views
+from playground import views
 from playground.history import RUNS_PER_PAGE
 from playground.models import Run, RunKind, RunStatus
+from playground.services.vectors import steering_vector_create
 
 from .test_views import HTMX, MODEL
 
@@ -41,7 +42,7 @@ def shown_prompts(body: str, prompts) -> set[str]:
 
 
 def test_filters_by_kind_prompt_text_and_vector(user_client, approved_user):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="honesty", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip
@@ -126,7 +127,7 @@ def test_bad_filters_are_field_errors(user_client, query, message):
 
 
 def test_another_users_runs_and_vectors_are_not_shown(user_client, approved_user, other_user):
-    theirs = services.steering_vector_create(
+    theirs = steering_vector_create(
         user=other_user, name="theirs", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip

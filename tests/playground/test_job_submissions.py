@@ -11,9 +11,15 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from acs_portal.celery import app as celery_app
-from playground import services
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind, JobSubmission, JobSubmissionStatus
+from playground.services.keys import playground_key_get_or_create
+from playground.services.submissions import (
+    SubmissionRetry,
+    job_submission_create,
+    job_submission_send,
+    job_submissions_fail_stuck,
+)
 
 from .test_runs import error
 from .test_views import MODEL
@@ -38,9 +44,7 @@ def enqueued(monkeypatch):
 
 
 def _submission(user, kind, request):
-    return services.job_submission_create(
-        user=user, kind=kind, request=request, submit_token=uuid.uuid4()
-    )
+    return job_submission_create(user=user, kind=kind, request=request, submit_token=uuid.uuid4())
 
 
 def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key(
@@ -48,12 +52,12 @@ def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key
 ):
     submission = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
     gateway.handler = lambda request: httpx.Response(202, json={"id": JOB_ID, "status": "queued"})
-    services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id, final_attempt=False)
 
     [sent] = gateway.requests
     assert sent.method == "POST" and sent.url.path == "/v1/completion-jobs"
     assert sent.headers["idempotency-key"] == str(submission.id)
-    _, secret = services.playground_key_get_or_create(user=approved_user)
+    _, secret = playground_key_get_or_create(user=approved_user)
     assert sent.headers["authorization"] == f"Bearer {secret}"
     assert json.loads(sent.content) == COMPLETION
     submission.refresh_from_db()
@@ -68,7 +72,7 @@ def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
     gateway.handler = lambda request: httpx.Response(
         202, json={"job_id": JOB_ID, "status": "pending", "model": "smollm2-135m", "n_prompts": 2}
     )
-    services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id, final_attempt=False)
     [sent] = gateway.requests
     assert sent.url.path == "/v1/harvest"
     assert sent.headers["idempotency-key"] == str(submission.id)
@@ -80,10 +84,10 @@ def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
 
 def test_the_same_form_submission_makes_one_submission(approved_user, enqueued):
     token = uuid.uuid4()
-    first = services.job_submission_create(
+    first = job_submission_create(
         user=approved_user, kind=JobKind.COMPLETION, request=COMPLETION, submit_token=token
     )
-    again = services.job_submission_create(
+    again = job_submission_create(
         user=approved_user, kind=JobKind.COMPLETION, request=COMPLETION, submit_token=token
     )
     assert again.id == first.id
@@ -93,7 +97,7 @@ def test_the_same_form_submission_makes_one_submission(approved_user, enqueued):
 def test_the_apis_refusal_is_kept_for_the_page(approved_user, gateway, enqueued):
     submission = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
     gateway.handler = lambda request: error(429, "budget_exceeded")
-    services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id, final_attempt=False)
     submission.refresh_from_db()
     assert submission.status == JobSubmissionStatus.REFUSED
     assert submission.error_code == "budget_exceeded"
@@ -103,8 +107,8 @@ def test_the_apis_refusal_is_kept_for_the_page(approved_user, gateway, enqueued)
 def test_a_refusal_that_asks_to_retry_queues_the_submission_again(approved_user, gateway, enqueued):
     submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
     gateway.handler = lambda request: error(429, "rate_limited", {"retry-after": "2"})
-    with pytest.raises(services.SubmissionRetry) as retry:
-        services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    with pytest.raises(SubmissionRetry) as retry:
+        job_submission_send(submission_id=submission.id, final_attempt=False)
     assert retry.value.countdown == 2
     submission.refresh_from_db()
     assert submission.status == JobSubmissionStatus.QUEUED
@@ -124,8 +128,8 @@ def test_a_job_is_resent_when_the_api_could_not_be_reached(
         raise httpx.ReadTimeout("no answer", request=request)
 
     gateway.handler = unreachable
-    with pytest.raises(services.SubmissionRetry):
-        services.job_submission_send(submission_id=submission.id, final_attempt=False)
+    with pytest.raises(SubmissionRetry):
+        job_submission_send(submission_id=submission.id, final_attempt=False)
     submission.refresh_from_db()
     assert submission.status == JobSubmissionStatus.QUEUED
 
@@ -136,7 +140,7 @@ def test_a_submission_no_worker_sent_is_refused_by_the_sweep(approved_user, enqu
         created_at=timezone.now() - dt.timedelta(hours=1)
     )
     fresh = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
-    assert services.job_submissions_fail_stuck() == 1
+    assert job_submissions_fail_stuck() == 1
     stuck.refresh_from_db()
     fresh.refresh_from_db()
     assert (stuck.status, stuck.error_code) == (JobSubmissionStatus.REFUSED, "not_sent")

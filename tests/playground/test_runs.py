@@ -15,8 +15,12 @@ from accounts.services.auth import api_key_authenticate
 from accounts.services.keys import api_key_revoke
 from acs_client.codec import decode
 from api.auth import access_generation_bump
-from playground import services, tasks
+from playground import tasks
 from playground.models import Run, RunKind, RunStatus
+from playground.services.keys import playground_key_get_or_create
+from playground.services.run_execution import RunRetry, run_claim, run_execute
+from playground.services.runs import run_create
+from playground.services.vectors import contrast_runs_create, steering_vector_from_contrast
 
 from .conftest import recorded, replay
 
@@ -31,12 +35,12 @@ def error(status, code, headers=None):
 
 @pytest.fixture
 def queued_run(approved_user, no_enqueue):
-    return services.run_create(user=approved_user, request=REQUEST)
+    return run_create(user=approved_user, request=REQUEST)
 
 
 def test_playground_key_is_created_once_with_an_encrypted_secret(approved_user):
-    key, secret = services.playground_key_get_or_create(user=approved_user)
-    again, same_secret = services.playground_key_get_or_create(user=approved_user)
+    key, secret = playground_key_get_or_create(user=approved_user)
+    again, same_secret = playground_key_get_or_create(user=approved_user)
     assert again.pk == key.pk and same_secret == secret
     assert key.is_playground and key.name == "Playground"
     assert secret not in key.encrypted_secret
@@ -54,7 +58,7 @@ def test_two_first_uses_at_once_make_one_key(approved_user):
     def first_use():
         barrier.wait()
         try:
-            secrets.append(services.playground_key_get_or_create(user=approved_user)[1])
+            secrets.append(playground_key_get_or_create(user=approved_user)[1])
         finally:
             connection.close()
 
@@ -71,7 +75,7 @@ def test_run_is_enqueued_only_after_commit(
     approved_user, no_enqueue, django_capture_on_commit_callbacks
 ):
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        run = services.run_create(user=approved_user, request=REQUEST)
+        run = run_create(user=approved_user, request=REQUEST)
     # Creating the playground key also schedules the gateway's access-cache refresh.
     enqueues = [callback for callback in callbacks if callback is not access_generation_bump]
     assert no_enqueue == [] and len(enqueues) == 1
@@ -82,14 +86,14 @@ def test_run_is_enqueued_only_after_commit(
 
 @pytest.mark.django_db(transaction=True)
 def test_two_workers_racing_claim_a_run_once(approved_user, no_enqueue):
-    run = services.run_create(user=approved_user, request=REQUEST)
+    run = run_create(user=approved_user, request=REQUEST)
     barrier = threading.Barrier(8)
     claims = []
 
     def worker():
         barrier.wait()
         try:
-            claims.append(services.run_claim(run_id=run.id))
+            claims.append(run_claim(run_id=run.id))
         finally:
             connection.close()
 
@@ -101,14 +105,14 @@ def test_two_workers_racing_claim_a_run_once(approved_user, no_enqueue):
     winners = [claim for claim in claims if claim is not None]
     assert len(claims) == 8 and len(winners) == 1
     assert winners[0].status == RunStatus.RUNNING
-    assert services.run_claim(run_id=run.id) is None
+    assert run_claim(run_id=run.id) is None
 
 
 def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, redis_client):
     gateway.handler = lambda request: httpx.Response(
         200, json=recorded("completion_logprobs.json"), headers=TIMING
     )
-    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id, final_attempt=False)
     assert run.status == RunStatus.SUCCEEDED
     assert run.response["choices"][0]["text"] == " Paris.\n\nThe answer"
     assert (run.gateway_ms, run.upstream_ms, run.request_id) == (14.5, 11.25, "req-9")
@@ -117,7 +121,7 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
     sent = gateway.requests[0]
     assert sent.url.path == "/v1/completions"
     assert httpx.Response(200, content=sent.content).json() == REQUEST
-    _, secret = services.playground_key_get_or_create(user=queued_run.user)
+    _, secret = playground_key_get_or_create(user=queued_run.user)
     assert sent.headers["authorization"] == f"Bearer {secret}"
     assert [event["type"] for event in replay(run.id)] == ["status", "end"]
 
@@ -125,11 +129,11 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
 def test_streamed_run_publishes_tokens_and_merges_the_frames(
     approved_user, no_enqueue, gateway, redis_client
 ):
-    run = services.run_create(user=approved_user, request={**REQUEST, "stream": True})
+    run = run_create(user=approved_user, request={**REQUEST, "stream": True})
     gateway.handler = lambda request: httpx.Response(
         200, text=recorded("stream.txt"), headers=TIMING
     )
-    run = services.run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id, final_attempt=False)
     events = replay(run.id)
     assert [e["text"] for e in events if e["type"] == "token"] == ["\n", "//", " create"]
     assert events[-1] == {"type": "end", "status": "succeeded"}
@@ -152,8 +156,8 @@ def test_streamed_run_publishes_tokens_and_merges_the_frames(
 )
 def test_transient_error_requeues_the_run_for_a_retry(queued_run, gateway, redis_client, answer):
     gateway.handler = lambda request: answer
-    with pytest.raises(services.RunRetry):
-        services.run_execute(run_id=queued_run.id, final_attempt=False)
+    with pytest.raises(RunRetry):
+        run_execute(run_id=queued_run.id, final_attempt=False)
     queued_run.refresh_from_db()
     assert queued_run.status == RunStatus.QUEUED and queued_run.attempts == 1
     assert replay(queued_run.id) == []
@@ -173,7 +177,7 @@ def test_permanent_error_fails_the_run_with_the_api_code(
     queued_run, gateway, redis_client, answer, code
 ):
     gateway.handler = lambda request: answer
-    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id, final_attempt=False)
     assert run.status == RunStatus.FAILED
     assert run.error_code == code and run.error_message == f"{code} happened"
     assert replay(run.id)[-1]["error"]["code"] == code
@@ -183,7 +187,7 @@ def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
     queued_run, gateway, redis_client
 ):
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "1"})
-    run = services.run_execute(run_id=queued_run.id, final_attempt=True)
+    run = run_execute(run_id=queued_run.id, final_attempt=True)
     assert run.status == RunStatus.FAILED and run.error_code == "circuit_open"
     assert run.error_message == "Gave up after 1 attempts. circuit_open happened"
 
@@ -191,12 +195,12 @@ def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
 def test_error_frame_after_tokens_fails_without_retry(
     approved_user, no_enqueue, gateway, redis_client
 ):
-    run = services.run_create(user=approved_user, request={**REQUEST, "stream": True})
+    run = run_create(user=approved_user, request={**REQUEST, "stream": True})
     body = 'data: {"choices":[{"index":0,"text":"Hi"}]}\n\n' + (
         'data: {"error":{"code":"vllm_engine_dead","message":"engine died"}}\n\n'
     )
     gateway.handler = lambda request: httpx.Response(200, text=body)
-    run = services.run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id, final_attempt=False)
     assert (run.status, run.error_code, run.error_message) == (
         RunStatus.FAILED, "vllm_engine_dead", "engine died"
     )  # fmt: skip
@@ -207,14 +211,14 @@ def test_unreadable_answer_fails_the_run_instead_of_leaving_it_running(
     queued_run, gateway, redis_client
 ):
     gateway.handler = lambda request: httpx.Response(200, text="not json")
-    run = services.run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id, final_attempt=False)
     assert run.status == RunStatus.FAILED and run.error_code == "playground_error"
 
 
 def test_finished_run_is_not_executed_again(queued_run, gateway, redis_client):
     gateway.handler = lambda request: httpx.Response(200, json=recorded("completion_logprobs.json"))
-    services.run_execute(run_id=queued_run.id, final_attempt=False)
-    assert services.run_execute(run_id=queued_run.id, final_attempt=False) is None
+    run_execute(run_id=queued_run.id, final_attempt=False)
+    assert run_execute(run_id=queued_run.id, final_attempt=False) is None
     assert len(gateway.requests) == 1
 
 
@@ -252,7 +256,7 @@ def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_c
 def test_contrast_pair_builds_one_vector_from_both_captures(
     approved_user, no_enqueue, gateway, redis_client
 ):
-    group = services.contrast_runs_create(
+    group = contrast_runs_create(
         user=approved_user,
         model="smollm2-135m",
         name="happy",
@@ -266,9 +270,9 @@ def test_contrast_pair_builds_one_vector_from_both_captures(
     runs = list(Run.objects.filter(group=group, kind=RunKind.CONTRAST))
     assert {r.request["output_residual_stream"][0] for r in runs} == {4}
     for run in runs[:-1]:
-        services.run_execute(run_id=run.id, final_attempt=False)
+        run_execute(run_id=run.id, final_attempt=False)
     assert not approved_user.steering_vectors.exists()
-    services.run_execute(run_id=runs[-1].id, final_attempt=False)
+    run_execute(run_id=runs[-1].id, final_attempt=False)
     vector = approved_user.steering_vectors.get()
     assert (vector.name, vector.layer, vector.hidden_size) == ("happy", 4, 576)
     assert vector.norm == 0.0  # both captures are the same recording
@@ -279,7 +283,7 @@ def test_contrast_pair_builds_one_vector_from_both_captures(
         float(np.median(np.linalg.norm(rows, axis=1)))
     )
     assert vector.details["typical_norm"]["positions"] == 4 * 4
-    assert services.steering_vector_from_contrast(group=group).pk == vector.pk
+    assert steering_vector_from_contrast(group=group).pk == vector.pk
 
 
 def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
@@ -316,13 +320,13 @@ def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_mes
     """The worker calls the real gateway, which checks the key on every request (its auth
     cache is refreshed by the revocation), so no start-time check of its own is needed."""
     settings.GATEWAY_URL = gateway_url
-    run = services.run_create(user=approved_user, request=REQUEST)
-    key, secret = services.playground_key_get_or_create(user=approved_user)
+    run = run_create(user=approved_user, request=REQUEST)
+    key, secret = playground_key_get_or_create(user=approved_user)
     models = httpx.get(f"{gateway_url}/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert models.status_code == 200  # the gateway now holds the key in its auth cache
     api_key_revoke(key=key, acting_user=approved_user)
 
-    run = services.run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id, final_attempt=False)
 
     assert run.status == RunStatus.FAILED
     assert run.error_code == "key_revoked"

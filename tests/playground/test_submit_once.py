@@ -11,8 +11,10 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from playground import services, views
+from playground import views
 from playground.models import Run, RunKind
+from playground.services.runs import run_create
+from playground.services.vectors import steering_vector_create
 
 from .test_views import HTMX, MODEL
 
@@ -30,7 +32,7 @@ def user_client(client, approved_user):
 
 @pytest.fixture
 def vector(approved_user):
-    return services.steering_vector_create(
+    return steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
@@ -176,8 +178,8 @@ def test_another_user_with_the_same_token_gets_a_run_of_their_own(
     approved_user, other_user, no_enqueue
 ):
     token = uuid.uuid4()
-    mine = services.run_create(user=approved_user, request={"prompt": "a"}, submit_token=token)
-    theirs = services.run_create(user=other_user, request={"prompt": "b"}, submit_token=token)
+    mine = run_create(user=approved_user, request={"prompt": "a"}, submit_token=token)
+    theirs = run_create(user=other_user, request={"prompt": "b"}, submit_token=token)
     assert mine.id != theirs.id and theirs.user == other_user
 
 
@@ -190,7 +192,7 @@ def test_concurrent_posts_of_one_token_create_one_run(approved_user, no_enqueue)
     def submit():
         try:
             barrier.wait(timeout=30)
-            made.append(services.run_create(user=approved_user, request={}, submit_token=token))
+            made.append(run_create(user=approved_user, request={}, submit_token=token))
         finally:
             connection.close()
 

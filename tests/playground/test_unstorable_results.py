@@ -7,8 +7,9 @@ import pytest
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from metering.models import UsageRecord
-from playground import services
 from playground.models import RunStatus
+from playground.services.run_execution import run_execute
+from playground.services.runs import run_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 from tests.overflow import overflowing_steering
@@ -36,8 +37,8 @@ def live_engine(engine_url, gateway_url, settings, redis_client, no_enqueue):
 
 
 def execute(user, request: dict):
-    run = services.run_create(user=user, request=request)
-    return services.run_execute(run_id=run.id, final_attempt=False)
+    run = run_create(user=user, request=request)
+    return run_execute(run_id=run.id, final_attempt=False)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -11,8 +11,9 @@ import zstandard
 from django.urls import reverse
 
 from acs_client.codec import decode
-from playground import services, vectors, views
+from playground import vectors, views
 from playground.models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
+from playground.services.vectors import steering_vector_create
 
 from .conftest import recorded
 from .test_views import HTMX, MODEL, finished_run
@@ -74,7 +75,7 @@ def other_capture(approved_user):
 
 
 def library_vector(user, *, name="honesty", layer=3, model="smollm2-135m", hidden=576):
-    return services.steering_vector_create(
+    return steering_vector_create(
         user=user, name=name, model=model, layer=layer, method=VectorMethod.UPLOAD,
         vector=np.linspace(-1, 1, hidden, dtype=np.float32),
     )  # fmt: skip

@@ -15,8 +15,9 @@ from django.urls import reverse
 
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
-from playground import selectors, services, streams, views
+from playground import selectors, streams, views
 from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
+from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
 
 from .conftest import recorded
 
@@ -207,7 +208,7 @@ async def test_another_users_run_events_are_404(
 
 
 def test_another_users_vector_is_404_and_not_selectable(user_client, other_user, no_enqueue):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=other_user, name="theirs", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip
@@ -516,7 +517,7 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
     assert sorted(r.meta["role"] for r in runs) == ["negative", "positive"] + ["reference"] * 4
     assert all(r.request["output_residual_stream"] == [12] for r in runs)
     references = [r.request["prompt"] for r in runs if r.meta["role"] == "reference"]
-    assert sorted(references) == sorted(services.REFERENCE_PROMPTS)
+    assert sorted(references) == sorted(REFERENCE_PROMPTS)
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
 
 
@@ -530,7 +531,7 @@ def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_us
     url = reverse("playground:group_detail", args=[group])
     # Both captures succeeded, but their worker has not saved the vector yet.
     assert 'data-finished="false"' in user_client.get(url, **HTMX).content.decode()
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32),
     )  # fmt: skip
@@ -542,7 +543,7 @@ def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_us
 def test_steering_runs_baseline_and_steered_with_the_same_seed(
     user_client, approved_user, no_enqueue
 ):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
@@ -572,7 +573,7 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
 
 
 def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_enqueue):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
         vector=np.full(576, 2.0, dtype=np.float32),
     )  # fmt: skip
@@ -589,7 +590,7 @@ def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_
 
 def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, approved_user):
     # The typical norm was measured at the vector's layer; another layer's can differ a lot.
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
@@ -605,7 +606,7 @@ def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, appro
 
 
 def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip
@@ -775,7 +776,7 @@ def test_norm_heatmap_colour_can_be_log_or_clipped(user_client, approved_user):
 def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     user_client, approved_user, no_enqueue
 ):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
@@ -819,7 +820,7 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
 
 
 def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no_enqueue):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
         vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
     )  # fmt: skip
@@ -874,7 +875,7 @@ def test_position_lists_show_tokens_as_the_figures_do(user_client, approved_user
 
 
 def test_run_download_names_the_steering_applied_and_its_vector(user_client, approved_user):
-    vector = services.steering_vector_create(
+    vector = steering_vector_create(
         user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
         vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
     )  # fmt: skip

@@ -1,0 +1,207 @@
+"""A run's execution by a Celery worker (`tasks.run_execute_task`): claimed, sent to /v1
+through `acs_client` with the user's playground key, exactly as an outside client would,
+its output published as it streams and its result stored."""
+
+import logging
+import time
+
+from django.conf import settings
+from django.db import DataError, connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from acs_client.client import AcsApiError, AcsClient
+from api.errors import result_unstorable
+
+from .. import streams
+from ..models import Run, RunKind, RunStatus
+from ..run_tokens import run_tokens
+from .keys import worker_secret
+from .runs import run_fail
+from .scores import STEERING_KINDS, steering_score_queue
+from .vectors import steering_vector_from_contrast
+
+logger = logging.getLogger(__name__)
+
+
+def run_claim(*, run_id) -> Run | None:
+    """Move a queued run to running and return it; None if another worker has it or it has
+    finished. The conditional update makes the claim atomic across workers."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            # The claim is on the path to the first token; a claim lost in a crash only
+            # leaves the run queued again, so it need not wait for the WAL flush.
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        claimed = Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
+            status=RunStatus.RUNNING, started_at=timezone.now(), attempts=F("attempts") + 1
+        )
+    if not claimed:
+        return None
+    return Run.objects.select_related("user").get(pk=run_id)
+
+
+class RunRetry(Exception):
+    """A transient failure before any output: the run is queued again for a retry."""
+
+    def __init__(self, countdown: float):
+        super().__init__(f"retry in {countdown}s")
+        self.countdown = countdown
+
+
+def run_execute(*, run_id, final_attempt: bool) -> Run | None:
+    """Claim the run, send its request, publish its output and store the result.
+
+    Raises `RunRetry` for a transient error (unreachable API, 429/502/503 with a Retry-After
+    of at most `PLAYGROUND_RUN_MAX_RETRY_DELAY`) when nothing was published yet and this is
+    not the final attempt; any other error fails the run with the API's code and message.
+    Returns None if the run could not be claimed.
+    """
+    run = run_claim(run_id=run_id)
+    if run is None:
+        return None
+    streams.publish(
+        run.id, {"type": "status", "status": RunStatus.RUNNING, "label": RunStatus.RUNNING.label}
+    )
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(run.user))
+    progress = {"tokens": 0}
+    try:
+        if run.request.get("stream"):
+            result = _execute_streaming(run, client, progress)
+        else:
+            completion = client.completions(run.request)
+            result = {
+                "response": completion.body,
+                "request_id": completion.request_id,
+                "timing": completion.server_timing,
+            }
+    except AcsApiError as error:
+        countdown = error.retry_after if error.retry_after is not None else 1
+        retryable = error.should_retry and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
+        if retryable and not progress["tokens"] and not final_attempt:
+            _run_requeue(run)
+            raise RunRetry(countdown) from error
+        message = error.message
+        if retryable and final_attempt:
+            message = f"Gave up after {run.attempts} attempts. {message}"
+        return _run_failed(run, code=error.code, message=message, request_id=error.request_id)
+    except Exception:
+        logger.exception("playground run %s failed", run.id)
+        return _run_failed(
+            run,
+            code="playground_error",
+            message="The playground worker could not process the answer; see the worker log.",
+        )
+    try:
+        run = _run_succeed(run=run, **result)
+    except DataError as refused:
+        logger.warning("playground run %s: result not stored: %s", run.id, refused)
+        error = result_unstorable(refused, request_id=result["request_id"])
+        return run_fail(
+            run=run, code=error.code, message=error.message, request_id=result["request_id"]
+        )
+    if run.kind == RunKind.CONTRAST:
+        steering_vector_from_contrast(group=run.group)
+    if run.kind in STEERING_KINDS:
+        steering_score_queue(group=run.group)
+    return run
+
+
+def _run_requeue(run: Run) -> None:
+    streams.reset(run.id)
+    Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(status=RunStatus.QUEUED)
+
+
+def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
+    body = dict(run.request)
+    frames = []
+    sent = time.perf_counter()
+    with client.stream_completions(body) as stream:
+        for frame in stream:
+            frames.append(frame)
+            for choice in frame.get("choices") or []:
+                text = choice.get("text") or ""
+                if not text:
+                    continue
+                arrived = timezone.now()
+                streams.publish(
+                    run.id, {"type": "token", "choice": choice.get("index", 0), "text": text}
+                )
+                if not progress["tokens"]:
+                    Run.objects.filter(pk=run.pk).update(
+                        first_token_at=arrived, api_ttft_ms=(time.perf_counter() - sent) * 1000
+                    )
+                progress["tokens"] += 1
+        return {
+            "response": merge_stream_frames(frames),
+            "request_id": stream.request_id,
+            "timing": stream.server_timing,
+        }
+
+
+def merge_stream_frames(frames: list[dict]) -> dict:
+    """Rebuild the non-streaming body from streamed frames: text and logprobs concatenated
+    per choice, prompt_logprobs and finish_reason kept, usage from the final frame."""
+    choices: dict[int, dict] = {}
+    merged = {"object": "text_completion", "choices": [], "usage": None}
+    for frame in frames:
+        for field in ("id", "created", "model"):
+            if field in frame:
+                merged[field] = frame[field]
+        if frame.get("usage"):
+            merged["usage"] = frame["usage"]
+        for piece in frame.get("choices") or []:
+            index = piece.get("index", 0)
+            choice = choices.setdefault(
+                index, {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+            )
+            choice["text"] += piece.get("text") or ""
+            if piece.get("finish_reason"):
+                choice["finish_reason"] = piece["finish_reason"]
+            if piece.get("prompt_logprobs") is not None:
+                choice["prompt_logprobs"] = piece["prompt_logprobs"]
+            if piece.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = piece["prompt_token_ids"]
+            logprobs = piece.get("logprobs")
+            if logprobs:
+                if choice["logprobs"] is None:
+                    choice["logprobs"] = {
+                        "tokens": [],
+                        "token_logprobs": [],
+                        "top_logprobs": [],
+                        "text_offset": [],
+                    }
+                for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    choice["logprobs"][field].extend(logprobs.get(field) or [])
+    merged["choices"] = [choices[index] for index in sorted(choices)]
+    return merged
+
+
+def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
+    """Store the run's response (DataError when the database cannot hold it) and end its
+    stream."""
+    # Tokenized after the answer, off the path to the first token.
+    tokens = run_tokens(run.request, response)
+    now = timezone.now()
+    with transaction.atomic():
+        Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.SUCCEEDED,
+            response=response,
+            tokens=tokens,
+            usage=response.get("usage"),
+            request_id=request_id,
+            gateway_ms=timing.get("gateway"),
+            upstream_ms=timing.get("upstream"),
+            finished_at=now,
+        )
+    streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
+    run.refresh_from_db()
+    return run
+
+
+def _run_failed(run: Run, **error) -> Run:
+    run = run_fail(run=run, **error)
+    if run.kind in STEERING_KINDS:
+        # The other runs may all be done: compare the ones that succeeded.
+        steering_score_queue(group=run.group)
+    return run

@@ -1,0 +1,122 @@
+"""Jobs asked for on the Jobs page: a completion or harvest job stored as a submission and
+sent to /v1 by a Celery worker with the user's playground key."""
+
+import datetime as dt
+import uuid
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from accounts.models import User
+from acs_client.client import AcsApiError, AcsClient
+from acs_portal.celery import task_send
+
+from ..models import JobKind, JobSubmission, JobSubmissionStatus
+from .keys import playground_key_get_or_create, worker_secret
+
+# The task that sends a job submission (`tasks.py`), enqueued by name.
+JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
+
+
+def job_submission_create(
+    *, user: User, kind: str, request: dict, submit_token: uuid.UUID | None = None
+) -> JobSubmission:
+    """Store a queued submission of a completion or harvest job and enqueue its sending once
+    the transaction commits. The same `submit_token` again returns the first submission (a
+    unique constraint decides between concurrent posts)."""
+
+    def existing() -> JobSubmission | None:
+        if submit_token is None:
+            return None
+        return JobSubmission.objects.filter(user=user, submit_token=submit_token).first()
+
+    if (submission := existing()) is not None:
+        return submission
+    try:
+        with transaction.atomic():
+            playground_key_get_or_create(user=user)
+            submission = JobSubmission.objects.create(
+                user=user, kind=kind, request=request, submit_token=submit_token
+            )
+            transaction.on_commit(lambda: task_send(JOB_SUBMISSION_SEND_TASK, str(submission.id)))
+    except IntegrityError:
+        if (submission := existing()) is None:
+            raise
+    return submission
+
+
+class SubmissionRetry(Exception):
+    """The API refused for now (Retry-After): the submission is queued again."""
+
+    def __init__(self, countdown: float):
+        super().__init__(f"retry in {countdown}s")
+        self.countdown = countdown
+
+
+def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission | None:
+    """Claim a queued submission and send it to /v1 with the user's playground key, a
+    completion job or a harvest with the submission's id as its Idempotency-Key (so a resend
+    never makes a second job). Keeps the API's job id, or its error. Raises
+    `SubmissionRetry` for an answer that asks to retry within
+    `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
+    the final attempt. Returns None if the submission could not be claimed."""
+    claimed = JobSubmission.objects.filter(
+        pk=submission_id, status=JobSubmissionStatus.QUEUED
+    ).update(status=JobSubmissionStatus.SENDING, attempts=F("attempts") + 1)
+    if not claimed:
+        return None
+    submission = JobSubmission.objects.select_related("user").get(pk=submission_id)
+    client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(submission.user))
+    try:
+        if submission.kind == JobKind.COMPLETION:
+            job_id = client.submit_completion_job(
+                submission.request, idempotency_key=str(submission.id)
+            ).id
+        else:
+            job_id = client.submit_harvest(
+                submission.request, idempotency_key=str(submission.id)
+            ).job_id
+    except AcsApiError as error:
+        countdown = error.retry_after if error.retry_after is not None else 1
+        if (
+            error.should_retry
+            and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
+            and not final_attempt
+        ):
+            JobSubmission.objects.filter(pk=submission.pk).update(status=JobSubmissionStatus.QUEUED)
+            raise SubmissionRetry(countdown) from error
+        return _job_submission_refuse(submission, code=error.code, message=error.message)
+    JobSubmission.objects.filter(pk=submission.pk).update(
+        status=JobSubmissionStatus.SUBMITTED, job_id=job_id, sent_at=timezone.now()
+    )
+    submission.refresh_from_db()
+    return submission
+
+
+def _job_submission_refuse(submission: JobSubmission, *, code: str, message: str):
+    JobSubmission.objects.filter(pk=submission.pk).update(
+        status=JobSubmissionStatus.REFUSED,
+        error_code=code,
+        error_message=message,
+        sent_at=timezone.now(),
+    )
+    submission.refresh_from_db()
+    return submission
+
+
+def job_submissions_fail_stuck(*, now=None) -> int:
+    """Refuse submissions still queued or sending after `PLAYGROUND_RUN_STUCK_SECONDS` (no
+    worker took them, or their worker died mid-send), so the Jobs page stops waiting for
+    them. Returns how many. Run by beat with the runs sweep."""
+    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return JobSubmission.objects.filter(
+        status__in=(JobSubmissionStatus.QUEUED, JobSubmissionStatus.SENDING),
+        created_at__lt=cutoff,
+    ).update(
+        status=JobSubmissionStatus.REFUSED,
+        error_code="not_sent",
+        error_message="No worker sent this job in time; check the jobs below, then submit again.",
+        sent_at=now or timezone.now(),
+    )

@@ -1,0 +1,271 @@
+"""The steering-vector library: uploaded vectors, vectors built from a contrast pair's
+captures, and the runs that steer with a vector."""
+
+import uuid
+
+import numpy as np
+from django.db import IntegrityError, transaction
+
+from accounts.models import User
+from acs_client.codec import decode, encode_vector
+
+from .. import figures
+from ..models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
+from .runs import run_enqueue, submitted_once
+
+
+class VectorError(ValueError):
+    """An uploaded or built vector that cannot be used; the message names the problem."""
+
+
+def vector_from_upload(array: np.ndarray, *, hidden_size: int) -> np.ndarray:
+    """Check an uploaded array is `[hidden]` or `[1, hidden]` floats and return it as
+    float32 `[hidden]`."""
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise VectorError(f"The array has dtype {array.dtype}; upload float values.")
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1 or array.shape[0] != hidden_size:
+        raise VectorError(
+            f"The array has shape {list(array.shape)}; this model needs [{hidden_size}] "
+            f"or [1, {hidden_size}]."
+        )
+    if not np.all(np.isfinite(array)):
+        raise VectorError("The array contains NaN or infinite values.")
+    return array.astype(np.float32)
+
+
+def steering_vector_create(
+    *,
+    user: User,
+    name: str,
+    model: str,
+    layer: int,
+    method: str,
+    vector: np.ndarray,
+    details: dict | None = None,
+    layer_typical_norm: float | None = None,
+    source_group: uuid.UUID | None = None,
+) -> SteeringVector:
+    """Save a `[hidden]` vector in the user's library (stored in the API's codec)."""
+    return SteeringVector.objects.create(
+        user=user,
+        name=name,
+        model=model,
+        layer=layer,
+        method=method,
+        details=details or {},
+        hidden_size=int(vector.shape[0]),
+        norm=float(np.linalg.norm(vector)),
+        layer_typical_norm=layer_typical_norm,
+        data=encode_vector(vector),
+        source_group=source_group,
+    )
+
+
+# The fixed reference prompts whose residual norms define a layer's typical norm: ordinary
+# sentences of different kinds, so the median describes ordinary tokens at that layer.
+REFERENCE_PROMPTS = (
+    "The museum opens at nine in the morning and closes at five.",
+    "She poured the coffee, sat down by the window and read the letter again.",
+    "Rainfall in the valley was lower than usual this spring.",
+    "To install the package, run the command below and restart the server.",
+)
+
+
+def contrast_runs_create(
+    *,
+    user: User,
+    model: str,
+    name: str,
+    layer: int,
+    method: str,
+    positive: str,
+    negative: str,
+    submit_token: uuid.UUID | None = None,
+) -> uuid.UUID:
+    """Queue the two capture runs of a contrast vector and the captures of the reference
+    prompts at the same layer (for the layer's typical norm); the vector is saved when they
+    have finished (`steering_vector_from_contrast`). Returns the pair's group id (that of the
+    first pair, when `submit_token` was submitted before)."""
+
+    def capture(prompt: str) -> dict:
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "output_residual_stream": [layer],
+        }
+
+    def create() -> uuid.UUID:
+        group = uuid.uuid4()
+        meta = {"vector_name": name, "layer": layer, "method": method}
+        with transaction.atomic():
+            for role, prompt in (("positive", positive), ("negative", negative)):
+                run_enqueue(
+                    user=user,
+                    kind=RunKind.CONTRAST,
+                    group=group,
+                    scale=None,
+                    vector=None,
+                    request=capture(prompt),
+                    meta={"role": role, **meta},
+                    submit_token=submit_token if role == "positive" else None,
+                )
+            for index, prompt in enumerate(REFERENCE_PROMPTS):
+                run_enqueue(
+                    user=user,
+                    kind=RunKind.CONTRAST,
+                    group=group,
+                    scale=None,
+                    vector=None,
+                    request=capture(prompt),
+                    meta={"role": "reference", "reference": index, **meta},
+                    submit_token=None,
+                )
+        return group
+
+    return submitted_once(
+        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
+    )
+
+
+def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: str) -> np.ndarray:
+    """The steering direction from two `[tokens, hidden]` captures at one layer."""
+    if method == VectorMethod.CONTRAST_MEAN:
+        return positive.mean(axis=0) - negative.mean(axis=0)
+    return positive[-1] - negative[-1]
+
+
+def steering_vector_from_contrast(*, group) -> SteeringVector | None:
+    """Build and save the vector of a contrast pair once both captures have succeeded and
+    the reference captures have finished; idempotent (the pair's `group` is unique among
+    vectors). Its typical layer norm comes from the reference captures that succeeded
+    (None if none did)."""
+    runs = list(Run.objects.filter(group=group))
+    by_role = {run.meta.get("role"): run for run in runs}
+    positive, negative = by_role.get("positive"), by_role.get("negative")
+    references = [run for run in runs if run.meta.get("role") == "reference"]
+    if not positive or not negative:
+        return None
+    if positive.status != RunStatus.SUCCEEDED or negative.status != RunStatus.SUCCEEDED:
+        return None
+    if not all(run.is_finished for run in references):
+        return None
+    existing = SteeringVector.objects.filter(source_group=group).first()
+    if existing:
+        return existing
+    captures = [
+        decode(run.response["activations"]["residual_stream"])[0] for run in (positive, negative)
+    ]
+    meta = positive.meta
+    vector = contrast_difference(*captures, method=meta["method"])
+    measured = [run for run in references if run.status == RunStatus.SUCCEEDED]
+    typical = None
+    details = {
+        "positive": positive.request["prompt"],
+        "negative": negative.request["prompt"],
+        "runs": [str(positive.id), str(negative.id)],
+    }
+    if measured:
+        typical, positions = figures.typical_norm(
+            [decode(run.response["activations"]["residual_stream"])[0] for run in measured]
+        )
+        details["typical_norm"] = {
+            "definition": figures.TYPICAL_NORM_DEFINITION,
+            "layer": meta["layer"],
+            "prompts": [run.request["prompt"] for run in measured],
+            "positions": positions,
+            "runs": [str(run.id) for run in measured],
+        }
+    try:
+        with transaction.atomic():
+            created = steering_vector_create(
+                user=positive.user,
+                name=meta["vector_name"],
+                model=positive.request["model"],
+                layer=meta["layer"],
+                method=meta["method"],
+                vector=vector,
+                details=details,
+                layer_typical_norm=typical,
+                source_group=group,
+            )
+    except IntegrityError:
+        # Another capture's worker saved it first.
+        return SteeringVector.objects.get(source_group=group)
+    Run.objects.filter(group=group).update(vector=created)
+    return created
+
+
+def steering_runs_create(
+    *,
+    user: User,
+    base_request: dict,
+    vector: SteeringVector,
+    layers: list[int],
+    scales: list[float],
+    kind: str,
+    target_token: str = "",
+    submit_token: uuid.UUID | None = None,
+    entered_scales: list[float] | None = None,
+    scale_unit: str = "absolute",
+) -> uuid.UUID:
+    """Queue a baseline (scale 0) and one steered run per scale, all with the same request
+    and seed, adding `vector` at `layers`. Returns the group id of the comparison (that of
+    the first comparison, when `submit_token` was submitted before).
+
+    `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
+    "typical": multiples of the layer's typical norm), kept to show them as entered. A sweep
+    with a `target_token` also scores prompt + target (see `with_target_scored`)."""
+    entered = entered_scales if entered_scales is not None else scales
+
+    def create() -> uuid.UUID:
+        group = uuid.uuid4()
+        activations = steering_activations(vector, layers)
+        with transaction.atomic():
+            for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
+                request = dict(base_request)
+                if kind == RunKind.SWEEP and target_token:
+                    request = with_target_scored(request, target_token)
+                request["apply_steering_vectors"] = [
+                    {"activations": activations, "layer_indices": layers, "scale": scale}
+                ]
+                run_kind = kind
+                if kind == RunKind.STEERING_STEERED and scale == 0.0:
+                    run_kind = RunKind.STEERING_BASELINE
+                run_enqueue(
+                    user=user,
+                    kind=run_kind,
+                    group=group,
+                    scale=scale,
+                    vector=vector,
+                    request=request,
+                    meta={
+                        "target_token": target_token,
+                        "layers": layers,
+                        "scale_unit": scale_unit,
+                        "scale_entered": scale_entered,
+                    },
+                    submit_token=submit_token if scale == 0.0 else None,
+                )
+        return group
+
+    return submitted_once(
+        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
+    )
+
+
+def steering_activations(vector: SteeringVector, layers: list[int]) -> dict:
+    """The vector as the codec object of an `apply_steering_vectors` entry: one row of it
+    per layer in `layers` (shape [len(layers), hidden])."""
+    return encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
+
+
+def with_target_scored(request: dict, target: str) -> dict:
+    """The request with a second prompt, prompt + `target`, and `prompt_logprobs: 0`: the
+    second choice's last prompt logprobs are the target's own, from the full distribution,
+    however unlikely the target is (a top-k list would often leave it out)."""
+    prompt = request["prompt"]
+    return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}
