@@ -30,13 +30,13 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import User
-from acs_client.client import AcsApiError, AcsClient
+from acs_client.client import AcsClient
 from acs_portal.celery import task_send
 
 from . import figures, scoring
 from .models import Run, RunComparison, RunStatus
 from .services.keys import worker_secret
-from .services.scores import ScoreUnavailable, run_token_ids
+from .services.scores import ScoreUnavailable, run_token_ids, scoring_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -161,20 +161,10 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
         pk=comparison_id
     )
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(comparison.user))
-    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
-    try:
-        fields.update(results=_compare(client, comparison.run_a, comparison.run_b))
-        fields["status"] = RunStatus.SUCCEEDED
-    except AcsApiError as error:
-        fields.update(error_code=error.code, error_message=error.message)
-    except ScoreUnavailable as reason:
-        fields.update(error_code="not_comparable", error_message=str(reason))
-    except Exception:
-        logger.exception("run comparison %s failed", comparison.pk)
-        fields.update(
-            error_code="playground_error",
-            error_message="The playground worker could not compare the runs; see its log.",
-        )
+    fields = scoring_outcome(
+        lambda: _compare(client, comparison.run_a, comparison.run_b),
+        what=f"run comparison {comparison.pk}",
+    )
     RunComparison.objects.filter(pk=comparison.pk).update(**fields)
     comparison.refresh_from_db()
     return comparison

@@ -31,6 +31,27 @@ class ScoreUnavailable(Exception):
     """The runs cannot be compared on the same tokens; the message says why."""
 
 
+def scoring_outcome(compute, *, what: str) -> dict:
+    """The fields that record a teacher-forced scoring once `compute()` (which sends its
+    requests and returns the results) has run: the results and SUCCEEDED, or FAILED with the
+    API's error, `not_comparable`, or `playground_error` (logged as `what`)."""
+    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
+    try:
+        fields.update(results=compute())
+        fields["status"] = RunStatus.SUCCEEDED
+    except AcsApiError as error:
+        fields.update(error_code=error.code, error_message=error.message)
+    except ScoreUnavailable as reason:
+        fields.update(error_code="not_comparable", error_message=str(reason))
+    except Exception:
+        logger.exception("%s failed", what)
+        fields.update(
+            error_code="playground_error",
+            error_message="The playground worker could not compare the runs; see its log.",
+        )
+    return fields
+
+
 def steering_score_queue(*, group) -> SteeringScore | None:
     """Queue the same-token comparison of a steering comparison or sweep once all its runs
     have finished, if the baseline and at least one steered run succeeded. Idempotent: the
@@ -65,20 +86,9 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     baseline = next(run for run in runs if run.scale == 0)
     steered = [run for run in runs if run.scale != 0]
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(score.user))
-    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
-    try:
-        fields.update(results=_steering_compare(client, baseline, steered))
-        fields["status"] = RunStatus.SUCCEEDED
-    except AcsApiError as error:
-        fields.update(error_code=error.code, error_message=error.message)
-    except ScoreUnavailable as reason:
-        fields.update(error_code="not_comparable", error_message=str(reason))
-    except Exception:
-        logger.exception("steering score %s failed", score.pk)
-        fields.update(
-            error_code="playground_error",
-            error_message="The playground worker could not compare the runs; see its log.",
-        )
+    fields = scoring_outcome(
+        lambda: _steering_compare(client, baseline, steered), what=f"steering score {score.pk}"
+    )
     SteeringScore.objects.filter(pk=score.pk).update(**fields)
     score.refresh_from_db()
     return score
