@@ -17,9 +17,7 @@ the residual-stream outputs of block L): positions are aligned by index, up to t
 the two captures, whether or not the tokens there are the same.
 """
 
-import datetime as dt
 import difflib
-import json
 import logging
 from dataclasses import dataclass
 
@@ -27,7 +25,6 @@ import numpy as np
 import plotly.graph_objects as go
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsClient
@@ -36,7 +33,12 @@ from acs_portal.celery import task_send
 from . import figures, scoring
 from .models import Run, RunComparison, RunStatus
 from .services.keys import worker_secret
-from .services.scores import ScoreUnavailable, run_token_ids, scoring_outcome
+from .services.scores import (
+    ScoreUnavailable,
+    run_token_ids,
+    scoring_outcome,
+    scorings_fail_stuck,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -196,17 +198,9 @@ def _compare(client: AcsClient, run_a: Run, run_b: Run) -> dict:
 
 
 def comparisons_fail_stuck(*, now=None) -> int:
-    """Fail comparisons still queued or running after `PLAYGROUND_RUN_STUCK_SECONDS` (their
-    worker died, or none took them), so their pages stop waiting. Returns how many."""
-    now = now or timezone.now()
-    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return RunComparison.objects.filter(
-        status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
-    ).update(
-        status=RunStatus.FAILED,
-        error_code="worker_lost",
-        error_message="The scoring did not finish; score again.",
-        finished_at=now,
+    """Fail comparisons whose worker died (see `scorings_fail_stuck`)."""
+    return scorings_fail_stuck(
+        RunComparison, message="The scoring did not finish; score again.", now=now
     )
 
 
@@ -382,16 +376,12 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         context["means"] = {side: float(np.mean(d["delta"])) for side, d in differences.items()}
         for side in SIDES:
             figure = logprob_difference_figure(side, sequences[side], differences[side])
-            context["figures"][f"logprob_{side}"] = _figure(f"logprob-{side}", figure)
+            context["figures"][f"logprob_{side}"] = figures.figure_entry(f"logprob-{side}", figure)
     activations, context["activations_missing"] = activation_difference(run_a, run_b)
     if activations is not None:
         context["activation_lengths"] = activations["lengths"]
         context["activation_positions"] = activations["norms"].shape[1]
-        context["figures"]["activations"] = _figure(
+        context["figures"]["activations"] = figures.figure_entry(
             "activation-difference", activation_difference_figure(activations)
         )
     return context
-
-
-def _figure(name: str, figure: go.Figure) -> dict:
-    return {"name": name, "data": json.loads(figure.to_json())}

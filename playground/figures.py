@@ -7,6 +7,7 @@ must always appear as text.
 
 import html
 import itertools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -300,6 +301,11 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
     )
     figure.update_xaxes(visible=False)
     return _layout(figure, "Tokens by probability", height=max(160, 48 * len(names) + 80))
+
+
+def figure_entry(name: str, figure: go.Figure) -> dict:
+    """A figure as the pages embed it (`json_script`, drawn by static/js/figures.js)."""
+    return {"name": name, "data": json.loads(figure.to_json())}
 
 
 def top_k_shown(position: dict) -> tuple[list[dict], bool]:

@@ -220,10 +220,6 @@ def run_history(request):
     return varies_on_htmx(render(request, "playground/history.html", context, status=status))
 
 
-def _figure(name: str, figure) -> dict:
-    return {"name": name, "data": json.loads(figure.to_json())}
-
-
 def _pretty_response(response: dict | None) -> str:
     if response is None:
         return ""
@@ -267,18 +263,24 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
     positions = figures.token_positions(run.request, response, choice, run.tokens)
     if any(p["logprob"] is not None for p in positions):
         context["positions"] = positions
-        context["figures"].append(_figure("tokens", figures.token_strip_figure(positions)))
+        context["figures"].append(
+            figures.figure_entry("tokens", figures.token_strip_figure(positions))
+        )
         selected = next((p for p in reversed(positions) if p["top"]), None)
         if selected:
-            context["figures"].append(_figure("topk", figures.top_k_figure(selected)))
+            context["figures"].append(figures.figure_entry("topk", figures.top_k_figure(selected)))
     if any(p["source"] == "prompt" and p["logprob"] is not None for p in positions):
-        context["figures"].append(_figure("surprisal", figures.prompt_surprisal_figure(positions)))
+        context["figures"].append(
+            figures.figure_entry("surprisal", figures.prompt_surprisal_figure(positions))
+        )
     if run.request.get("prompt_logprobs") == -1:
         prompt_logprobs = context["choices"][choice].get("prompt_logprobs") or []
         context["distribution_positions"] = range(1, len(prompt_logprobs))
         if len(prompt_logprobs) > 1:
             context["figures"].append(
-                _figure("distribution", figures.prompt_distribution_figure(prompt_logprobs, 1))
+                figures.figure_entry(
+                    "distribution", figures.prompt_distribution_figure(prompt_logprobs, 1)
+                )
             )
     if (response.get("activations") or {}).get("residual_stream"):
         capture = figures.activations(run.request, response, run.tokens)
@@ -340,7 +342,7 @@ def _activation_figure(name: str, capture: figures.Capture, picks: ActivationPic
         )
     else:
         figure = figures.activation_pca_figure(capture, capture.layers[picks.pca_row], picks.window)
-    return _figure(name, figure)
+    return figures.figure_entry(name, figure)
 
 
 ACTIVATION_FIGURES = ("heatmap", "norm_by_layer", "cosine", "pca")
@@ -429,7 +431,9 @@ def run_figure(request, run_id, name):
         )
     else:
         raise Http404("No such figure.")
-    return render(request, "playground/_figure.html", {"figure": _figure(name, figure)})
+    return render(
+        request, "playground/_figure.html", {"figure": figures.figure_entry(name, figure)}
+    )
 
 
 @approved_required
@@ -635,7 +639,7 @@ def _group_context(runs: list[Run]) -> dict:
             figure = figures.same_token_figure(
                 score.results["baseline"]["strings"], compared[str(run.pk)]
             )
-            context["figures"].append(_figure(f"diff-{run.scale:g}", figure))
+            context["figures"].append(figures.figure_entry(f"diff-{run.scale:g}", figure))
     if len(runs) > 2 and context["finished"] and baseline is not None:
         target = runs[0].meta.get("target_token", "")
         by_scale = {entry["scale_entered"]: entry for entry in compared.values()}
@@ -652,7 +656,7 @@ def _group_context(runs: list[Run]) -> dict:
                     f"‖h‖ = {vector.layer_typical_norm:.2f})"
                 )
         figure = figures.scale_sweep_figure(points, target, unit)
-        context["figures"].insert(0, _figure("sweep", figure))
+        context["figures"].insert(0, figures.figure_entry("sweep", figure))
         steps = scrub.sweep_steps(runs, compared)
         # The slider starts at the largest scale: the step whose effect is likeliest seen.
         context["scrub"] = {

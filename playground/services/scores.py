@@ -232,15 +232,23 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
     }
 
 
-def steering_scores_fail_stuck(*, now=None) -> int:
-    """Fail scores still queued or running after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker
-    died, or none took them), so their pages stop waiting. Returns how many."""
-    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return SteeringScore.objects.filter(
+def scorings_fail_stuck(model, *, message: str, now=None) -> int:
+    """Fail the scorings of `model` (SteeringScore, RunComparison) still queued or running
+    after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker died, or none took them) with
+    worker_lost and `message`, so their pages stop waiting. Returns how many."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return model.objects.filter(
         status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
     ).update(
-        status=RunStatus.FAILED,
-        error_code="worker_lost",
-        error_message="The comparison on the same tokens did not finish; re-run the comparison.",
-        finished_at=now or timezone.now(),
+        status=RunStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now
+    )
+
+
+def steering_scores_fail_stuck(*, now=None) -> int:
+    """Fail same-token scores whose worker died (see `scorings_fail_stuck`)."""
+    return scorings_fail_stuck(
+        SteeringScore,
+        message="The comparison on the same tokens did not finish; re-run the comparison.",
+        now=now,
     )
