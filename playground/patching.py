@@ -20,11 +20,14 @@ logprob: 1 where patching that one layer and position restores the clean predict
 it changes nothing.
 """
 
+import datetime as dt
+import logging
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from accounts.models import User
@@ -35,9 +38,18 @@ from . import figures, selectors
 from .models import Run, RunKind, RunStatus
 from .services.runs import run_create, submitted_once
 
+logger = logging.getLogger(__name__)
+
 # |clean − corrupted| below this many nats leaves nothing to restore: no normalised effect.
 MIN_LOGPROB_GAP = 1e-3
 CANCELLED_CODE = "cancelled"
+# A capture's worker queues the patched runs as soon as the second capture succeeds; a grid
+# whose captures both succeeded this long ago with no patched run lost that worker.
+STALLED_AFTER = dt.timedelta(seconds=60)
+BUILD_FAILED_MESSAGE = (
+    "The patched runs could not be built from the two captures, so the grid stopped; "
+    "submit it again."
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,6 +166,44 @@ def patched_runs_create(*, group) -> int:
     return len(spec["layers"]) * len(spec["positions"])
 
 
+def patched_runs_create_or_fail(*, group) -> int:
+    """`patched_runs_create`, except that a grid whose patched runs cannot be built (an
+    answer without the captured rows, say) is marked failed, so that its page stops
+    following it, instead of raising. Returns how many runs it queued."""
+    try:
+        return patched_runs_create(group=group)
+    except Exception:
+        logger.exception("patching grid %s: patched runs not built", group)
+        with transaction.atomic():
+            clean = _captures_locked(group)["clean"]
+            Run.objects.filter(pk=clean.pk).update(
+                meta={**clean.meta, "build_error": BUILD_FAILED_MESSAGE}
+            )
+        return 0
+
+
+def patching_grids_resume_stalled(*, now=None) -> int:
+    """Queue the patched runs of grids whose captures both succeeded over `STALLED_AFTER`
+    ago with none queued (their worker stopped in between), or mark them failed where the
+    runs cannot be built. Run by beat with the other sweeps. Returns how many runs it queued."""
+    cutoff = (now or timezone.now()) - STALLED_AFTER
+    stalled = (
+        Run.objects.filter(
+            kind=RunKind.PATCHING_CAPTURE,
+            meta__role="clean",
+            status=RunStatus.SUCCEEDED,
+            finished_at__lt=cutoff,
+        )
+        .exclude(meta__has_key="cancelled")
+        .exclude(meta__has_key="build_error")
+        .exclude(Exists(Run.objects.filter(group=OuterRef("group"), kind=RunKind.PATCHED)))
+    )
+    return sum(
+        patched_runs_create_or_fail(group=group)
+        for group in stalled.values_list("group", flat=True)
+    )
+
+
 def patching_grid_cancel(*, user: User, group) -> int:
     """Cancel a grid: its runs not yet taken by a worker fail as cancelled (never sent, so
     never billed), and no patched runs are created afterwards. Runs already being sent
@@ -224,6 +274,10 @@ class PatchingGrid:
     cancelled: bool
 
     @property
+    def build_error(self) -> str | None:
+        return self.clean.meta.get("build_error")
+
+    @property
     def target_shown(self) -> str:
         return figures.visible_token(self.spec["target"])
 
@@ -261,6 +315,8 @@ class PatchingGrid:
 
     @property
     def finished(self) -> bool:
+        if self.build_error:
+            return True
         if self.capture_failed or (self.cancelled and not self.cells):
             return self.clean.is_finished and self.corrupted.is_finished
         return bool(self.cells) and all(run.is_finished for run in self.cells.values())

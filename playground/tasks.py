@@ -25,7 +25,7 @@ def run_execute_task(self, run_id: str) -> None:
         and run.kind == RunKind.PATCHING_CAPTURE
         and run.status == RunStatus.SUCCEEDED
     ):
-        patching.patched_runs_create(group=run.group)
+        patching.patched_runs_create_or_fail(group=run.group)
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
@@ -55,7 +55,9 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
     queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
-    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`)."""
+    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), and resume patching
+    grids stalled between their captures and their patched runs. Returns how many it failed."""
+    patching.patching_grids_resume_stalled()
     return (
         runs_fail_stuck()
         + steering_scores_fail_stuck()

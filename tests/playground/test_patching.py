@@ -5,6 +5,7 @@ corrupted row at exactly one layer and position), cancelling, and the grid's num
 against numpy on the stored /v1 answers. Ada is an approved researcher; Bob is another user.
 The real tokenizer, engine and a torch reference are in tests/browser/test_patching.py."""
 
+import datetime as dt
 import json
 import re
 
@@ -12,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
@@ -268,6 +270,38 @@ def test_the_worker_creates_the_patched_runs_when_the_second_capture_succeeds(
     Run.objects.filter(pk=clean.pk).update(status=RunStatus.QUEUED, response=None)
     gateway.handler = lambda request: httpx.Response(200, json=answer)
     tasks.run_execute_task(str(clean.pk))
+    assert Run.objects.filter(group=group, kind=RunKind.PATCHED).count() == 10
+
+
+def test_a_grid_whose_patched_runs_cannot_be_built_stops_following_with_a_message(
+    ada, captured_grid, gateway, no_enqueue
+):
+    group, _, _ = captured_grid
+    clean = Run.objects.get(group=group, meta__role="clean")
+    # Rows of one layer where the grid patches two: nothing to build the patched runs from.
+    answer = dict(clean.response)
+    one_layer = np.zeros((1, 6, HIDDEN), dtype=np.float32)
+    answer["activations"] = {"residual_stream": encode_vector(one_layer)}
+    Run.objects.filter(pk=clean.pk).update(status=RunStatus.QUEUED, response=None)
+    gateway.handler = lambda request: httpx.Response(200, json=answer)
+    tasks.run_execute_task(str(clean.pk))
+    assert not Run.objects.filter(group=group, kind=RunKind.PATCHED).exists()
+    html = ada.get(reverse("playground:patching_detail", args=[group]), **HTMX).content.decode()
+    assert "Stopped." in html and "submit it again" in html
+    assert 'data-finished="true"' in html and "hx-trigger" not in html
+    assert "Cancel the grid" not in html
+
+
+def test_the_sweep_resumes_a_grid_whose_worker_stopped_after_the_captures(captured_grid):
+    group, _, _ = captured_grid
+    captures = Run.objects.filter(group=group, kind=RunKind.PATCHING_CAPTURE)
+    captures.update(finished_at=timezone.now() - dt.timedelta(seconds=30))
+    tasks.runs_sweep_task()
+    assert not Run.objects.filter(group=group, kind=RunKind.PATCHED).exists(), (
+        "its worker may still be queueing them"
+    )
+    captures.update(finished_at=timezone.now() - patching.STALLED_AFTER * 2)
+    tasks.runs_sweep_task()
     assert Run.objects.filter(group=group, kind=RunKind.PATCHED).count() == 10
 
 
