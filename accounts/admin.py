@@ -5,6 +5,7 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.core.exceptions import ValidationError
 
+from . import login_throttle
 from .models import AccessApplication, ApiKey, AuditLog, ServiceSettings, User
 from .services import applications, keys, users
 
@@ -67,6 +68,11 @@ class UserAdmin(BaseUserAdmin):
             "reactivate",
             "Reactivate selected accounts",
             lambda user, actor: users.user_reactivate(user=user, acting_user=actor),
+        ),
+        _service_action(
+            "lift_login_lock",
+            "Lift the sign-in lock of selected accounts",
+            lambda user, actor: login_throttle.login_lock_lift(user=user, acting_user=actor),
         ),
     ]
 

@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from .models import LoginThrottle, User
 from .models import LoginThrottleScope as Scope
-from .services.login import login_lock_audit
+from .services.login import login_lock_audit, login_unlock_audit
 
 # The setting that holds each scope's failure limit.
 _LIMITS = {
@@ -152,6 +152,19 @@ def login_succeeded(*, username: str, ip: str) -> None:
     subjects = _subjects(username, ip)
     del subjects[Scope.ADDRESS]
     _rows(subjects).delete()
+
+
+def login_lock_lift(*, user: User, acting_user: User) -> bool:
+    """Staff lift the lock of `user`'s account from every address, and forget the growth of
+    its lockouts (audited `user.login_unlocked`); returns whether there was a count to lift.
+    A lock of one address for this account (its digest names no account) ends by itself
+    within ACS_LOGIN_LOCKOUT_SECONDS."""
+    with transaction.atomic():
+        deleted, _ = LoginThrottle.objects.filter(
+            scope=Scope.ACCOUNT, subject=_digest(user.email.strip().lower())
+        ).delete()
+        login_unlock_audit(user=user, acting_user=acting_user)
+    return bool(deleted)
 
 
 def login_throttles_prune(*, now=None) -> int:

@@ -1,4 +1,5 @@
-"""The audit of sign-in locks (`accounts.login_throttle` keeps the locks themselves)."""
+"""The audit of sign-in locks and of their lifting (`accounts.login_throttle` keeps the
+locks themselves)."""
 
 from django.db import transaction
 
@@ -22,3 +23,8 @@ def login_lock_audit(*, throttle, user, ip: str, failures: int, lockout_seconds:
                 actor=None, action="login.address_locked", target=throttle, after=after
             )
         return audit_log(actor=None, action="user.login_locked", target=user, after=after)
+
+
+def login_unlock_audit(*, user, acting_user):
+    """Record that `acting_user` lifted the lock of `user`'s account (`user.login_unlocked`)."""
+    return audit_log(actor=acting_user, action="user.login_unlocked", target=user, after={})

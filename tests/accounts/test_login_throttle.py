@@ -151,6 +151,24 @@ def test_an_accounts_lockouts_grow_until_its_owner_logs_in(approved_user, settin
     assert not account.exists()  # its owner logged in: the next lock is 15 minutes again
 
 
+def test_staff_lift_an_accounts_lock_from_the_admin_with_an_audit_row(approved_user, staff_user):
+    for i in range(20):
+        log_in(Client(), approved_user.email, "wrong-password", ip=f"198.51.100.{i}")
+    client = Client()
+    assert ACCOUNT_LOCKED in log_in(client, approved_user.email, PASSWORD).content.decode()
+    staff_user.is_superuser = True
+    staff_user.save()
+    admin = Client()
+    admin.force_login(staff_user)
+    admin.post(
+        reverse("admin:accounts_user_changelist"),
+        {"action": "lift_login_lock", "_selected_action": [approved_user.pk]},
+    )
+    assert log_in(client, approved_user.email, PASSWORD, ip="192.0.2.9").status_code == 302
+    [row] = AuditLog.objects.filter(action="user.login_unlocked")
+    assert row.actor == staff_user and row.target_id == str(approved_user.pk)
+
+
 def test_an_address_guessing_across_accounts_is_locked_for_every_account(approved_user):
     responses = [log_in(Client(), f"user{i}@example.org", "wrong-password") for i in range(12)]
     assert ADDRESS_LOCKED in responses[-1].content.decode()
