@@ -5,7 +5,8 @@ bookmarked."""
 from django import forms
 from django.core.paginator import Page, Paginator
 
-from .models import Run, RunKind, SteeringVector
+from . import selectors
+from .models import RunKind, SteeringVector
 
 RUNS_PER_PAGE = 25
 
@@ -27,11 +28,10 @@ class HistoryFilterForm(forms.Form):
 
 def runs_page(*, user, kind: str = "", prompt: str = "", vector=None, page=None) -> Page:
     """One page of the user's runs, newest first, without their responses: those of `kind`,
-    whose prompt (any of them) contains `prompt` (case-insensitive), made with `vector`.
+    whose prompt (any of them) contains `prompt` (case-insensitive), made with `vector`;
+    a patching grid's cells only when `kind` asks for them (see `selectors.runs_listed`).
     A page number that is not one gives the first page, one past the end the last."""
-    runs = Run.objects.filter(user=user).defer("response", "tokens")
-    if kind:
-        runs = runs.filter(kind=kind)
+    runs = selectors.runs_listed(user=user, kind=kind).defer("tokens")
     if prompt:
         runs = runs.filter(request__prompt__icontains=prompt)
     if vector is not None:

@@ -27,9 +27,17 @@ OPENAI_FIELDS = {
 }  # fmt: skip
 
 
+def runs_listed(*, user, kind: str = ""):
+    """The user's runs of `kind` (any when empty), newest first, without the (possibly large)
+    response. Listing any kind leaves out a patching grid's cells: a grid has up to hundreds,
+    which would bury every other run; its capture runs link to the grid, which has them all."""
+    runs = Run.objects.filter(user=user).defer("response")
+    return runs.filter(kind=kind) if kind else runs.exclude(kind=RunKind.PATCHED)
+
+
 def runs_for_user(*, user, limit: int = 50) -> list[Run]:
-    """The user's latest runs, newest first, without the (possibly large) response."""
-    return list(Run.objects.filter(user=user).defer("response")[:limit])
+    """The user's latest runs as `runs_listed` lists them."""
+    return list(runs_listed(user=user)[:limit])
 
 
 def latest_run_for_user(*, user, kind: str) -> Run | None:

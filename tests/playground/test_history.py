@@ -2,6 +2,7 @@
 string, a page at a time, as an htmx partial or the whole page."""
 
 import datetime as dt
+import uuid
 
 import numpy as np
 import pytest
@@ -106,6 +107,24 @@ def test_htmx_gets_the_list_partial_and_a_history_restore_the_page(user_client, 
     assert "<html" in full.content.decode() and '<option value="completion" selected>' in (
         full.content.decode()
     )
+
+
+def test_a_patching_grids_cells_are_listed_only_when_asked_for_by_kind(user_client, approved_user):
+    group = uuid.uuid4()
+    for kind, prompt in [
+        (RunKind.PATCHING_CAPTURE, "Paris capture"),
+        (RunKind.PATCHED, "One patched cell"),
+    ]:
+        Run.objects.create(user=approved_user, kind=kind, group=group, request={"prompt": prompt})
+    make_run(approved_user, "Bake a cake")
+    prompts = ["Paris capture", "One patched cell", "Bake a cake"]
+    everything = user_client.get(reverse(HISTORY)).content.decode()
+    assert shown_prompts(everything, prompts) == {"Paris capture", "Bake a cake"}
+    assert reverse("playground:patching_detail", args=[group]) in everything
+    recent = user_client.get(reverse(HISTORY), HTTP_HX_TARGET="recent-runs", **HTMX)
+    assert shown_prompts(recent.content.decode(), prompts) == {"Paris capture", "Bake a cake"}
+    cells = user_client.get(reverse(HISTORY), {"kind": RunKind.PATCHED}).content.decode()
+    assert shown_prompts(cells, prompts) == {"One patched cell"}
 
 
 def test_the_playground_pages_recent_runs_box_has_no_filters(user_client, approved_user):
