@@ -1,8 +1,10 @@
-"""Gateway overhead benchmark: a zero-latency stub upstream called directly vs through the
-/v1 gateway (uvicorn + Django ASGI, real PostgreSQL and Redis), in one run, for three kinds of
-upstream: one that serves /tokenizer.json (like the embedded engine), a vLLM-shaped one
-(plain vLLM serves no tokenizer.json: the gateway counts prompts with its POST /tokenize),
-and the same vLLM-shaped one with the tokenizer attached to the model row.
+"""Gateway overhead benchmark: a zero-latency stub upstream called directly, through the two
+passthrough floors of `bench/passthrough.py` (uvicorn and one httpx.AsyncClient, uvicorn and
+one aiohttp.ClientSession, no logic), and through the /v1 gateway (uvicorn + Django ASGI, real
+PostgreSQL and Redis), in one run, for three kinds of upstream: one that serves
+/tokenizer.json (like the embedded engine), a vLLM-shaped one (plain vLLM serves no
+tokenizer.json: the gateway counts prompts with its POST /tokenize), and the same vLLM-shaped
+one with the tokenizer attached to the model row.
 
     DATABASE_URL=postgres://... REDIS_URL=redis://.../N .venv/bin/python bench/gateway.py
 
@@ -11,15 +13,23 @@ its own users, keys and model row (names starting with "bench-"), starts the stu
 gateway as subprocesses on free loopback ports, and prints: added latency p50/p99 for
 sequential requests (after one warm-up request per key, whose latency is shown apart: the
 gateway's per-key cache entry and budget lease then exist, as under steady traffic),
-requests/s and p99 at 64 concurrent clients, and added time to first token for streams.
+requests/s and p99 at 64 concurrent connections, and added time to first token for streams;
+then each gateway column against the aiohttp floor (the issue 23 goal).
+
+The 64-connection load comes from wrk (`apt-get install wrk`) when it is on the PATH: a Python
+client tops out near the gateway's own rate on 2 cores, so it would measure itself, not the
+floors. Without wrk the httpx client below is used, and the run says so.
 """
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +66,34 @@ stub = StubUpstream()
 stub.mode["serve_tokenizer_json"] = {serve_tokenizer_json}
 uvicorn.run(stub, host="127.0.0.1", port={port}, log_level="warning",
             lifespan="off", access_log=False)
+"""
+# The passthrough floors: (column, ASGI app in bench.passthrough).
+FLOORS = [("httpx floor", "httpx_app"), ("aiohttp floor", "aiohttp_app")]
+WRK = shutil.which("wrk")
+# wrk's requests: one per key in turn, built once per thread. It prints one line that
+# `wrk_concurrent` reads: requests, microseconds, p50 and p99 (ms) and errors.
+WRK_SCRIPT = """
+local secrets = {{{secrets}}}
+local body = {body}
+local prepared = {{}}
+local turn = 0
+function init(args)
+  for i, secret in ipairs(secrets) do
+    prepared[i] = wrk.format("POST", "/v1/completions", {{
+      ["Content-Type"] = "application/json", ["Authorization"] = "Bearer " .. secret,
+    }}, body)
+  end
+end
+function request()
+  turn = turn % #prepared + 1
+  return prepared[turn]
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("WRK %d %d %.3f %.3f %d\\n", summary.requests, summary.duration,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    e.connect + e.read + e.write + e.status + e.timeout))
+end
 """
 
 
@@ -153,7 +191,8 @@ def time_to_first_token(url, secrets, count, stream_body):
 
 
 async def concurrent(url, secrets, seconds, body):
-    """requests/s and latencies with CLIENTS clients looping for `seconds`."""
+    """requests/s, latency p50 and p99 (ms) and errors with CLIENTS clients looping for
+    `seconds` (the fallback without wrk)."""
     latencies, errors = [], 0
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
@@ -177,7 +216,68 @@ async def concurrent(url, secrets, seconds, body):
         started = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(CLIENTS)))
         elapsed = time.perf_counter() - started
-    return len(latencies) / elapsed, latencies, errors
+    return (
+        len(latencies) / elapsed,
+        statistics.median(latencies),
+        percentile(latencies, 0.99),
+        errors,
+    )
+
+
+def wrk_concurrent(url, secrets, seconds, body):
+    """As `concurrent`, with wrk (one thread, CLIENTS connections)."""
+    script = WRK_SCRIPT.format(
+        secrets=", ".join(f'"{secret}"' for secret in secrets),
+        body=_lua_string(json.dumps(body)),
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as file:
+        file.write(script)
+        file.flush()
+        output = subprocess.run(
+            [
+                WRK,
+                "-t1",
+                f"-c{CLIENTS}",
+                f"-d{seconds:g}s",
+                "--timeout",
+                "30s",
+                "-s",
+                file.name,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    line = next(line for line in output.splitlines() if line.startswith("WRK "))
+    requests, micros, p50, p99, errors = line.split()[1:]
+    return int(requests) / (int(micros) / 1e6), float(p50), float(p99), int(errors)
+
+
+def _lua_string(text: str) -> str:
+    return "[==[" + text + "]==]"
+
+
+def start_server(app: str, port: int, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            app,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--lifespan",
+            "off",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def main():
@@ -195,35 +295,22 @@ def main():
             processes.append(subprocess.Popen([sys.executable, "-c", code]))
             stub_urls[serves_tokenizer] = f"http://127.0.0.1:{port}"
             wait_ready(f"{stub_urls[serves_tokenizer]}/health", processes[-1], "a stub upstream")
+        floors = {}
+        for column, app in FLOORS:
+            port = free_port()
+            env = {**os.environ, "PASSTHROUGH_UPSTREAM": stub_urls[True]}
+            processes.append(start_server(f"bench.passthrough:{app}", port, env))
+            floors[column] = (f"http://127.0.0.1:{port}", processes[-1])
+            wait_ready(f"{floors[column][0]}/health", processes[-1], column)
         if os.environ.get("DATABASE_URL", "").startswith("postgres"):
             subprocess.run([str(ROOT / "scripts" / "ensure-test-db")], check=True)
         # The production settings, here and in the gateway: they share the API-key secret.
         os.environ.update(loopback_production_env())
         secrets = setup_rows(stub_urls)
         env = {**os.environ, "LOG_LEVEL": "WARNING"}
-        processes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "acs_portal.asgi:application",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(gateway_port),
-                    "--log-level",
-                    "warning",
-                    "--no-access-log",
-                    "--lifespan",
-                    "off",
-                ],
-                cwd=ROOT,
-                env=env,
-            )
-        )
+        processes.append(start_server("acs_portal.asgi:application", gateway_port, env))
         wait_ready(f"{gateway_url}/v1/openapi.json", processes[-1], "the gateway")
-        run(stub_urls[True], gateway_url, secrets, processes[-1].pid)
+        run(stub_urls[True], floors, gateway_url, secrets, processes[-1].pid)
     finally:
         for process in processes:
             stop(process)
@@ -241,43 +328,78 @@ def measure(url, secrets, model, pid=None) -> dict:
     first, steady = sequential(url, secrets, SEQUENTIAL, body(model))
     cpu_ms = (cpu_seconds(pid) - cpu_before) * 1000 / (SEQUENTIAL + CLIENTS) if pid else 0.0
     ttft = time_to_first_token(url, secrets, STREAMS, body(model, stream=True))
-    rps, latencies, errors = asyncio.run(concurrent(url, secrets, CONCURRENT_SECONDS, body(model)))
+    load = wrk_concurrent if WRK else lambda *args: asyncio.run(concurrent(*args))
+    rps, p50, p99, errors = load(url, secrets, CONCURRENT_SECONDS, body(model))
     return {
         "sequential latency p50 (ms)": statistics.median(steady),
         "sequential latency p99 (ms)": percentile(steady, 0.99),
         "first request of a key p50 (ms)": statistics.median(first),
         "stream time to first token p50 (ms)": statistics.median(ttft),
-        "64 clients requests/s": rps,
-        "64 clients latency p50 (ms)": statistics.median(latencies),
-        "64 clients latency p99 (ms)": percentile(latencies, 0.99),
-        "gateway CPU per sequential request (ms)": cpu_ms,
+        f"{CLIENTS} connections requests/s": rps,
+        f"{CLIENTS} connections latency p50 (ms)": p50,
+        f"{CLIENTS} connections latency p99 (ms)": p99,
+        "server CPU per sequential request (ms)": cpu_ms,
         "errors under load": errors,
     }
 
 
-def run(stub_url, gateway_url, secrets, gateway_pid):
+def run(stub_url, floors, gateway_url, secrets, gateway_pid):
     direct = measure(stub_url, secrets, KINDS[0][0])
-    through = {label: measure(gateway_url, secrets, name, gateway_pid) for name, label, *_ in KINDS}
+    columns = {
+        column: measure(url, secrets, KINDS[0][0], process.pid)
+        for column, (url, process) in floors.items()
+    }
+    gateways = {
+        f"[{number}]": measure(gateway_url, secrets, name, gateway_pid)
+        for number, (name, *_) in enumerate(KINDS, start=1)
+    }
+    columns.update(gateways)
+    load = "wrk, 1 thread" if WRK else "the httpx client (no wrk on the PATH)"
     print(
-        f"\nGateway benchmark ({SEQUENTIAL} sequential, {STREAMS} streams, {CLIENTS} clients "
-        f"for {CONCURRENT_SECONDS:.0f} s; cpus={os.cpu_count()}). Columns: the stub called "
-        "directly, then through the gateway per upstream kind, as the value and, in brackets, "
-        "the ratio to direct:"
+        f"\nGateway benchmark ({SEQUENTIAL} sequential, {STREAMS} streams, {CLIENTS} "
+        f"connections for {CONCURRENT_SECONDS:g} s by {load}; cpus={os.cpu_count()}, load "
+        f"average {os.getloadavg()[0]:.2f}). Columns: the stub called directly, the two "
+        "passthrough floors (uvicorn + one client, no logic), then the gateway per upstream "
+        "kind; each as the value and, in brackets, the ratio to direct:"
     )
     for number, (_, label, *_) in enumerate(KINDS, start=1):
         print(f"  [{number}] {label}")
-    header = f"{'measure':<42} {'direct':>9}" + "".join(
-        f" {f'[{number}]':>17}" for number in range(1, len(KINDS) + 1)
-    )
-    print(header)
+    print(f"{'measure':<42} {'direct':>9}" + "".join(f" {column:>17}" for column in columns))
     for measure_name, direct_value in direct.items():
         cells = [f"{direct_value:>9.2f}" if "CPU" not in measure_name else f"{'':>9}"]
-        for figures in through.values():
+        for figures in columns.values():
             value = figures[measure_name]
             ratio = value / direct_value if direct_value else float("nan")
             shown = f"{value:.2f} ({ratio:.2f}x)" if direct_value else f"{value:.2f}"
             cells.append(f"{shown:>17}")
         print(f"{measure_name:<42} " + " ".join(cells))
+    print_against_floor(direct, columns["aiohttp floor"], gateways)
+
+
+def print_against_floor(direct: dict, floor: dict, gateways: dict) -> None:
+    """Each gateway column against the aiohttp floor, beside the goal of issue 23: added p50
+    at most 2x the floor's, added p99 at most 3 ms, at least half its requests/s at
+    CLIENTS connections, no errors."""
+    p50, p99, rps = (
+        "sequential latency p50 (ms)",
+        "sequential latency p99 (ms)",
+        f"{CLIENTS} connections requests/s",
+    )
+    floor_added = floor[p50] - direct[p50]
+    rows = {
+        "added p50 (ms) / aiohttp floor's": lambda f: (
+            f"{f[p50] - direct[p50]:.2f} ({(f[p50] - direct[p50]) / floor_added:.2f}x)"
+        ),
+        "added p99 (ms), goal <= 3": lambda f: f"{f[p99] - direct[p99]:.2f}",
+        f"{CLIENTS} conn. req/s, fraction of floor's": lambda f: f"{f[rps] / floor[rps]:.2f}",
+    }
+    print(
+        f"\nAgainst the aiohttp floor (added p50 {floor_added:.2f} ms, "
+        f"{floor[rps]:.0f} req/s): goal added p50 <= 2x, added p99 <= 3 ms, req/s >= 0.50"
+    )
+    print(f"{'measure':<42}" + "".join(f" {column:>17}" for column in gateways))
+    for name, cell in rows.items():
+        print(f"{name:<42}" + "".join(f" {cell(f):>17}" for f in gateways.values()))
 
 
 if __name__ == "__main__":

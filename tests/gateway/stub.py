@@ -26,7 +26,8 @@ class StubUpstream:
     `die_after` (close the connection after that many stream frames), `gap` (seconds
     between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
     `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
-    threading.Event completions wait for), `logprob` (report this logprob, e.g. NaN, for
+    threading.Event completions wait for), `text` (each streamed token's text instead of
+    " tok"), `logprob` (report this logprob, e.g. NaN, for
     every token, as Python's json writes it), `token` (refuse every request but /health
     without `Authorization: Bearer <token>` as the engine with ACS_ENGINE_TOKEN does: 401
     invalid_token)."""
@@ -176,7 +177,7 @@ class StubUpstream:
                     "choices": [
                         {
                             "index": index,
-                            "text": " tok",
+                            "text": mode.get("text", " tok"),
                             "logprobs": _logprobs(mode, 1),
                             "finish_reason": "length" if step == max_tokens - 1 else None,
                         }

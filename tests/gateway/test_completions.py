@@ -95,6 +95,20 @@ def test_streaming_relays_frames_usage_and_done(client, stub, api_key):
     assert record.stream and record.completion_tokens == 4 and record.ttft_ms is not None
 
 
+def test_stream_frame_longer_than_the_clients_default_line_limit_is_relayed_whole(client, stub):
+    # aiohttp refuses a line over 128 KiB by default; one frame of many choices' top
+    # logprobs can be longer.
+    stub.mode["text"] = "x" * 300_000
+    body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]] == [
+        "x" * 300_000
+    ] * 2
+
+
 def test_stream_without_include_usage_hides_the_usage_frame(client, stub):
     body = {"model": "stub-model", "prompt": "hello", "max_tokens": 2, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
