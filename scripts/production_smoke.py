@@ -5,9 +5,9 @@
 Runs the page's commands as they are written (`tests/deploy_doc.py`): §1's secrets and
 engine token and §2's copy of `.env.example`'s production section into a temporary ACS_ETC,
 edited for this machine by appending its values, then loaded with §2's `set -a; . …` line.
-(Re)creates DATABASE_URL's database, runs §7's release commands (but pip), starts
-Procfile.production (two web replicas, worker, beat) with honcho and the embedded engine, all
-in that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
+Starts the embedded engine, (re)creates DATABASE_URL's database, runs §7's release commands
+(but pip), starts Procfile.production (two web replicas, worker, beat) with honcho, all in
+that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
 completion to one replica, a stream to the other (it must end with `data: [DONE]`) and a
 playground run through the portal (log in, submit the form, wait until the run succeeded).
 Stops everything it started; exits non-zero with the reason (and the tail of the logs) when
@@ -245,11 +245,8 @@ def main() -> int:
         # As on a fresh machine: the settings do not load before the secrets exist.
         edits = machine_edits(work=work, web_urls=web_urls, engine_url=engine_url)
         env = production_env(etc=etc, edits=edits)
-        recreate_database(env["DATABASE_URL"])
-        run_doc_block(
-            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
-        )
-        check_deploy(env)
+        # The engine needs neither the database nor the static files: it loads the model
+        # (the longest start) while the release commands run.
         with open(work / "engine.log", "wb") as log:
             processes.append(
                 subprocess.Popen(
@@ -260,6 +257,11 @@ def main() -> int:
                     stderr=subprocess.STDOUT,
                 )
             )
+        recreate_database(env["DATABASE_URL"])
+        run_doc_block(
+            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
+        )
+        check_deploy(env)
         empty_env = work / "empty.env"
         empty_env.write_text("")
         with open(honcho_log, "wb") as log:
