@@ -50,6 +50,14 @@ LOOPBACK_CHECKS = {
 }
 
 
+STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    """Print a step with the seconds since the start, so a slow run shows where it waited."""
+    print(f"[{time.monotonic() - STARTED:5.1f} s] {message}", flush=True)
+
+
 class SmokeFailure(Exception):
     pass
 
@@ -80,7 +88,7 @@ def check_deploy(env: dict) -> None:
     reported = set(re.findall(r"\(([a-z_]+\.[EWC]\d+)\)", output))
     check(reported <= LOOPBACK_CHECKS, f"check --deploy:\n{output}")
     check(result.returncode == 0 or reported, f"check --deploy failed:\n{output}")
-    print(f"check --deploy: only the loopback differences {sorted(reported)}")
+    say(f"check --deploy: only the loopback differences {sorted(reported)}")
 
 
 def recreate_database(url: str) -> None:
@@ -161,7 +169,7 @@ def completion(web_url: str, secret: str) -> None:
     check(response.status_code == 200, f"completion: {response.status_code} {response.text}")
     payload = response.json()
     check(payload["usage"]["completion_tokens"] >= 1, f"completion without tokens: {payload}")
-    print(f"completion on {web_url}: {payload['choices'][0]['text']!r}")
+    say(f"completion on {web_url}: {payload['choices'][0]['text']!r}")
 
 
 def stream(web_url: str, secret: str) -> None:
@@ -186,7 +194,7 @@ def stream(web_url: str, secret: str) -> None:
     chunks = [json.loads(frame) for frame in frames[:-1]]
     check(not any("error" in chunk for chunk in chunks), f"stream error: {chunks}")
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    print(f"stream on {web_url}: {len(frames)} frames, {text!r}, ends with [DONE]")
+    say(f"stream on {web_url}: {len(frames)} frames, {text!r}, ends with [DONE]")
 
 
 def playground_run(web_url: str) -> None:
@@ -214,7 +222,7 @@ def playground_run(web_url: str) -> None:
             status = re.search(r'data-run-status="(\w+)"', browser.get(run_url).text)
             check(status is not None, f"{run_url} shows no run status")
             if status[1] == "succeeded":
-                print(f"playground run {run_url} succeeded")
+                say(f"playground run {run_url} succeeded")
                 return
             check(status[1] != "failed", f"playground run {run_url} failed")
             check(time.monotonic() < deadline, f"playground run still {status[1]}")
@@ -228,7 +236,7 @@ def wait_for_beat(log: Path, honcho: subprocess.Popen) -> None:
         check(honcho.poll() is None, "honcho exited")
         check(time.monotonic() < deadline, "beat sent no task within 60 s")
         time.sleep(0.5)
-    print("beat is sending its sweeps")
+    say("beat is sending its sweeps")
 
 
 def main() -> int:
@@ -290,12 +298,12 @@ def main() -> int:
         for url in web_urls:
             wait_ready(f"{url}/login/", honcho, f"web replica {url}")
         wait_ready(f"{engine_url}/health", processes[0], "the engine")
-        print(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
+        say(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
         completion(web_urls[0], secret)
         stream(web_urls[1], secret)
         playground_run(web_urls[1])
         wait_for_beat(honcho_log, honcho)
-        print("production smoke: OK")
+        say("production smoke: OK")
         return 0
     except (SmokeFailure, DocCommandFailed, RuntimeError) as failure:
         print(f"production smoke FAILED: {failure}", file=sys.stderr)
