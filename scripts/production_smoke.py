@@ -230,7 +230,8 @@ def playground_run(web_url: str) -> None:
 
 
 def wait_for_beat(log: Path, honcho: subprocess.Popen) -> None:
-    """Beat sends its due sweeps at start; wait until its log shows one sent."""
+    """Wait until beat's log shows a sweep sent: with a new schedule file, one interval (60 s)
+    after beat started, which sets the floor of this script's time."""
     deadline = time.monotonic() + 60
     while "Sending due task" not in log.read_text(errors="replace"):
         check(honcho.poll() is None, "honcho exited")
