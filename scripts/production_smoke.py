@@ -5,9 +5,9 @@
 Runs the page's commands as they are written (`tests/deploy_doc.py`): §1's secrets and
 engine token and §2's copy of `.env.example`'s production section into a temporary ACS_ETC,
 edited for this machine by appending its values, then loaded with §2's `set -a; . …` line.
-(Re)creates DATABASE_URL's database, runs §7's release commands (but pip), starts
-Procfile.production (two web replicas, worker, beat) with honcho and the embedded engine, all
-in that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
+Starts the embedded engine, (re)creates DATABASE_URL's database, runs §7's release commands
+(but pip), starts Procfile.production (two web replicas, worker, beat) with honcho, all in
+that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
 completion to one replica, a stream to the other (it must end with `data: [DONE]`) and a
 playground run through the portal (log in, submit the form, wait until the run succeeded).
 Stops everything it started; exits non-zero with the reason (and the tail of the logs) when
@@ -50,6 +50,14 @@ LOOPBACK_CHECKS = {
 }
 
 
+STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    """Print a step with the seconds since the start, so a slow run shows where it waited."""
+    print(f"[{time.monotonic() - STARTED:5.1f} s] {message}", flush=True)
+
+
 class SmokeFailure(Exception):
     pass
 
@@ -80,7 +88,7 @@ def check_deploy(env: dict) -> None:
     reported = set(re.findall(r"\(([a-z_]+\.[EWC]\d+)\)", output))
     check(reported <= LOOPBACK_CHECKS, f"check --deploy:\n{output}")
     check(result.returncode == 0 or reported, f"check --deploy failed:\n{output}")
-    print(f"check --deploy: only the loopback differences {sorted(reported)}")
+    say(f"check --deploy: only the loopback differences {sorted(reported)}")
 
 
 def recreate_database(url: str) -> None:
@@ -161,7 +169,7 @@ def completion(web_url: str, secret: str) -> None:
     check(response.status_code == 200, f"completion: {response.status_code} {response.text}")
     payload = response.json()
     check(payload["usage"]["completion_tokens"] >= 1, f"completion without tokens: {payload}")
-    print(f"completion on {web_url}: {payload['choices'][0]['text']!r}")
+    say(f"completion on {web_url}: {payload['choices'][0]['text']!r}")
 
 
 def stream(web_url: str, secret: str) -> None:
@@ -186,7 +194,7 @@ def stream(web_url: str, secret: str) -> None:
     chunks = [json.loads(frame) for frame in frames[:-1]]
     check(not any("error" in chunk for chunk in chunks), f"stream error: {chunks}")
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    print(f"stream on {web_url}: {len(frames)} frames, {text!r}, ends with [DONE]")
+    say(f"stream on {web_url}: {len(frames)} frames, {text!r}, ends with [DONE]")
 
 
 def playground_run(web_url: str) -> None:
@@ -214,7 +222,7 @@ def playground_run(web_url: str) -> None:
             status = re.search(r'data-run-status="(\w+)"', browser.get(run_url).text)
             check(status is not None, f"{run_url} shows no run status")
             if status[1] == "succeeded":
-                print(f"playground run {run_url} succeeded")
+                say(f"playground run {run_url} succeeded")
                 return
             check(status[1] != "failed", f"playground run {run_url} failed")
             check(time.monotonic() < deadline, f"playground run still {status[1]}")
@@ -222,13 +230,14 @@ def playground_run(web_url: str) -> None:
 
 
 def wait_for_beat(log: Path, honcho: subprocess.Popen) -> None:
-    """Beat sends its due sweeps at start; wait until its log shows one sent."""
+    """Wait until beat's log shows a sweep sent: with a new schedule file, one interval (60 s)
+    after beat started, which sets the floor of this script's time."""
     deadline = time.monotonic() + 60
     while "Sending due task" not in log.read_text(errors="replace"):
         check(honcho.poll() is None, "honcho exited")
         check(time.monotonic() < deadline, "beat sent no task within 60 s")
         time.sleep(0.5)
-    print("beat is sending its sweeps")
+    say("beat is sending its sweeps")
 
 
 def main() -> int:
@@ -245,11 +254,8 @@ def main() -> int:
         # As on a fresh machine: the settings do not load before the secrets exist.
         edits = machine_edits(work=work, web_urls=web_urls, engine_url=engine_url)
         env = production_env(etc=etc, edits=edits)
-        recreate_database(env["DATABASE_URL"])
-        run_doc_block(
-            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
-        )
-        check_deploy(env)
+        # The engine needs neither the database nor the static files: it loads the model
+        # (the longest start) while the release commands run.
         with open(work / "engine.log", "wb") as log:
             processes.append(
                 subprocess.Popen(
@@ -260,6 +266,11 @@ def main() -> int:
                     stderr=subprocess.STDOUT,
                 )
             )
+        recreate_database(env["DATABASE_URL"])
+        run_doc_block(
+            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
+        )
+        check_deploy(env)
         empty_env = work / "empty.env"
         empty_env.write_text("")
         with open(honcho_log, "wb") as log:
@@ -288,12 +299,12 @@ def main() -> int:
         for url in web_urls:
             wait_ready(f"{url}/login/", honcho, f"web replica {url}")
         wait_ready(f"{engine_url}/health", processes[0], "the engine")
-        print(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
+        say(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
         completion(web_urls[0], secret)
         stream(web_urls[1], secret)
         playground_run(web_urls[1])
         wait_for_beat(honcho_log, honcho)
-        print("production smoke: OK")
+        say("production smoke: OK")
         return 0
     except (SmokeFailure, DocCommandFailed, RuntimeError) as failure:
         print(f"production smoke FAILED: {failure}", file=sys.stderr)

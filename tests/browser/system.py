@@ -60,16 +60,17 @@ class System:
             **self.production_env,
             "STATIC_ROOT": str(self.log_dir / "static"),
         }
+        # The engine loads the model (the longest start) while the static files are collected.
+        engine = self._spawn(
+            "engine",
+            [*engine_command(self.engine_port), "--log-level", "warning"],
+            {**env, "ACS_ENGINE_THREADS": env.get("ACS_ENGINE_THREADS", "1")},
+        )
         subprocess.run(
             [str(WEB_BIN / "python"), "manage.py", "collectstatic", "--noinput", "-v", "0"],
             cwd=REPO_ROOT,
             env=env,
             check=True,
-        )
-        engine = self._spawn(
-            "engine",
-            [*engine_command(self.engine_port), "--log-level", "warning"],
-            {**env, "ACS_ENGINE_THREADS": env.get("ACS_ENGINE_THREADS", "1")},
         )
         web = self._spawn(
             "web",

@@ -1,8 +1,12 @@
 """The client package as a researcher gets it: the wheel built from acs_client/, installed
-with pip into a fresh virtualenv (its dependencies from the package index, nothing from this
+into a fresh virtualenv (its dependencies from the package index, nothing from this
 repository), and its example tour run with that virtualenv's Python against the whole running
 system (engine, web, worker). What the tour prints is checked against the same requests sent
-with plain httpx and decoded with numpy here."""
+with plain httpx and decoded with numpy here.
+
+uv builds and installs: it reads the same standard metadata (pyproject.toml's build backend
+and dependencies) as pip, in seconds where pip took over a minute, and the virtualenv is the
+standard library's own, as a researcher makes it."""
 
 import base64
 import json
@@ -17,6 +21,7 @@ import pytest
 import zstandard
 from django.db import connections
 from safetensors import deserialize
+from uv import find_uv_bin
 
 from accounts.models import User
 from accounts.services.keys import api_key_create
@@ -85,15 +90,16 @@ def test_the_wheel_installs_in_a_fresh_virtualenv_and_its_tour_runs_on_the_syste
     system, api_secret, tmp_path
 ):
     wheels, venv, out = tmp_path / "wheels", tmp_path / "venv", tmp_path / "harvest"
+    uv = find_uv_bin()
     run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels, "./acs_client"],
+        [uv, "build", "-q", "--wheel", "--out-dir", wheels, "./acs_client"],
         cwd=REPO_ROOT,
         timeout=300,
     )
     [wheel] = wheels.glob("acs_client-*.whl")
-    run([sys.executable, "-m", "venv", venv], cwd=tmp_path, timeout=120)
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, timeout=120)
     python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", wheel], cwd=tmp_path, timeout=300)
+    run([uv, "pip", "install", "-q", "--python", python, wheel], cwd=tmp_path, timeout=300)
     located = run(
         [python, "-c", "import acs_client; print(acs_client.__file__)"], cwd=tmp_path, timeout=60
     )
