@@ -12,19 +12,27 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test test-web test-engine test-browser test-deploy lint format bench services client-wheel
 
-$(VENV)/.installed: requirements.txt
+# uv (pinned in requirements-installer.txt, installed with pip) installs both virtualenvs from
+# the places pip is configured to use (scripts/uv-pip-install): a seventh of pip's time.
+INSTALL := UV=$(VENV)/bin/uv scripts/uv-pip-install
+
+$(VENV)/bin/uv: requirements-installer.txt
 	test -x $(PY) || "$$(scripts/python-for-web)" -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-installer.txt
+	touch $@
+
+$(VENV)/.installed: requirements.txt $(VENV)/bin/uv
+	$(INSTALL) $(PY) -r requirements.txt
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+	$(INSTALL) $(PY) -r requirements-test.txt
 	touch $@
 
-$(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.txt
+$(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.txt $(VENV)/bin/uv
 	test -x $(ENGINE_PY) || "$$(scripts/python-for-engine)" -m venv $(ENGINE_VENV)
-	$(ENGINE_PY) -m pip install -q -r requirements-engine.txt
-	$(ENGINE_PY) -m pip install -q --no-deps -r requirements-engine-nodeps.txt
+	$(INSTALL) $(ENGINE_PY) -r requirements-engine.txt
+	$(INSTALL) $(ENGINE_PY) --no-deps -r requirements-engine-nodeps.txt
 	touch $@
 
 services:
