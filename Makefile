@@ -5,7 +5,7 @@ ENGINE_VENV := .venv-engine
 PY := $(VENV)/bin/python
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
-# The web suite's second pytest-xdist worker takes the Redis database below this one (14).
+# The web suite's second pytest-xdist worker (WEB_WORKERS) takes the Redis database below (14).
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # scripts/production-smoke drops and recreates this database.
 SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
@@ -60,10 +60,11 @@ format: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Two pytest-xdist workers: many web tests wait on servers, the engine or the fault suite's
-# processes, and the other worker uses that time. Groups keep the fault suite and the real
-# engine's tests each on one worker (tests/conftest.py).
-WEB_WORKERS := -n 2 --dist loadgroup
+# One process by default: on 2 busy cores two pytest-xdist workers took 1.4 times as long as
+# one (docs/performance.md). `make test-web WEB_WORKERS="-n 2 --dist loadgroup"` runs two;
+# groups keep the fault suite and the real engine's tests each on one worker
+# (tests/conftest.py).
+WEB_WORKERS ?=
 
 test-web: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(TEST_DATABASE_URL) scripts/ensure-test-db
