@@ -60,11 +60,11 @@ format: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# One process by default: on 2 busy cores two pytest-xdist workers took 1.4 times as long as
-# one (docs/performance.md). `make test-web WEB_WORKERS="-n 2 --dist loadgroup"` runs two;
-# groups keep the fault suite and the real engine's tests each on one worker
+# Two pytest-xdist workers: on a quiet 2-core machine 238 web tests took 41 s instead of 110 s
+# (on cores busy with other work, 1.4 times as long: docs/performance.md; `WEB_WORKERS=` runs
+# one). Groups keep the fault suite and the real engine's tests each on one worker
 # (tests/conftest.py).
-WEB_WORKERS ?=
+WEB_WORKERS ?= -n 2 --dist loadgroup
 
 test-web: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(TEST_DATABASE_URL) scripts/ensure-test-db

@@ -38,7 +38,7 @@ FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (`make test-web WEB_WORKERS="-n 2 --dist loadgroup"`) each worker
+    """Under pytest-xdist (`make test-web` runs two workers, WEB_WORKERS) each worker
     has a test database of its own (pytest-django adds the worker's name) and a Redis database
     of its own: worker N takes the database N below REDIS_URL's (15 gives 15 and 14)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
