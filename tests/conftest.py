@@ -4,6 +4,9 @@ Run through `make test-web` (or set DATABASE_URL to PostgreSQL and REDIS_URL to 
 Redis database): the suite uses real PostgreSQL and Redis.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 import redis as redis_lib
 from asgiref.sync import sync_to_async
@@ -16,6 +19,7 @@ from django.test.utils import override_settings
 from accounts.models import AccessApplication, User, UserStatus
 from accounts.services.keys import api_key_create
 
+from .faults import table as fault_table
 from .servers import engine_server
 
 PASSWORD = "correct-horse-battery-staple"
@@ -28,6 +32,47 @@ ENGINE_MODEL_FIELDS = {
     "vocab_size": 49152,
     "supports_activations": True,
 }
+
+
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test-web` runs two workers, WEB_WORKERS) each worker
+    has a test database of its own (pytest-django adds the worker's name) and a Redis database
+    of its own: worker N takes the database N below REDIS_URL's (15 gives 15 and 14)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        settings.REDIS_URL = redis_url_of_worker(settings.REDIS_URL, int(worker.removeprefix("gw")))
+
+
+def redis_url_of_worker(url: str, worker: int) -> str:
+    base, _, database = url.rpartition("/")
+    number = int(database or 0) - worker
+    if number < 0:
+        raise pytest.UsageError(f"REDIS_URL {url}: no Redis database {number} for worker {worker}")
+    return f"{base}/{number}"
+
+
+def pytest_collection_modifyitems(items):
+    """pytest-xdist (`--dist loadgroup`) runs each group on one worker: the fault suite, so a
+    run starts its system once, and the tests of the real engine (`engine_url`), so a run
+    loads that model once."""
+    for item in items:
+        if item.path.is_relative_to(FAULTS_DIR):
+            item.add_marker(pytest.mark.xdist_group("faults"))
+        elif "engine_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("engine"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """On the pytest-xdist controller: the fault table's rows of a worker that finished."""
+    fault_table.rows_add_dicts(getattr(node, "workeroutput", {}).get("fault_rows", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    fault_table.table_report(terminalreporter)
 
 
 class FastPBKDF2PasswordHasher(PBKDF2PasswordHasher):

@@ -34,11 +34,12 @@ def test_overflowing_steering_is_a_400_with_the_prompt_billed(client):
 
 def test_overflow_at_a_generated_position_reports_the_tokens_before_it(client):
     # Positions 0-1 are the prompt; the third generated token sits at position 4, and the
-    # logits computed from it (for the fourth token) are the first that overflow.
+    # logits computed from it (for the fourth token) are the first that overflow. The tokens
+    # are sampled: ignore_eos keeps a sampled end of text (2% at the second token, seen)
+    # from ending the completion before position 4.
     steering = overflowing_steering(HIDDEN, position_indices=[4])
-    response = client.post(
-        "/v1/completions", json=completion(max_tokens=6, apply_steering_vectors=steering)
-    )
+    body = completion(max_tokens=6, ignore_eos=True, apply_steering_vectors=steering)
+    response = client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     answer = strict_json(response.text)
     assert_non_finite_error(answer["error"])
@@ -47,7 +48,7 @@ def test_overflow_at_a_generated_position_reports_the_tokens_before_it(client):
 
 def test_overflowing_steering_ends_a_stream_with_an_error_frame(client):
     steering = overflowing_steering(HIDDEN, position_indices=[4])
-    body = completion(max_tokens=6, stream=True, apply_steering_vectors=steering)
+    body = completion(max_tokens=6, ignore_eos=True, stream=True, apply_steering_vectors=steering)
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200
     payloads = sse_payloads(response.text)

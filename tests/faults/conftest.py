@@ -8,7 +8,8 @@ database and on a Redis server of its own, with faults injected from outside.
 - Tests commit what they write (`transactional_db`: the subprocesses must see it); each test
   works with a fresh user and key.
 - Each test records a row of the fault table (`fault_table.add`); the session's terminal
-  summary prints the table and writes it to `.run/faults-table.md`.
+  summary prints the table and writes it to `.run/faults-table.md` (`table.py`).
+- Under pytest-xdist one worker runs them all (tests/conftest.py), so a run starts one system.
 """
 
 import os
@@ -35,10 +36,11 @@ from tests.conftest import ENGINE_MODEL_FIELDS, make_user
 from tests.gateway.stub import StubUpstream
 from tests.servers import REPO_ROOT, engine_command, free_port, wait_ready
 
+from . import table
+
 WEB_BIN = REPO_ROOT / ".venv" / "bin"
 ENGINE_MODEL = "faults-engine"
 STUB_MODEL = "faults-stub"
-TABLE_PATH = REPO_ROOT / ".run" / "faults-table.md"
 # Job leases of the worker and gateway processes: a killed worker's job is found by the sweep
 # this many seconds after its claim (16 and 10 minutes in production).
 JOB_LEASE_S = 4
@@ -48,21 +50,9 @@ JOB_LEASE_S = 4
 # The fault table
 
 
-@dataclass
-class FaultRow:
-    fault: str
-    client_saw: str
-    metered: str
-    produced: str
-    recovery: str
-
-
-_ROWS: list[FaultRow] = []
-
-
 class FaultTable:
     def add(self, *, fault: str, client_saw: str, metered: str, produced: str, recovery: str):
-        _ROWS.append(FaultRow(fault, client_saw, metered, produced, recovery))
+        table.ROWS.append(table.FaultRow(fault, client_saw, metered, produced, recovery))
 
 
 @pytest.fixture
@@ -70,27 +60,11 @@ def fault_table() -> FaultTable:
     return FaultTable()
 
 
-def _table_lines() -> list[str]:
-    lines = [
-        "| fault | what the client saw | tokens metered | tokens produced | recovery |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r.fault} | {r.client_saw} | {r.metered} | {r.produced} | {r.recovery} |" for r in _ROWS
-    ]
-    return lines
-
-
-def pytest_terminal_summary(terminalreporter):
-    if not _ROWS:
-        return
-    lines = _table_lines()
-    terminalreporter.section("fault suite (issue #12)")
-    for line in lines:
-        terminalreporter.write_line(line)
-    TABLE_PATH.parent.mkdir(exist_ok=True)
-    TABLE_PATH.write_text("\n".join(lines) + "\n")
-    terminalreporter.write_line(f"(written to {TABLE_PATH.relative_to(REPO_ROOT)})")
+def pytest_sessionfinish(session):
+    """On a pytest-xdist worker: the rows go to the controller, which prints the table."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fault_rows"] = table.rows_as_dicts()
 
 
 # ---------------------------------------------------------------------------------------

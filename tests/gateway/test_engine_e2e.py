@@ -135,10 +135,13 @@ def test_engine_steering_scale_zero_is_a_no_op_and_large_scale_changes_text(clie
 
 
 def test_requests_larger_than_the_engine_queue_never_open_the_circuit_for_others(
-    client, engine_model, gateway_url, other_user
+    client, engine_model, gateway_url, other_user, monkeypatch
 ):
     """257 sequences are more than the engine's waiting queue holds (256): the engine takes
-    such a request in whole, and nothing about it counts against the engine's health."""
+    such a request in whole, and nothing about it counts against the engine's health. With a
+    threshold of one failure (the gateway runs in this process), any such request counted as
+    a failure would open the circuit: two requests of 257 sequences show it instead of six."""
+    monkeypatch.setattr(upstream, "FAILURE_THRESHOLD", 1)
     body = {"model": "smollm2-135m", "prompt": ["Hi"] * 257, "max_tokens": 1}
     for _ in range(upstream.FAILURE_THRESHOLD + 1):
         response = client.post("/v1/completions", json=body, timeout=300)
