@@ -4,13 +4,14 @@ VENV := .venv
 ENGINE_VENV := .venv-engine
 PY := $(VENV)/bin/python
 ENGINE_PY := $(ENGINE_VENV)/bin/python
+BENCH_VENV := .venv-bench
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # scripts/production-smoke drops and recreates this database.
 SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-web test-engine test-browser test-deploy lint format bench services client-wheel
+.PHONY: run test test-web test-engine test-browser test-deploy lint format bench bench-venv services client-wheel
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || "$$(scripts/python-for-web)" -m venv $(VENV)
@@ -26,6 +27,16 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 	$(ENGINE_PY) -m pip install -q -r requirements-engine.txt
 	$(ENGINE_PY) -m pip install -q --no-deps -r requirements-engine-nodeps.txt
 	touch $@
+
+# llama.cpp for `bench/engine.py --peer llama.cpp`, in a venv of its own, compiled here (minutes
+# on 2 cores). AVX2 without AVX-512 runs on every x86 CPU this project runs on.
+$(BENCH_VENV)/.installed: requirements-bench.txt
+	test -x $(BENCH_VENV)/bin/python || "$$(scripts/python-for-engine)" -m venv $(BENCH_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BENCH_VENV)/bin/python -m pip install -q --no-cache-dir -r requirements-bench.txt
+	touch $@
+
+bench-venv: $(BENCH_VENV)/.installed
 
 services:
 	scripts/ensure-redis
