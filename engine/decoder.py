@@ -226,9 +226,9 @@ def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPl
     kernel can run them; otherwise every product uses the compute dtype's matmul."""
     if not half_weights_exact(model):
         return KernelPlan(half_rows=0)
-    matrices = [model.lm_head.weight.detach()]
-    matrices += [matrix.detach() for layer in layer_matrices for matrix in layer.values()]
-    return measure_plan(matrices)
+    per_layer = [[matrix.detach() for matrix in layer.values()] for layer in layer_matrices]
+    matrices = [model.lm_head.weight.detach()] + [matrix for layer in per_layer for matrix in layer]
+    return measure_plan(matrices, prefill_weights=per_layer[0])
 
 
 def _rope_tables(

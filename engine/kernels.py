@@ -10,6 +10,7 @@ on this machine, on matrices of the model's shapes, not guessed from CPU flags.
 
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,11 @@ import torch.nn.functional as F
 ROW_COUNTS = (1, 2, 4, 8, 16)
 # Rows of the prefill-like product that decides the compute dtype: a 256-token prompt's chunk.
 PREFILL_ROWS = 256
-REPETITIONS = 5
+REPETITIONS = 3
+
+
+# `half_rows` of a plan whose float16 kernel won at every size measured, prefill included.
+ALL_ROWS = sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -64,22 +69,28 @@ def half_weights_exact(model: torch.nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def measure_plan(weights: list[torch.Tensor]) -> KernelPlan:
-    """The plan for these weights (the model's own, in the compute dtype): the most rows up to
-    which the float16 kernel beat the compute dtype's matmul at every measured row count, each
-    timed as one pass over all `weights` (as a decode step reads them), the two kernels
-    alternating so that load changes hit both alike."""
-    packed = [_pack_half(weight) for weight in weights]
+def measure_plan(weights: list[torch.Tensor], prefill_weights: list[torch.Tensor]) -> KernelPlan:
+    """The plan for `weights` (all the model's matrices, in the compute dtype): the most rows
+    up to which the float16 kernel beat the compute dtype's matmul at every row count of
+    ROW_COUNTS, each timed as one pass over all `weights` (as a decode step reads them), the two
+    kernels alternating so that load changes hit both alike; ALL_ROWS if it also wins a
+    PREFILL_ROWS product by `prefill_weights` (a layer's matrices: a prefill is bound by
+    arithmetic, not by reading them)."""
     half_rows = 0
     for rows in ROW_COUNTS:
-        inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
-        native = functools.partial(_products, F.linear, inputs, weights)
-        half = functools.partial(_products, _half_linear, inputs, packed)
-        native_time, half_time = _median_times([native, half])
-        if half_time >= native_time:
-            break
+        if not _half_faster(weights, rows):
+            return KernelPlan(half_rows=half_rows)
         half_rows = rows
-    return KernelPlan(half_rows=half_rows)
+    return KernelPlan(half_rows=ALL_ROWS if _half_faster(prefill_weights, PREFILL_ROWS) else rows)
+
+
+def _half_faster(weights: list[torch.Tensor], rows: int) -> bool:
+    packed = [_pack_half(weight) for weight in weights]
+    inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
+    native = functools.partial(_products, F.linear, inputs, weights)
+    half = functools.partial(_products, _half_linear, inputs, packed)
+    native_time, half_time = _median_times([native, half])
+    return half_time < native_time
 
 
 @torch.inference_mode()

@@ -32,18 +32,19 @@ def test_products_of_more_rows_than_the_plan_says_use_the_dtypes_own_matmul():
 
 
 @pytest.mark.parametrize(
-    ("half_wins_up_to", "expected"), [(0, 0), (1, 1), (4, 4), (8, 8), (16, 16)]
+    ("half_wins_up_to", "expected"),
+    [(0, 0), (1, 1), (4, 4), (8, 8), (16, 16), (kernels.PREFILL_ROWS, kernels.ALL_ROWS)],
 )
 def test_the_plan_keeps_the_half_kernel_while_it_is_faster(monkeypatch, half_wins_up_to, expected):
     measured_rows = []
 
     def times(candidates):
-        rows = kernels.ROW_COUNTS[len(measured_rows)]
+        rows = [*kernels.ROW_COUNTS, kernels.PREFILL_ROWS][len(measured_rows)]
         measured_rows.append(rows)
         return [1.0, 0.5] if rows <= half_wins_up_to else [1.0, 2.0]
 
     monkeypatch.setattr(kernels, "_median_times", times)
-    assert measure_plan([WEIGHT]).half_rows == expected
+    assert measure_plan([WEIGHT], prefill_weights=[WEIGHT]).half_rows == expected
 
 
 @pytest.mark.parametrize(("bfloat16_faster", "expected"), [(True, "bfloat16"), (False, "float32")])
