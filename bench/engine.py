@@ -266,16 +266,16 @@ def print_table(medians: dict[str, dict[str, dict]], baseline: str | None, repet
         + ")"
     )
     columns = []
-    for dtype in DTYPES:
+    for dtype in medians:
         if baseline:
             columns += [f"{dtype} {baseline}", f"{dtype} this code", f"{dtype} speed-up"]
         else:
             columns.append(dtype)
     print("| measure | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
-    for index, (measure_name, _) in enumerate(rows(medians[DTYPES[0]]["new"])):
+    for index, (measure_name, _) in enumerate(rows(next(iter(medians.values()))["new"])):
         cells = []
-        for dtype in DTYPES:
+        for dtype in medians:
             if baseline:
                 old, new = medians[dtype]["baseline"], medians[dtype]["new"]
                 cells += [rows(old)[index][1], rows(new)[index][1], speed_ups(new, old)[index]]
@@ -322,14 +322,20 @@ def main() -> None:
         "--peer", choices=["llama.cpp"], help="also run llama.cpp on the same weights"
     )
     parser.add_argument("--repetitions", type=int, default=REPETITIONS)
+    parser.add_argument(
+        "--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}"
+    )
     args = parser.parse_args()
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        parser.error(f"--dtypes: each of {', '.join(DTYPES)}")
     peers = peer_models() if args.peer else {}
     with contextlib.ExitStack() as stack:
         codes = {"new": REPO_ROOT}
         if args.baseline is not None:
             codes = {"baseline": stack.enter_context(worktree(args.baseline)), **codes}
         medians, features = {}, {}
-        for dtype in DTYPES:
+        for dtype in dtypes:
             runners = {
                 name: functools.partial(EngineRunner, dtype, code) for name, code in codes.items()
             }
@@ -339,7 +345,7 @@ def main() -> None:
                 }
             medians[dtype], features[dtype] = measure(runners, dtype, args.repetitions)
     print_table(medians, args.baseline, args.repetitions)
-    if peers:
+    if peers and "auto" in medians:
         print_peer_table(medians["auto"], args.baseline)
     print_features(features)
 
