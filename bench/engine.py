@@ -130,10 +130,11 @@ class EngineRunner:
 
     def __init__(self, dtype: str, code: Path):
         self.process, self.client = start_engine(dtype, code)
+        # The baseline's /health may not say the dtype; every version's model card does.
+        dtype = self.client.get("/v1/models").json()["data"][0]["dtype"]
         health = self.client.get("/health").json()
-        self.dtype = health["dtype"]
         self.features = (
-            f"torch, {health['dtype']}, CPU capability {health.get('cpu_capability', '?')}, "
+            f"torch, {dtype}, CPU capability {health.get('cpu_capability', '?')}, "
             f"float16-weight kernel up to {health.get('half_weight_rows', '?')} rows"
         )
 
