@@ -130,13 +130,20 @@ class EngineRunner:
 
     def __init__(self, dtype: str, code: Path):
         self.process, self.client = start_engine(dtype, code)
+        try:
+            self.features = self._features()
+        except Exception:
+            self.close()
+            raise
+
+    def _features(self) -> str:
         # The baseline's /health may not say the dtype; every version's model card does.
         dtype = self.client.get("/v1/models").json()["data"][0]["dtype"]
         health = self.client.get("/health").json()
-        self.features = (
-            f"torch, {dtype}, CPU capability {health.get('cpu_capability', '?')}, "
-            f"float16-weight kernel up to {health.get('half_weight_rows', '?')} rows"
-        )
+        rows = health.get("half_weight_rows", "?")
+        half = "every product" if rows == sys.maxsize else f"products of up to {rows} rows"
+        capability = health.get("cpu_capability", "?")
+        return f"torch, {dtype}, CPU capability {capability}, float16-weight kernel: {half}"
 
     def measure_once(self) -> dict:
         return measure_once(self.client)
