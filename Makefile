@@ -4,6 +4,7 @@ VENV := .venv
 ENGINE_VENV := .venv-engine
 PY := $(VENV)/bin/python
 ENGINE_PY := $(ENGINE_VENV)/bin/python
+BENCH_VENV := .venv-bench
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
 # The web suite's second pytest-xdist worker (WEB_WORKERS) takes the Redis database below (14).
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
@@ -11,7 +12,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-web test-engine test-browser test-deploy lint format bench services client-wheel
+.PHONY: run test test-web test-engine test-browser test-deploy lint format bench bench-venv services client-wheel
 
 # uv (pinned in requirements-installer.txt, installed with pip) installs both virtualenvs from
 # the places pip is configured to use (scripts/uv-pip-install): a seventh of pip's time.
@@ -35,6 +36,16 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 	$(INSTALL) $(ENGINE_PY) -r requirements-engine.txt
 	$(INSTALL) $(ENGINE_PY) --no-deps -r requirements-engine-nodeps.txt
 	touch $@
+
+# llama.cpp for `bench/engine.py --peer llama.cpp`, in a venv of its own, compiled here (minutes
+# on 2 cores). AVX2 without AVX-512 runs on every x86 CPU this project runs on.
+$(BENCH_VENV)/.installed: requirements-bench.txt
+	test -x $(BENCH_VENV)/bin/python || "$$(scripts/python-for-engine)" -m venv $(BENCH_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BENCH_VENV)/bin/python -m pip install -q --no-cache-dir -r requirements-bench.txt
+	touch $@
+
+bench-venv: $(BENCH_VENV)/.installed
 
 services:
 	scripts/ensure-redis

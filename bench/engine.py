@@ -1,16 +1,25 @@
 """Benchmark the embedded engine: `.venv-engine/bin/python bench/engine.py [--baseline REF]`.
 
-Starts `python -m engine serve` on a free loopback port, once per compute dtype (bfloat16 and
-float32; see `engine.loader.compute_dtype`), then prints medians over a few repetitions of:
+Starts `python -m engine serve` on a free loopback port, once per compute dtype (auto, the one
+the engine picks on this CPU, then bfloat16 and float32; see `engine.loader.compute_dtype`),
+then prints medians over a few repetitions of:
 single-stream decode tokens/s, aggregate tokens/s with 1, 4 and 16 concurrent requests (and
 the ratio to one request), and time to first token for a 256-token prompt.
 
 With `--baseline REF` it also checks out REF in a temporary git worktree, runs that commit's
 engine (same virtualenv) beside this one, alternates the repetitions between the two so that
 the machine's load changes hit both alike, and prints both with the speed-up of this code.
+
+With `--peer llama.cpp` it also runs llama.cpp (`make bench-venv`, bench/llama_cpp_peer.py) on
+the same weights, the shipped Q4_1 GGUF file and an F16 one requantised from it by llama.cpp
+(cached beside the engine's cache), alternating with the auto dtype's repetitions, and prints
+its single-stream decode and time to first token beside the engine's, with the CPU features
+each side used.
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -18,8 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,6 +36,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from engine.loader import GGUF_FILE, default_cache_dir, gguf_directory  # noqa: E402
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -40,6 +50,9 @@ PROMPTS = [
     "def fibonacci(n):",
     "My favourite recipe is",
 ]
+BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
+PEER_SCRIPT = REPO_ROOT / "bench" / "llama_cpp_peer.py"
+CPU_FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
 
 
 def start_engine(dtype: str, code: Path = REPO_ROOT) -> tuple[subprocess.Popen, httpx.Client]:
@@ -95,10 +108,13 @@ def aggregate_throughput(client: httpx.Client, concurrency: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def ttft_prompt() -> list[int]:
+    return [(1000 + 37 * i) % 40000 for i in range(TTFT_PROMPT_TOKENS)]
+
+
 def time_to_first_token(client: httpx.Client) -> float:
-    prompt = [(1000 + 37 * i) % 40000 for i in range(TTFT_PROMPT_TOKENS)]
     started = time.perf_counter()
-    times = token_times(client, {"prompt": [prompt], "max_tokens": 1})
+    times = token_times(client, {"prompt": [ttft_prompt()], "max_tokens": 1})
     return times[0] - started
 
 
@@ -109,32 +125,107 @@ def measure_once(client: httpx.Client) -> dict:
     return results
 
 
-def measure(dtype: str, codes: dict[str, Path], repetitions: int) -> dict[str, dict]:
-    """Medians per code (name -> checkout) in `dtype`: every measure once per repetition,
-    the codes taking turns (first one first, then the other), so load changes hit them alike."""
-    engines = {}
+class EngineRunner:
+    """One engine process (checkout `code`, computing in `dtype`), loaded and warmed up."""
+
+    def __init__(self, dtype: str, code: Path):
+        self.process, self.client = start_engine(dtype, code)
+        try:
+            self.features = self._features()
+        except Exception:
+            self.close()
+            raise
+
+    def _features(self) -> str:
+        # The baseline's /health may not say the dtype; every version's model card does.
+        dtype = self.client.get("/v1/models").json()["data"][0]["dtype"]
+        health = self.client.get("/health").json()
+        rows = health.get("half_weight_rows", "?")
+        half = "every product" if rows == sys.maxsize else f"products of up to {rows} rows"
+        capability = health.get("cpu_capability", "?")
+        return f"torch, {dtype}, CPU capability {capability}, float16-weight kernel: {half}"
+
+    def measure_once(self) -> dict:
+        return measure_once(self.client)
+
+    def close(self) -> None:
+        self.client.close()
+        stop(self.process)
+
+
+class LlamaCppRunner:
+    """llama.cpp on one GGUF file, in .venv-bench (bench/llama_cpp_peer.py), warmed up."""
+
+    def __init__(self, model: Path):
+        command = [str(BENCH_PYTHON), str(PEER_SCRIPT), "serve", str(model), str(os.cpu_count())]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.features = self._answer()["system_info"].strip()
+        self.measure_once()
+
+    def measure_once(self) -> dict:
+        request = {
+            "decode_prompt": PROMPTS[0],
+            "decode_tokens": DECODE_TOKENS,
+            "ttft_ids": ttft_prompt(),
+        }
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp ({PEER_SCRIPT.name}) exited: {self.process.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        stop(self.process)
+
+
+def peer_models() -> dict[str, Path]:
+    """The GGUF files llama.cpp runs: the shipped Q4_1 and an F16 requantised from it."""
+    if not BENCH_PYTHON.exists():
+        raise SystemExit("--peer llama.cpp needs .venv-bench: run `make bench-venv` first")
+    q4_1 = gguf_directory() / GGUF_FILE
+    cache = default_cache_dir()
+    f16 = cache.with_name(f"{cache.name}-gguf") / GGUF_FILE.replace("Q4_1", "F16")
+    if not f16.exists():
+        f16.parent.mkdir(parents=True, exist_ok=True)
+        command = [str(BENCH_PYTHON), str(PEER_SCRIPT), "quantize", str(q4_1), str(f16), "F16"]
+        subprocess.run(command, check=True)
+    return {"llama.cpp F16": f16, "llama.cpp Q4_1": q4_1}
+
+
+def measure(runners: dict[str, Callable[[], object]], label: str, repetitions: int):
+    """Medians per runner (name -> a function that starts it): every measure once per
+    repetition, the runners taking turns (in order, then reversed), so load changes hit them
+    alike. Also each runner's features line."""
+    started = {}
     try:
-        for name, code in codes.items():
-            engines[name] = start_engine(dtype, code)
-        samples: dict[str, dict] = {name: {} for name in codes}
+        for name, start in runners.items():
+            started[name] = start()
+        samples: dict[str, dict] = {name: {} for name in runners}
         for repetition in range(repetitions):
-            order = list(codes) if repetition % 2 == 0 else list(reversed(codes))
+            order = list(runners) if repetition % 2 == 0 else list(reversed(runners))
             for name in order:
-                results = measure_once(engines[name][1])
+                results = started[name].measure_once()
                 for key, value in results.items():
                     samples[name].setdefault(key, []).append(value)
-                print(f"{dtype} {name} {repetition + 1}: {results}", file=sys.stderr, flush=True)
-        return {
+                print(f"{label} {name} {repetition + 1}: {results}", file=sys.stderr, flush=True)
+        medians = {
             name: {key: statistics.median(values) for key, values in measures.items()}
             for name, measures in samples.items()
         }
+        return medians, {name: runner.features for name, runner in started.items()}
     finally:
-        for process, client in engines.values():
-            client.close()
-            stop(process)
+        for runner in started.values():
+            runner.close()
 
 
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("auto", "bfloat16", "float32")
 
 
 def rows(medians: dict) -> list[tuple[str, str]]:
@@ -162,7 +253,7 @@ def speed_ups(new: dict, old: dict) -> list[str]:
     return cells
 
 
-@contextmanager
+@contextlib.contextmanager
 def worktree(ref: str):
     """A temporary git worktree of this repository at `ref`."""
     with tempfile.TemporaryDirectory(prefix="engine-baseline-") as parent:
@@ -183,16 +274,16 @@ def print_table(medians: dict[str, dict[str, dict]], baseline: str | None, repet
         + ")"
     )
     columns = []
-    for dtype in DTYPES:
+    for dtype in medians:
         if baseline:
             columns += [f"{dtype} {baseline}", f"{dtype} this code", f"{dtype} speed-up"]
         else:
             columns.append(dtype)
     print("| measure | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
-    for index, (measure_name, _) in enumerate(rows(medians[DTYPES[0]]["new"])):
+    for index, (measure_name, _) in enumerate(rows(next(iter(medians.values()))["new"])):
         cells = []
-        for dtype in DTYPES:
+        for dtype in medians:
             if baseline:
                 old, new = medians[dtype]["baseline"], medians[dtype]["new"]
                 cells += [rows(old)[index][1], rows(new)[index][1], speed_ups(new, old)[index]]
@@ -201,18 +292,70 @@ def print_table(medians: dict[str, dict[str, dict]], baseline: str | None, repet
         print(f"| {measure_name} | " + " | ".join(cells) + " |")
 
 
+def print_peer_table(auto: dict[str, dict], baseline: str | None) -> None:
+    """Single-stream decode and time to first token of the auto dtype's engines and the peer's
+    models, measured in the same alternation."""
+    names = [name for name in auto if name not in ("baseline", "new")]
+    engines = (["baseline"] if baseline else []) + ["new"]
+    labels = {"baseline": f"auto {baseline}", "new": "auto this code"}
+    columns = [labels[name] for name in engines] + names + [f"this code / {names[0]}"]
+    print("\n| measure | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    decode = [f"{auto[name]['decode']:.1f}" for name in [*engines, *names]]
+    decode.append(f"{auto['new']['decode'] / auto[names[0]]['decode']:.2f}x")
+    print("| single-stream decode (tok/s) | " + " | ".join(decode) + " |")
+    ttft = [f"{auto[name]['ttft'] * 1000:.0f}" for name in [*engines, *names]]
+    ttft.append(f"{auto[names[0]]['ttft'] / auto['new']['ttft']:.2f}x")
+    print(
+        f"| time to first token, {TTFT_PROMPT_TOKENS}-token prompt (ms) | "
+        + " | ".join(ttft)
+        + " |"
+    )
+
+
+def print_features(features: dict[str, dict[str, str]]) -> None:
+    flags = (
+        set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    )
+    print("\nCPU flags: " + " ".join(flag for flag in CPU_FLAGS_SHOWN if flag in flags))
+    for dtype, by_runner in features.items():
+        for name, line in by_runner.items():
+            print(f"- {dtype} {name}: {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", metavar="REF", help="also run the engine at this git ref")
+    parser.add_argument(
+        "--peer", choices=["llama.cpp"], help="also run llama.cpp on the same weights"
+    )
     parser.add_argument("--repetitions", type=int, default=REPETITIONS)
+    parser.add_argument(
+        "--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}"
+    )
     args = parser.parse_args()
-    if args.baseline is None:
-        medians = {dtype: measure(dtype, {"new": REPO_ROOT}, args.repetitions) for dtype in DTYPES}
-    else:
-        with worktree(args.baseline) as checkout:
-            codes = {"baseline": checkout, "new": REPO_ROOT}
-            medians = {dtype: measure(dtype, codes, args.repetitions) for dtype in DTYPES}
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        parser.error(f"--dtypes: each of {', '.join(DTYPES)}")
+    peers = peer_models() if args.peer else {}
+    with contextlib.ExitStack() as stack:
+        codes = {"new": REPO_ROOT}
+        if args.baseline is not None:
+            codes = {"baseline": stack.enter_context(worktree(args.baseline)), **codes}
+        medians, features = {}, {}
+        for dtype in dtypes:
+            runners = {
+                name: functools.partial(EngineRunner, dtype, code) for name, code in codes.items()
+            }
+            if dtype == "auto":
+                runners |= {
+                    name: functools.partial(LlamaCppRunner, model) for name, model in peers.items()
+                }
+            medians[dtype], features[dtype] = measure(runners, dtype, args.repetitions)
     print_table(medians, args.baseline, args.repetitions)
+    if peers and "auto" in medians:
+        print_peer_table(medians["auto"], args.baseline)
+    print_features(features)
 
 
 if __name__ == "__main__":

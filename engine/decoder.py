@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import KernelPlan, Linear, half_weights_exact, measure_plan
+
 # Columns of spare KV cache room added whenever a forward pass needs more than is left: a
 # decode step then writes in place, and the buffers are reallocated once every this many steps.
 CACHE_GROWTH_COLUMNS = 64
@@ -96,9 +98,13 @@ class LlamaDecoder:
         self.scale = self.head_dim**-0.5
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        half_weights = _half_weights_pay(model)
-        self.lm_head = Linear(model.lm_head.weight, half_weights)
-        self.layers = [_fuse_layer(layer, half_weights) for layer in model.model.layers]
+        layer_matrices = [_layer_matrices(layer) for layer in model.model.layers]
+        self.plan = _kernel_plan(model, layer_matrices)
+        self.lm_head = Linear(model.lm_head.weight, self.plan)
+        self.layers = [
+            _fused_layer(layer, matrices, self.plan)
+            for layer, matrices in zip(model.model.layers, layer_matrices, strict=True)
+        ]
         self.cos, self.sin = _rope_tables(
             model.model.rotary_emb, config.max_position_embeddings, self.dtype
         )
@@ -175,50 +181,29 @@ class LlamaDecoder:
         return weight * normed.to(hidden.dtype)
 
 
-class Linear:
-    """`x @ weight.T`. With `half_weights`, the weight is stored as float16 and multiplied by
-    fbgemm's fp16-weight kernel, which converts each weight to float32 in registers and
-    accumulates in float32: the same products as a float32 matmul (the weights are float16
-    exactly, see `_half_weights_pay`) while reading half the bytes, and a float32 decode step
-    is bound by reading the weights."""
-
-    def __init__(self, weight: torch.Tensor, half_weights: bool):
-        self.weight = weight
-        self.packed = (
-            torch.ops.quantized.linear_prepack_fp16(weight.detach(), None) if half_weights else None
-        )
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-
-
-def _half_weights_pay(model: torch.nn.Module) -> bool:
-    """Whether to multiply by float16 copies of the weights: on a CPU with fbgemm, for a
-    float32 model whose every matrix is exactly representable in float16 (true of this
-    bfloat16-valued model: no weight is below float16's exact range or above its maximum)."""
-    if model.dtype != torch.float32 or model.device.type != "cpu":
-        return False
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
-    matrices = [parameter for parameter in model.parameters() if parameter.ndim == 2]
-    return all(torch.equal(matrix.half().float(), matrix) for matrix in matrices)
-
-
 class _FusedLayer:
     def __init__(self, qkv, o, gate_up, down, input_norm, post_norm):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.input_norm, self.post_norm = input_norm, post_norm
 
 
-def _fuse_layer(layer: torch.nn.Module, half_weights: bool) -> _FusedLayer:
+def _layer_matrices(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's four weight matrices as the decoder multiplies by them (Q, K, V fused, gate
+    and up fused)."""
     attention, mlp = layer.self_attn, layer.mlp
+    return {
+        "qkv": _fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+        "o": attention.o_proj.weight,
+        "gate_up": _fuse([mlp.gate_proj, mlp.up_proj]),
+        "down": mlp.down_proj.weight,
+    }
+
+
+def _fused_layer(
+    layer: torch.nn.Module, matrices: dict[str, torch.Tensor], plan: KernelPlan
+) -> _FusedLayer:
     return _FusedLayer(
-        qkv=Linear(_fuse([attention.q_proj, attention.k_proj, attention.v_proj]), half_weights),
-        o=Linear(attention.o_proj.weight, half_weights),
-        gate_up=Linear(_fuse([mlp.gate_proj, mlp.up_proj]), half_weights),
-        down=Linear(mlp.down_proj.weight, half_weights),
+        **{name: Linear(matrix, plan) for name, matrix in matrices.items()},
         input_norm=layer.input_layernorm.weight,
         post_norm=layer.post_attention_layernorm.weight,
     )
@@ -234,6 +219,16 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
         linear.weight.data = fused[start : start + rows]
         start += rows
     return fused
+
+
+def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPlan:
+    """Measured on the model's own matrices (the tied LM head included) where the float16
+    kernel can run them; otherwise every product uses the compute dtype's matmul."""
+    if not half_weights_exact(model):
+        return KernelPlan(half_rows=0)
+    per_layer = [[matrix.detach() for matrix in layer.values()] for layer in layer_matrices]
+    matrices = [model.lm_head.weight.detach()] + [matrix for layer in per_layer for matrix in layer]
+    return measure_plan(matrices, prefill_weights=per_layer[0])
 
 
 def _rope_tables(

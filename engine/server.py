@@ -11,6 +11,7 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 
+import torch
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -187,6 +188,8 @@ async def health(request: Request) -> Response:
             "model_loaded": True,
             "device": decoder.device.type,
             "dtype": str(decoder.dtype).removeprefix("torch."),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "half_weight_rows": decoder.plan.half_rows,
             **state.scheduler.stats(),
         }
     )

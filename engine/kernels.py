@@ -1,0 +1,134 @@
+"""Matrix products of the decoder, and the short measurements at startup that choose them.
+
+A decode step of a few rows is bound by reading the weights (~135M of them per token), a
+prefill by arithmetic, and which kernel is faster for each depends on the CPU: bfloat16
+products are fast where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX) and emulated
+elsewhere, and torch's one-row bfloat16 matmul reads the weights far below the memory's speed
+even there, while fbgemm's float16-weight kernel streams them well. So the choice is measured
+on this machine, on matrices of the model's shapes, not guessed from CPU flags.
+"""
+
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Row counts the startup measurement tries for the float16-weight kernel: single-stream and
+# small-batch decode. Larger batches and prefill use the compute dtype's own matmul.
+ROW_COUNTS = (1, 2, 4, 8, 16)
+# Rows of the prefill-like product that decides the compute dtype: a 256-token prompt's chunk.
+PREFILL_ROWS = 256
+REPETITIONS = 3
+
+
+# `half_rows` of a plan whose float16 kernel won at every size measured, prefill included.
+ALL_ROWS = sys.maxsize
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Products of up to `half_rows` rows use the float16-weight kernel (0: never)."""
+
+    half_rows: int
+
+
+class Linear:
+    """`x @ weight.T` in `weight`'s dtype. With a plan whose `half_rows` > 0, the weight also
+    has a float16 copy packed for fbgemm, whose kernel converts each weight to float32 in
+    registers and accumulates in float32: the same products as a float32 matmul (the weights
+    are float16 exactly, see `half_weights_exact`) reading half a float32 weight's bytes, and,
+    for a bfloat16 model, the same products as bfloat16's matmul (which also accumulates in
+    float32) summed in another order. Products of more rows than `half_rows` use `weight`."""
+
+    def __init__(self, weight: torch.Tensor, plan: KernelPlan):
+        self.weight = weight
+        self.half_rows = plan.half_rows
+        self.packed = _pack_half(weight) if plan.half_rows else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.numel() > self.half_rows * x.shape[-1]:
+            return F.linear(x, self.weight)
+        return _half_linear(x, self.packed)
+
+
+def half_weights_exact(model: torch.nn.Module) -> bool:
+    """Whether the float16 kernel can run this model: on a CPU with fbgemm, every matrix
+    exactly representable in float16 (true of this bfloat16-valued model: no weight is below
+    float16's exact range or above its maximum)."""
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    matrices = [parameter for parameter in model.parameters() if parameter.ndim == 2]
+    return all(torch.equal(matrix.half().to(matrix.dtype), matrix) for matrix in matrices)
+
+
+@torch.inference_mode()
+def measure_plan(weights: list[torch.Tensor], prefill_weights: list[torch.Tensor]) -> KernelPlan:
+    """The plan for `weights` (all the model's matrices, in the compute dtype): the most rows
+    up to which the float16 kernel beat the compute dtype's matmul at every row count of
+    ROW_COUNTS, each timed as one pass over all `weights` (as a decode step reads them), the two
+    kernels alternating so that load changes hit both alike; ALL_ROWS if it also wins a
+    PREFILL_ROWS product by `prefill_weights` (a layer's matrices: a prefill is bound by
+    arithmetic, not by reading them)."""
+    half_rows = 0
+    for rows in ROW_COUNTS:
+        if not _half_faster(weights, rows):
+            return KernelPlan(half_rows=half_rows)
+        half_rows = rows
+    return KernelPlan(half_rows=ALL_ROWS if _half_faster(prefill_weights, PREFILL_ROWS) else rows)
+
+
+def _half_faster(weights: list[torch.Tensor], rows: int) -> bool:
+    packed = [_pack_half(weight) for weight in weights]
+    inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
+    native = functools.partial(_products, F.linear, inputs, weights)
+    half = functools.partial(_products, _half_linear, inputs, packed)
+    native_time, half_time = _median_times([native, half])
+    return half_time < native_time
+
+
+@torch.inference_mode()
+def bfloat16_prefills_faster(shapes: list[tuple[int, int]]) -> bool:
+    """Whether a prefill-sized product (PREFILL_ROWS rows by random matrices of `shapes`) is
+    faster in bfloat16 than in float32 on this CPU: true where bfloat16 is multiplied natively,
+    false where torch emulates it (then bfloat16 gains nothing, at any batch size)."""
+    candidates = []
+    for dtype in (torch.bfloat16, torch.float32):
+        weights = [torch.randn(shape, dtype=dtype) for shape in shapes]
+        inputs = [torch.randn(PREFILL_ROWS, shape[1], dtype=dtype) for shape in shapes]
+        candidates.append(functools.partial(_products, F.linear, inputs, weights))
+    bfloat16_time, float32_time = _median_times(candidates)
+    return bfloat16_time < float32_time
+
+
+def _products(kernel: Callable, inputs: list[torch.Tensor], weights: list) -> None:
+    for x, weight in zip(inputs, weights, strict=True):
+        kernel(x, weight)
+
+
+def _median_times(candidates: list[Callable[[], None]]) -> list[float]:
+    """Median seconds of each candidate over REPETITIONS alternating runs, after one warm-up."""
+    samples: list[list[float]] = [[] for _ in candidates]
+    for candidate in candidates:
+        candidate()
+    for _ in range(REPETITIONS):
+        for run, times in zip(candidates, samples, strict=True):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+    return [statistics.median(times) for times in samples]
+
+
+def _pack_half(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+
+
+def _half_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """fbgemm's float16-weight product; it takes and gives float32 activations."""
+    return torch.ops.quantized.linear_dynamic_fp16(x.float(), packed).to(x.dtype)
