@@ -109,7 +109,10 @@ def test_prompt_logprobs_full_vocabulary(complete, reference):
     actual = entry[str(prompt_ids[1])]
     logits, _ = reference_forward(reference, prompt_ids)
     expected = torch.log_softmax(logits[0], dim=-1)
-    assert actual["logprob"] == pytest.approx(expected[prompt_ids[1]].item(), abs=0.05)
+    # A short prompt's rows may go through the float16-weight kernel (engine.kernels): the
+    # same products summed in another order, so the bound of a decoded token's logprob.
+    tolerance = decode_logprob_tolerance()
+    assert actual["logprob"] == pytest.approx(expected[prompt_ids[1]].item(), abs=tolerance)
     assert actual["decoded_token"] == reference.token_strings[prompt_ids[1]]
     assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
 
