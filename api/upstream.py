@@ -33,12 +33,8 @@ For other callers (a harvest worker capturing one prompt, completion jobs):
 
 sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
 `LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
-decoded response dict, or raises `ApiError`. Tests point models at stub servers.
-
-Calls go through `api.clients.upstream_session()` (aiohttp). Its timeouts: 5 s to connect,
-then an idle limit between reads (NON_STREAMING_TIMEOUT_S for a whole answer,
-STREAM_IDLE_TIMEOUT_S between a stream's frames), no total, as a long completion may
-legitimately take long.
+decoded response dict, or raises `ApiError`. Tests point models at stub servers or set
+`api.clients.http_transport`.
 """
 
 import asyncio
@@ -52,13 +48,12 @@ import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import aiohttp
+import httpx
 from django.conf import settings
-from yarl import URL
 
 from acs_portal.redis import redis_async
 
-from .clients import upstream_session
+from .clients import http_client, upstream_transport
 from .errors import ERROR_CODES, ApiError
 
 FAILURE_THRESHOLD = 5
@@ -71,16 +66,6 @@ NON_STREAMING_TIMEOUT_S = 14 * 60
 STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
 TOKENIZE_TIMEOUT_S = 30.0
-TOKENIZER_JSON_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 5.0
-
-
-def _idle_timeout(seconds: float) -> aiohttp.ClientTimeout:
-    """Connect within CONNECT_TIMEOUT_S, then at most `seconds` between reads."""
-    return aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=seconds
-    )
-
 
 # Contract codes of upstream errors that say nothing against the upstream's health (see the
 # module docstring).
@@ -415,8 +400,8 @@ class UpstreamReply:
 
 
 @functools.lru_cache(maxsize=1024)
-def _endpoint(base: str, path: str) -> URL:
-    return URL(base.rstrip("/") + path)
+def _endpoint(base: str, path: str) -> httpx.URL:
+    return httpx.URL(base.rstrip("/") + path)
 
 
 _JSON_HEADERS = {"content-type": "application/json"}
@@ -434,10 +419,9 @@ def _auth_headers() -> dict:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-async def _post(session, urls, path, payload, *, timeout, stream=False, tenant=""):
-    """POST through `session` to the next healthy URL (one retry on another URL when the
-    connection fails) and return `(target, response)`; the response is open when `stream`,
-    else read."""
+async def _post(urls, path, payload, *, timeout, stream=False, tenant=""):
+    """POST to the next healthy URL (one retry on another URL when the connection fails)
+    and return `(target, response)`; the response is open when `stream`, else read."""
     content = json.dumps(payload, separators=(",", ":")).encode()
     headers = {**_JSON_HEADERS, **_auth_headers()}
     if tenant:
@@ -445,22 +429,28 @@ async def _post(session, urls, path, payload, *, timeout, stream=False, tenant="
     attempts = 2 if len(urls) > 1 else 1
     for attempt in range(attempts):
         target = await pick_target(urls)
+        request = httpx.Request(
+            "POST",
+            _endpoint(target.url, path),
+            content=content,
+            headers=headers,
+            extensions={"timeout": timeout.as_dict()},
+        )
         try:
-            response = await session.post(
-                _endpoint(target.url, path), data=content, headers=headers, timeout=timeout
-            )
+            response = await upstream_transport().handle_async_request(request)
             if not stream:
-                # Read whole, the connection goes back to the pool; `read()` then returns
-                # the kept body.
-                await response.read()
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
             return target, response
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             await record_failure(target)
             if attempt == attempts - 1:
                 raise unreachable(target.url) from error
-        except TimeoutError as error:
+        except httpx.TimeoutException as error:
             raise deadline() from error
-        except aiohttp.ClientError as error:
+        except httpx.TransportError as error:
             await record_failure(target)
             raise engine_dead() from error
     raise AssertionError("unreachable")
@@ -474,15 +464,13 @@ def counts_against_upstream(status: int, content: bytes, error: ApiError) -> boo
     return _error_type(content) != "invalid_request_error"
 
 
-async def _raise_for_status(target: Target, response: aiohttp.ClientResponse) -> None:
-    if response.status < 400:
+async def _raise_for_status(target: Target, response: httpx.Response) -> None:
+    if response.status_code < 400:
         return
-    try:
-        content = await response.read()
-    finally:
-        response.release()
-    error = map_upstream_error(response.status, content, response.headers)
-    if counts_against_upstream(response.status, content, error):
+    content = await response.aread()
+    await response.aclose()
+    error = map_upstream_error(response.status_code, content, response.headers)
+    if counts_against_upstream(response.status_code, content, error):
         await record_failure(target)
     raise error
 
@@ -491,17 +479,10 @@ async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> Ups
     """A non-streaming completion for `tenant` (`tenant_of`); raises the contract's ApiError
     on any failure."""
     started = time.perf_counter()
-    async with upstream_session() as session:
-        target, response = await _post(
-            session,
-            urls,
-            "/v1/completions",
-            payload,
-            timeout=_idle_timeout(NON_STREAMING_TIMEOUT_S),
-            tenant=tenant,
-        )
+    timeout = httpx.Timeout(NON_STREAMING_TIMEOUT_S, connect=5.0)
+    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, tenant=tenant)
     await _raise_for_status(target, response)
-    content = await response.read()
+    content = response.content
     try:
         body = finite_json(content, steered=bool(payload.get("apply_steering_vectors")))
     except ApiError:
@@ -538,16 +519,15 @@ async def upstream_tokenize(
         "prompt": prompt,
         "add_special_tokens": add_special_tokens,
     }
-    urls = model.urls_for(activation=activation)
-    async with upstream_session() as session:
-        target, response = await _post(
-            session, urls, "/tokenize", payload, timeout=_idle_timeout(TOKENIZE_TIMEOUT_S)
-        )
-    if response.status == 404:
+    timeout = httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=5.0)
+    target, response = await _post(
+        model.urls_for(activation=activation), "/tokenize", payload, timeout=timeout
+    )
+    if response.status_code == 404:
         raise ApiError("tokenizer_unavailable", "The model's upstream has no tokenizer endpoint.")
     await _raise_for_status(target, response)
     try:
-        tokens = [int(token) for token in json.loads(await response.read())["tokens"]]
+        tokens = [int(token) for token in response.json()["tokens"]]
     except (ValueError, KeyError, TypeError) as error:
         await record_failure(target)
         raise ApiError(
@@ -562,63 +542,45 @@ async def open_stream(urls: list[str], payload: dict, *, tenant: str):
     """Open a streaming completion for `tenant`; yields an async iterator of SSE `data:`
     payloads (bytes, without the `data: ` prefix). Failures before the first byte raise
     ApiError here; failures while iterating raise ApiError from the iterator."""
-    async with upstream_session() as session:
-        target, response = await _post(
-            session,
-            urls,
-            "/v1/completions",
-            payload,
-            timeout=_idle_timeout(STREAM_IDLE_TIMEOUT_S),
-            stream=True,
-            tenant=tenant,
-        )
-        try:
-            await _raise_for_status(target, response)
-            yield _sse_payloads(target, response)
-        finally:
-            # A stream left before its end closes its connection rather than going back
-            # to the pool.
-            response.release()
-
-
-async def _sse_payloads(target: Target, response: aiohttp.ClientResponse):
+    timeout = httpx.Timeout(STREAM_IDLE_TIMEOUT_S, connect=5.0)
+    target, response = await _post(
+        urls, "/v1/completions", payload, timeout=timeout, stream=True, tenant=tenant
+    )
     try:
-        async for line in response.content:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
-    except TimeoutError as error:
+        await _raise_for_status(target, response)
+        yield _sse_payloads(target, response)
+    finally:
+        await response.aclose()
+
+
+async def _sse_payloads(target: Target, response: httpx.Response):
+    try:
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                yield line[5:].strip().encode()
+    except httpx.TimeoutException as error:
         raise deadline() from error
-    except aiohttp.ClientError as error:
+    except httpx.TransportError as error:
         await record_failure(target)
         raise engine_dead() from error
     await record_success(target)
 
 
-async def _get(url: str, path: str, *, timeout: float) -> tuple[int, bytes]:
-    """`(status, body)` of a GET of `path` on the upstream at `url`; raises aiohttp.ClientError
-    or TimeoutError."""
-    async with (
-        upstream_session() as session,
-        session.get(
-            _endpoint(url, path),
-            headers=_auth_headers(),
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as response,
-    ):
-        return response.status, await response.read()
-
-
 async def _health_of(url: str, *, timeout: float) -> dict:
     """`{url, ok, model_loaded}` from the URL's /health (vLLM answers 200 with no body)."""
     try:
-        status, content = await _get(url, "/health", timeout=timeout)
-        body = json.loads(content) if content else {}
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        response = await http_client().get(
+            url.rstrip("/") + "/health", headers=_auth_headers(), timeout=timeout
+        )
+        body = response.json() if response.content else {}
+    except (httpx.HTTPError, ValueError):
         return {"url": url, "ok": False, "model_loaded": False}
     loaded = (
-        status == 200 and isinstance(body, dict) and body.get("model_loaded", True) is not False
+        response.status_code == 200
+        and isinstance(body, dict)
+        and body.get("model_loaded", True) is not False
     )
-    return {"url": url, "ok": status == 200, "model_loaded": loaded}
+    return {"url": url, "ok": response.status_code == 200, "model_loaded": loaded}
 
 
 async def upstream_health(urls: list[str]) -> dict:
@@ -630,7 +592,9 @@ async def upstream_health(urls: list[str]) -> dict:
 async def fetch_tokenizer_json(url: str) -> bytes | None:
     """The HF tokenizer JSON an upstream serves at /tokenizer.json, or None."""
     try:
-        status, content = await _get(url, "/tokenizer.json", timeout=TOKENIZER_JSON_TIMEOUT_S)
-    except (aiohttp.ClientError, TimeoutError):
+        response = await http_client().get(
+            url.rstrip("/") + "/tokenizer.json", headers=_auth_headers(), timeout=30.0
+        )
+    except httpx.HTTPError:
         return None
-    return content if status == 200 else None
+    return response.content if response.status_code == 200 else None
