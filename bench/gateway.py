@@ -43,6 +43,7 @@ from tests.servers import (  # noqa: E402 (needs ROOT on the path)
     free_port,
     loopback_production_env,
     stop,
+    uvicorn_command,
     wait_ready,
 )
 
@@ -259,25 +260,7 @@ def _lua_string(text: str) -> str:
 
 
 def start_server(app: str, port: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            app,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-            "--lifespan",
-            "off",
-        ],
-        cwd=ROOT,
-        env=env,
-    )
+    return subprocess.Popen(uvicorn_command(app, port, lifespan=False), cwd=ROOT, env=env)
 
 
 def main():

@@ -8,6 +8,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +79,15 @@ def engine_command(
     port: int, python: str | Path = ENGINE_PYTHON, host: str = "127.0.0.1"
 ) -> list[str]:
     return [str(python), "-m", "engine", "serve", "--host", host, "--port", str(port)]
+
+
+def uvicorn_command(
+    app: str, port: int, python: str | Path = sys.executable, *, lifespan: bool = True
+) -> list[str]:
+    """uvicorn serving `app` ("module:attribute") on 127.0.0.1:`port`, quietly."""
+    command = [str(python), "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--log-level", "warning", "--no-access-log"]
+    return command if lifespan else [*command, "--lifespan", "off"]
 
 
 def stop(process: subprocess.Popen) -> None:

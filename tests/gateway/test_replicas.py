@@ -23,7 +23,7 @@ from metering import windows
 from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
 from tests.conftest import PASSWORD
-from tests.servers import REPO_ROOT, free_port, stop, wait_ready
+from tests.servers import REPO_ROOT, free_port, stop, uvicorn_command, wait_ready
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -49,21 +49,10 @@ def database_url() -> str:
 
 def start_replica(env: dict) -> Replica:
     port = free_port()
-    process = subprocess.Popen(
-        [
-            str(REPO_ROOT / ".venv" / "bin" / "uvicorn"),
-            "acs_portal.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
+    command = uvicorn_command(
+        "acs_portal.asgi:application", port, python=REPO_ROOT / ".venv" / "bin" / "python"
     )
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
     return Replica(url=f"http://127.0.0.1:{port}", process=process)
 
 
