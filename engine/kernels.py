@@ -76,16 +76,20 @@ def measure_plan(weights: list[torch.Tensor], prefill_weights: list[torch.Tensor
     kernels alternating so that load changes hit both alike; ALL_ROWS if it also wins a
     PREFILL_ROWS product by `prefill_weights` (a layer's matrices: a prefill is bound by
     arithmetic, not by reading them)."""
+    # Packed once: packing reads and converts every weight, as long as a few timed passes.
+    packed = [_pack_half(weight) for weight in weights]
     half_rows = 0
     for rows in ROW_COUNTS:
-        if not _half_faster(weights, rows):
+        if not _half_faster(weights, packed, rows):
             return KernelPlan(half_rows=half_rows)
         half_rows = rows
-    return KernelPlan(half_rows=ALL_ROWS if _half_faster(prefill_weights, PREFILL_ROWS) else rows)
+    prefill_packed = [_pack_half(weight) for weight in prefill_weights]
+    prefill_wins = _half_faster(prefill_weights, prefill_packed, PREFILL_ROWS)
+    return KernelPlan(half_rows=ALL_ROWS if prefill_wins else rows)
 
 
-def _half_faster(weights: list[torch.Tensor], rows: int) -> bool:
-    packed = [_pack_half(weight) for weight in weights]
+def _half_faster(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> bool:
+    """Whether `packed` (the float16 copies of `weights`) multiply `rows` rows faster."""
     inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
     native = functools.partial(_products, F.linear, inputs, weights)
     half = functools.partial(_products, _half_linear, inputs, packed)
