@@ -183,18 +183,42 @@ class PageWatch:
         return self.found + unintended
 
 
-def _logged_in_page(browser, system, email: str, expected_http_errors: list[str]):
-    """A page logged in as `email`; the test fails if any page it shows logs a console
-    error, throws, or has a request fail (see `PageWatch`)."""
-    context = browser.new_context(base_url=system.web_url)
+@pytest.fixture(scope="session")
+def signed_in_states() -> dict:
+    """Each persona's browser storage (its session cookie) after its first sign-in, by e-mail."""
+    return {}
+
+
+def _signed_in_state(browser, system, states: dict, email: str) -> dict:
+    """`email`'s storage after signing in through the login form, the first time it is asked
+    for in the session: the servers hash passwords at the production cost (a second of a core
+    per sign-in), which each test's own sign-in paid before."""
+    if email not in states:
+        context = browser.new_context(base_url=system.web_url)
+        context.set_default_timeout(60_000)
+        page = context.new_page()
+        watch = PageWatch(page, expected_http_errors=[])
+        page.goto("/login/")
+        page.fill("input[name=username]", email)
+        page.fill("input[name=password]", PASSWORD)
+        page.click("main form button[type=submit]")
+        page.wait_for_url(lambda url: "/login/" not in url)
+        states[email] = context.storage_state()
+        problems = watch.problems()
+        context.close()
+        assert problems == [], f"signing in as {email} showed errors"
+    return states[email]
+
+
+def signed_in_page(browser, system, states, email: str, expected_http_errors: list[str]):
+    """A blank page of a browser context signed in as `email`; the test fails if any page it
+    shows logs a console error, throws, or has a request fail (see `PageWatch`)."""
+    context = browser.new_context(
+        base_url=system.web_url, storage_state=_signed_in_state(browser, system, states, email)
+    )
     context.set_default_timeout(60_000)
     page = context.new_page()
     watch = PageWatch(page, expected_http_errors=expected_http_errors)
-    page.goto("/login/")
-    page.fill("input[name=username]", email)
-    page.fill("input[name=password]", PASSWORD)
-    page.click("main form button[type=submit]")
-    page.wait_for_load_state()
     yield page
     # What the pages showed until now; closing the context cuts whatever is still loading.
     problems = watch.problems()
@@ -203,18 +227,18 @@ def _logged_in_page(browser, system, email: str, expected_http_errors: list[str]
 
 
 @pytest.fixture
-def page(system, browser, expected_http_errors):
+def page(system, browser, signed_in_states, expected_http_errors):
     """A logged-in page of the browser user (an approved researcher)."""
-    yield from _logged_in_page(browser, system, BROWSER_USER, expected_http_errors)
+    yield from signed_in_page(browser, system, signed_in_states, BROWSER_USER, expected_http_errors)
 
 
 @pytest.fixture
-def harvest_page(system, browser, expected_http_errors):
+def harvest_page(system, browser, signed_in_states, expected_http_errors):
     """A logged-in page of an approved researcher who runs harvests."""
-    yield from _logged_in_page(browser, system, HARVEST_USER, expected_http_errors)
+    yield from signed_in_page(browser, system, signed_in_states, HARVEST_USER, expected_http_errors)
 
 
 @pytest.fixture
-def staff_page(system, browser, expected_http_errors):
+def staff_page(system, browser, signed_in_states, expected_http_errors):
     """A logged-in page of the staff user."""
-    yield from _logged_in_page(browser, system, STAFF_USER, expected_http_errors)
+    yield from signed_in_page(browser, system, signed_in_states, STAFF_USER, expected_http_errors)

@@ -12,8 +12,9 @@ from playwright.sync_api import expect
 
 from accounts.models import User
 from accounts.services.keys import api_key_create
-from tests.conftest import PASSWORD, make_user
+from tests.conftest import make_user
 
+from .conftest import signed_in_page
 from .screenshots import WIDTHS, save_screenshots
 from .test_playground import RUN_PANEL
 from .test_run_panel import expect_finished, upload_vector
@@ -35,18 +36,11 @@ def api_secret(system, django_db_blocker):
 
 
 @pytest.fixture
-def user_page(system, browser, api_secret):
+def user_page(system, browser, signed_in_states, expected_http_errors, api_secret):
     """A logged-in page of the screenshot user."""
-    context = browser.new_context(base_url=system.web_url)
-    context.set_default_timeout(60_000)
-    page = context.new_page()
-    page.goto("/login/")
-    page.fill("input[name=username]", SCREENSHOT_USER)
-    page.fill("input[name=password]", PASSWORD)
-    page.click("main form button[type=submit]")
-    page.wait_for_load_state()
-    yield page
-    context.close()
+    yield from signed_in_page(
+        browser, system, signed_in_states, SCREENSHOT_USER, expected_http_errors
+    )
 
 
 def assert_written(paths, name):
