@@ -106,9 +106,7 @@ def seed_a_filled_playground(user) -> None:
 
 @pytest.fixture
 def history_page(system, browser, signed_in_states, expected_http_errors, history_user):
-    yield from signed_in_page(
-        browser, system, signed_in_states, HISTORY_USER, expected_http_errors
-    )
+    yield from signed_in_page(browser, system, signed_in_states, HISTORY_USER, expected_http_errors)
 
 
 def upload_vector(page, name: str, layer: int = 3) -> None:
