@@ -70,7 +70,7 @@ def half_weights_exact(model: torch.nn.Module) -> bool:
 
 @torch.inference_mode()
 def measure_plan(weights: list[torch.Tensor], prefill_weights: list[torch.Tensor]) -> KernelPlan:
-    """The plan for `weights` (all the model's matrices, in the compute dtype): the most rows
+    """The plan for `weights` (the model's matrices, in the compute dtype): the most rows
     up to which the float16 kernel beat the compute dtype's matmul at every row count of
     ROW_COUNTS, each timed as one pass over all `weights` (as a decode step reads them), the two
     kernels alternating so that load changes hit both alike; ALL_ROWS if it also wins a
