@@ -6,6 +6,7 @@ processes see it; the test database is dropped at the end of the session.
 """
 
 import os
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -183,62 +184,61 @@ class PageWatch:
         return self.found + unintended
 
 
-@pytest.fixture(scope="session")
-def signed_in_states() -> dict:
-    """Each persona's browser storage (its session cookie) after its first sign-in, by e-mail."""
-    return {}
-
-
-def _signed_in_state(browser, system, states: dict, email: str) -> dict:
-    """`email`'s storage after signing in through the login form, the first time it is asked
-    for in the session: the servers hash passwords at the production cost (a second of a core
-    per sign-in), which each test's own sign-in paid before."""
-    if email not in states:
-        context = browser.new_context(base_url=system.web_url)
-        context.set_default_timeout(60_000)
-        page = context.new_page()
-        watch = PageWatch(page, expected_http_errors=[])
-        page.goto("/login/")
-        page.fill("input[name=username]", email)
-        page.fill("input[name=password]", PASSWORD)
-        page.click("main form button[type=submit]")
-        page.wait_for_url(lambda url: "/login/" not in url)
-        states[email] = context.storage_state()
-        problems = watch.problems()
-        context.close()
-        assert problems == [], f"signing in as {email} showed errors"
-    return states[email]
-
-
-def signed_in_page(browser, system, states, email: str, expected_http_errors: list[str]):
-    """A blank page of a browser context signed in as `email`; the test fails if any page it
-    shows logs a console error, throws, or has a request fail (see `PageWatch`)."""
-    context = browser.new_context(
-        base_url=system.web_url, storage_state=_signed_in_state(browser, system, states, email)
-    )
+@contextmanager
+def watched_page(browser, system, expected_http_errors: list[str], storage_state=None):
+    """A page of a new browser context (with `storage_state`: cookies of an earlier one); on
+    leaving the block the context closes and the test fails if any page it showed logged a
+    console error, threw, or had a request fail (see `PageWatch`)."""
+    context = browser.new_context(base_url=system.web_url, storage_state=storage_state)
     context.set_default_timeout(60_000)
     page = context.new_page()
     watch = PageWatch(page, expected_http_errors=expected_http_errors)
-    yield page
-    # What the pages showed until now; closing the context cuts whatever is still loading.
-    problems = watch.problems()
-    context.close()
+    try:
+        yield page
+        # What the pages showed until now; closing the context cuts whatever is still loading.
+        problems = watch.problems()
+    finally:
+        context.close()
     assert problems == [], "the pages showed errors"
 
 
+@pytest.fixture(scope="session")
+def sign_in(system, browser):
+    """`sign_in(email)`: that persona's browser storage (its session cookie) after signing in
+    through the login form, once per session: the servers hash passwords at the production
+    cost (a second of a core per sign-in), which each test's own sign-in paid before."""
+    states = {}
+
+    def signed_in_state(email: str) -> dict:
+        if email not in states:
+            with watched_page(browser, system, []) as page:
+                page.goto("/login/")
+                page.fill("input[name=username]", email)
+                page.fill("input[name=password]", PASSWORD)
+                page.click("main form button[type=submit]")
+                page.wait_for_url(lambda url: "/login/" not in url)
+                states[email] = page.context.storage_state()
+        return states[email]
+
+    return signed_in_state
+
+
 @pytest.fixture
-def page(system, browser, signed_in_states, expected_http_errors):
+def page(system, browser, sign_in, expected_http_errors):
     """A logged-in page of the browser user (an approved researcher)."""
-    yield from signed_in_page(browser, system, signed_in_states, BROWSER_USER, expected_http_errors)
+    with watched_page(browser, system, expected_http_errors, sign_in(BROWSER_USER)) as page:
+        yield page
 
 
 @pytest.fixture
-def harvest_page(system, browser, signed_in_states, expected_http_errors):
+def harvest_page(system, browser, sign_in, expected_http_errors):
     """A logged-in page of an approved researcher who runs harvests."""
-    yield from signed_in_page(browser, system, signed_in_states, HARVEST_USER, expected_http_errors)
+    with watched_page(browser, system, expected_http_errors, sign_in(HARVEST_USER)) as page:
+        yield page
 
 
 @pytest.fixture
-def staff_page(system, browser, signed_in_states, expected_http_errors):
+def staff_page(system, browser, sign_in, expected_http_errors):
     """A logged-in page of the staff user."""
-    yield from signed_in_page(browser, system, signed_in_states, STAFF_USER, expected_http_errors)
+    with watched_page(browser, system, expected_http_errors, sign_in(STAFF_USER)) as page:
+        yield page

@@ -14,7 +14,7 @@ from accounts.models import User
 from accounts.services.keys import api_key_create
 from tests.conftest import make_user
 
-from .conftest import signed_in_page
+from .conftest import watched_page
 from .screenshots import WIDTHS, save_screenshots
 from .test_playground import RUN_PANEL
 from .test_run_panel import expect_finished, upload_vector
@@ -36,11 +36,10 @@ def api_secret(system, django_db_blocker):
 
 
 @pytest.fixture
-def user_page(system, browser, signed_in_states, expected_http_errors, api_secret):
+def user_page(system, browser, sign_in, expected_http_errors, api_secret):
     """A logged-in page of the screenshot user."""
-    yield from signed_in_page(
-        browser, system, signed_in_states, SCREENSHOT_USER, expected_http_errors
-    )
+    with watched_page(browser, system, expected_http_errors, sign_in(SCREENSHOT_USER)) as page:
+        yield page
 
 
 def assert_written(paths, name):

@@ -16,7 +16,7 @@ from playground.services.vectors import steering_vector_create
 from tests.conftest import make_user
 from tests.playground.conftest import recorded
 
-from .conftest import signed_in_page
+from .conftest import watched_page
 from .test_playground import RUN_PANEL, submit_completion
 
 pytestmark = pytest.mark.django_db
@@ -105,8 +105,9 @@ def seed_a_filled_playground(user) -> None:
 
 
 @pytest.fixture
-def history_page(system, browser, signed_in_states, expected_http_errors, history_user):
-    yield from signed_in_page(browser, system, signed_in_states, HISTORY_USER, expected_http_errors)
+def history_page(system, browser, sign_in, expected_http_errors, history_user):
+    with watched_page(browser, system, expected_http_errors, sign_in(HISTORY_USER)) as page:
+        yield page
 
 
 def upload_vector(page, name: str, layer: int = 3) -> None:
