@@ -181,6 +181,9 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+# Connections each server process pools for the gateway's hot path (metering/sql.py); budget
+# PostgreSQL's max_connections with it (docs/deploy.md).
+ACS_DB_POOL_MAX_SIZE = env_int("ACS_DB_POOL_MAX_SIZE", 16, minimum=1)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_USER_MODEL = "accounts.User"

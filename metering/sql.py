@@ -17,6 +17,7 @@ import functools
 import weakref
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import close_old_connections, connection, connections, transaction
 from psycopg import AsyncClientCursor, OperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -101,10 +102,9 @@ def _rows_of_last_result(cursor) -> list:
     return rows
 
 
-# At most this many connections per server process for the hot path (Django's own
-# per-thread connections come on top), and how long a request waits for one of them before
-# it is answered 503 db_pool_exhausted.
-POOL_MAX_SIZE = 16
+# How long a request waits for a pooled connection before it is answered 503
+# db_pool_exhausted. At most ACS_DB_POOL_MAX_SIZE connections per server process are pooled
+# for the hot path (Django's own per-thread connections come on top).
 POOL_TIMEOUT_S = 5.0
 
 _pools: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncConnectionPool]" = (
@@ -159,7 +159,7 @@ async def run_steps_async(make_steps):
     # The database may have ended every connection of the pool at once (a restart, a
     # failover, an administrator): each broken one is discarded, so the last try gets a
     # new connection.
-    tries = POOL_MAX_SIZE + 1
+    tries = settings.ACS_DB_POOL_MAX_SIZE + 1
     while True:
         try:
             return await _run_on(pool, make_steps())
@@ -230,7 +230,7 @@ async def _pool() -> AsyncConnectionPool:
             params.pop(django_only, None)
         pool = _pools[loop] = AsyncConnectionPool(
             min_size=1,
-            max_size=POOL_MAX_SIZE,
+            max_size=settings.ACS_DB_POOL_MAX_SIZE,
             open=False,
             timeout=POOL_TIMEOUT_S,
             kwargs={**params, "autocommit": True, "cursor_factory": AsyncClientCursor},

@@ -24,6 +24,12 @@ ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
 STARTUP_TIMEOUT_S = 240
 
 
+# The servers that the web suite starts beside each other (two gateway replicas, the fault
+# suite's system) each pool this many hot-path connections instead of 16: with both pytest
+# workers' servers up at once, 16 each reached PostgreSQL's default max_connections (100).
+TEST_SERVER_DB_POOL = {"ACS_DB_POOL_MAX_SIZE": "4"}
+
+
 def generated_secrets() -> dict[str, str]:
     """Fresh values of the secrets that the settings require without DEBUG."""
     return {

@@ -34,7 +34,7 @@ from metering import windows
 from metering.models import BudgetLease, UsagePeriod
 from tests.conftest import ENGINE_MODEL_FIELDS, make_user
 from tests.gateway.stub import StubUpstream
-from tests.servers import REPO_ROOT, engine_command, free_port, wait_ready
+from tests.servers import REPO_ROOT, TEST_SERVER_DB_POOL, engine_command, free_port, wait_ready
 
 from . import table
 
@@ -179,6 +179,7 @@ class System:
             "ACS_HARVEST_BATCH_SIZE": "1",
             "LOG_LEVEL": "WARNING",
             "PYTHONUNBUFFERED": "1",
+            **TEST_SERVER_DB_POOL,
         }
         self.engine = Service(
             "engine",

@@ -23,7 +23,14 @@ from metering import windows
 from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
 from tests.conftest import PASSWORD
-from tests.servers import REPO_ROOT, free_port, stop, uvicorn_command, wait_ready
+from tests.servers import (
+    REPO_ROOT,
+    TEST_SERVER_DB_POOL,
+    free_port,
+    stop,
+    uvicorn_command,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,6 +78,7 @@ def start_replicas(tmp_path) -> list[Replica]:
         "CELERY_BROKER_URL": settings.REDIS_URL,
         "ACS_TOKENIZER_CACHE_DIR": str(tmp_path / "tokenizers"),
         "LOG_LEVEL": "WARNING",
+        **TEST_SERVER_DB_POOL,
     }
     started = [start_replica(env), start_replica(env)]
     try:
