@@ -54,6 +54,9 @@ def redis_url_of_worker(url: str, worker: int) -> str:
     return f"{base}/{number}"
 
 
+# First: pytest-xdist's own hook reads the groups (into each test's id); run after it, this
+# one's groups went unseen and these tests were spread over both workers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """pytest-xdist (`--dist loadgroup`) runs each group on one worker: the fault suite, so a
     run starts its system once, and the tests of the real engine (`engine_url`), so a run
