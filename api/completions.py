@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 # Non-streaming bodies at least this large are gzipped for clients that accept it.
 GZIP_MIN_BYTES = 1024
+# zlib's fastest level: a full-vocabulary answer of 18.6 MB took 0.25 s of the gateway's CPU
+# and became 6.1 MB, against 0.43 s and 5.4 MB at level 5.
+GZIP_LEVEL = 1
 
 
 @dataclass
@@ -53,7 +56,7 @@ class CompletionResult:
         Content-Encoding and Vary when a large body is gzipped for a client that accepts it)."""
         content, headers = self.encoded(), dict(self.headers)
         if len(content) >= GZIP_MIN_BYTES and "gzip" in accept_encoding:
-            content = gzip.compress(content, compresslevel=5)
+            content = gzip.compress(content, compresslevel=GZIP_LEVEL)
             headers["Content-Encoding"] = "gzip"
             headers["Vary"] = "Accept-Encoding"
         return content, headers

@@ -49,6 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
+import orjson
 from django.conf import settings
 
 from acs_portal.redis import redis_async
@@ -342,6 +343,12 @@ def finite_json(content: bytes, *, steered: bool):
     the upstream's `usage`, for billing), so no such value reaches a client or the database.
     `steered`: the request carried steering vectors (the likely cause, said in the message).
     Raises ValueError for anything else that is not JSON."""
+    try:
+        # Strict JSON, twice as fast on a full-vocabulary answer (tens of MB); it refuses NaN,
+        # ±Infinity, a lone surrogate and big numbers, which the standard library then reads.
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return _FINITE_JSON.decode(content.decode("utf-8", "surrogatepass"))
     except _NonFinite:

@@ -11,6 +11,7 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 
+import orjson
 import torch
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -151,9 +152,17 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0]
 
 
+def json_text(body: dict) -> bytes:
+    """`body` as compact UTF-8 JSON. orjson writes what `json.dumps(ensure_ascii=False)` does,
+    20 times as fast (a full-vocabulary prompt_logprobs answer: 49,152 entries per position),
+    but NaN and ±Infinity as null: none reaches here, as every logprob the engine answers
+    passed `finite_rows` (non-finite scores are a 400 non_finite_output)."""
+    return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+
+
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> Response:
     return Response(
-        json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        json_text(body),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -361,7 +370,7 @@ async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.F
                     frame["choices"] = []
                     frame["usage"] = event.usage
                     yield sse(frame)
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
                 return
     finally:
         scheduler.cancel(engine_request)
@@ -381,5 +390,5 @@ def delta_json(delta: ChoiceDelta) -> dict:
     return choice
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict) -> bytes:
+    return b"data: " + json_text(payload) + b"\n\n"
