@@ -110,11 +110,23 @@ def expected_http_errors() -> list[str]:
 
 
 # Wraps EventSource.close so the test hears which event streams the page's own script ended.
-REPORT_CLOSED_EVENT_STREAMS = """
+# Requests the page's own scripts end: an event stream closed, an XMLHttpRequest aborted (htmx
+# aborts a poll whose element a swap removes, or on `htmx:abort`).
+REPORT_SCRIPT_CANCELLED = """
   const close = EventSource.prototype.close;
   EventSource.prototype.close = function () {
-    window.reportClosedEventStream(this.url);
+    window.reportScriptCancelled(this.url);
     return close.call(this);
+  };
+  const open = XMLHttpRequest.prototype.open;
+  XMLHttpRequest.prototype.open = function (method, url, ...rest) {
+    this.watchedUrl = new URL(url, document.baseURI).href;
+    return open.call(this, method, url, ...rest);
+  };
+  const abort = XMLHttpRequest.prototype.abort;
+  XMLHttpRequest.prototype.abort = function () {
+    if (this.watchedUrl) window.reportScriptCancelled(this.watchedUrl);
+    return abort.call(this);
   };
 """
 
@@ -127,7 +139,8 @@ class PageWatch:
 
     A request the browser cancels (net::ERR_ABORTED) is a failure too, unless the page
     cancelled it on purpose: it left for another page while the request was loading, or its
-    script closed the event stream (`EventSource.close()`, once the run's `end` event came).
+    script closed the event stream (`EventSource.close()`, once the run's `end` event came)
+    or aborted the request (`XMLHttpRequest.abort()`: htmx replacing a polling panel).
     The browser's own fetch of the favicon, which it cancels as it pleases, is no page's.
     A stream the server cuts short (net::ERR_INCOMPLETE_CHUNKED_ENCODING) always fails."""
 
@@ -136,11 +149,11 @@ class PageWatch:
         self.expected_http_errors = expected_http_errors
         self.found: list[str] = []
         self.aborted: list = []
-        self.closed_event_streams: set[str] = set()
+        self.cancelled_by_script: set[str] = set()
         self.navigations = 0
         self.started_at: dict = {}
-        page.expose_function("reportClosedEventStream", self._closed_event_stream)
-        page.add_init_script(REPORT_CLOSED_EVENT_STREAMS)
+        page.expose_function("reportScriptCancelled", lambda url: self.cancelled_by_script.add(url))
+        page.add_init_script(REPORT_SCRIPT_CANCELLED)
         page.on("console", self._console)
         page.on("pageerror", lambda error: self.found.append(f"page error: {error}"))
         page.on("framenavigated", self._navigated)
@@ -154,9 +167,6 @@ class PageWatch:
     def _console(self, message):
         if message.type == "error" and not self._expected(message.location.get("url", "")):
             self.found.append(f"console error: {message.text} ({message.location})")
-
-    def _closed_event_stream(self, url: str) -> None:
-        self.closed_event_streams.add(url)
 
     def _navigated(self, frame):
         if frame.parent_frame is None:
@@ -178,7 +188,7 @@ class PageWatch:
             f"request cancelled: {request.url}"
             for request, navigations in self.aborted
             if navigations == self.started_at.get(request, navigations)
-            and request.url not in self.closed_event_streams
+            and request.url not in self.cancelled_by_script
             and "/favicon" not in request.url
         ]
         return self.found + unintended
