@@ -159,7 +159,7 @@ async def run_steps_async(make_steps):
     # The database may have ended every connection of the pool at once (a restart, a
     # failover, an administrator): each broken one is discarded, so the last try gets a
     # new connection.
-    tries = settings.ACS_DB_POOL_MAX_SIZE + 1
+    tries = pool.max_size + 1
     while True:
         try:
             return await _run_on(pool, make_steps())
