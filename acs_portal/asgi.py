@@ -24,6 +24,7 @@ portal_application = get_asgi_application()
 
 # These need the apps loaded.
 from api.bodies import ClientGone, read_body, replaying  # noqa: E402
+from api.clients import upstream_sessions_close  # noqa: E402
 from api.completions_app import completions_app, error_reply  # noqa: E402
 from api.errors import ApiError  # noqa: E402
 from api.middleware import host_refusal, request_id_from  # noqa: E402
@@ -51,7 +52,7 @@ gateway_application = GatewayHandler()
 
 async def lifespan(scope, receive, send):
     """ASGI lifespan: at shutdown, write the gateway's queued usage, give its budget leases
-    back and close its database pool."""
+    back and close its database pool and its connections to upstreams."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -60,6 +61,7 @@ async def lifespan(scope, receive, send):
             on_server_loop.set(True)
             await leases.drain()
             await pools_close()
+            await upstream_sessions_close()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

@@ -33,8 +33,7 @@ For other callers (a harvest worker capturing one prompt, completion jobs):
 
 sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
 `LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
-decoded response dict, or raises `ApiError`. Tests point models at stub servers or set
-`api.clients.http_transport`.
+decoded response dict, or raises `ApiError`. Tests point models at stub servers.
 """
 
 import asyncio
@@ -48,13 +47,14 @@ import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
 import orjson
 from django.conf import settings
 
 from acs_portal.redis import redis_async
 
-from .clients import http_client, upstream_transport
+from .clients import http_client, upstream_session
 from .errors import ERROR_CODES, ApiError
 
 FAILURE_THRESHOLD = 5
@@ -406,12 +406,8 @@ class UpstreamReply:
     upstream_ms: float
 
 
-@functools.lru_cache(maxsize=1024)
-def _endpoint(base: str, path: str) -> httpx.URL:
-    return httpx.URL(base.rstrip("/") + path)
-
-
 _JSON_HEADERS = {"content-type": "application/json"}
+CONNECT_TIMEOUT_S = 5.0
 
 
 def tenant_of(user_id) -> str:
@@ -426,41 +422,63 @@ def _auth_headers() -> dict:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-async def _post(urls, path, payload, *, timeout, stream=False, tenant=""):
-    """POST to the next healthy URL (one retry on another URL when the connection fails)
-    and return `(target, response)`; the response is open when `stream`, else read."""
+@asynccontextmanager
+async def _exchange(urls, path, payload, *, read_timeout_s: float, tenant: str = ""):
+    """POST `payload` to `path` at the next healthy URL (one retry on another URL when the
+    connection fails); yields `(target, response)` once the upstream's status and headers are
+    in, the body left to read (`_read`, `_sse_payloads`) until the block ends. A read that
+    waits `read_timeout_s` for a byte is `upstream_deadline`."""
     content = json.dumps(payload, separators=(",", ":")).encode()
     headers = {**_JSON_HEADERS, **_auth_headers()}
     if tenant:
         headers["x-acs-tenant"] = tenant
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s
+    )
     attempts = 2 if len(urls) > 1 else 1
-    for attempt in range(attempts):
-        target = await pick_target(urls)
-        request = httpx.Request(
-            "POST",
-            _endpoint(target.url, path),
-            content=content,
-            headers=headers,
-            extensions={"timeout": timeout.as_dict()},
-        )
-        try:
-            response = await upstream_transport().handle_async_request(request)
-            if not stream:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-            return target, response
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-            await record_failure(target)
-            if attempt == attempts - 1:
-                raise unreachable(target.url) from error
-        except httpx.TimeoutException as error:
-            raise deadline() from error
-        except httpx.TransportError as error:
-            await record_failure(target)
-            raise engine_dead() from error
-    raise AssertionError("unreachable")
+    async with upstream_session() as session:
+        for attempt in range(attempts):
+            target = await pick_target(urls)
+            try:
+                response = await session.post(
+                    _endpoint(target.url, path), data=content, headers=headers, timeout=timeout
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
+                await record_failure(target)
+                if attempt == attempts - 1:
+                    raise unreachable(target.url) from error
+                continue
+            except (aiohttp.ClientError, TimeoutError) as error:
+                raise await _transport_failure(target, error) from error
+            try:
+                yield target, response
+            finally:
+                # A body read to its end leaves the connection for the next request; aiohttp
+                # closes one left unread (a client gone mid-stream): the upstream then stops.
+                response.release()
+            return
+
+
+@functools.lru_cache(maxsize=1024)
+def _endpoint(base: str, path: str) -> str:
+    return base.rstrip("/") + path
+
+
+async def _transport_failure(target: Target, error: BaseException) -> ApiError:
+    """The contract's error for a failed exchange with `target` once connected: a timeout is
+    `upstream_deadline` (a slow answer is not a sick upstream); anything else (the connection
+    reset or closed mid-answer) counts against its circuit."""
+    if isinstance(error, TimeoutError):
+        return deadline()
+    await record_failure(target)
+    return engine_dead()
+
+
+async def _read(target: Target, response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise await _transport_failure(target, error) from error
 
 
 def counts_against_upstream(status: int, content: bytes, error: ApiError) -> bool:
@@ -471,13 +489,12 @@ def counts_against_upstream(status: int, content: bytes, error: ApiError) -> boo
     return _error_type(content) != "invalid_request_error"
 
 
-async def _raise_for_status(target: Target, response: httpx.Response) -> None:
-    if response.status_code < 400:
+async def _raise_for_status(target: Target, response: aiohttp.ClientResponse) -> None:
+    if response.status < 400:
         return
-    content = await response.aread()
-    await response.aclose()
-    error = map_upstream_error(response.status_code, content, response.headers)
-    if counts_against_upstream(response.status_code, content, error):
+    content = await _read(target, response)
+    error = map_upstream_error(response.status, content, response.headers)
+    if counts_against_upstream(response.status, content, error):
         await record_failure(target)
     raise error
 
@@ -486,10 +503,11 @@ async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> Ups
     """A non-streaming completion for `tenant` (`tenant_of`); raises the contract's ApiError
     on any failure."""
     started = time.perf_counter()
-    timeout = httpx.Timeout(NON_STREAMING_TIMEOUT_S, connect=5.0)
-    target, response = await _post(urls, "/v1/completions", payload, timeout=timeout, tenant=tenant)
-    await _raise_for_status(target, response)
-    content = response.content
+    async with _exchange(
+        urls, "/v1/completions", payload, read_timeout_s=NON_STREAMING_TIMEOUT_S, tenant=tenant
+    ) as (target, response):
+        await _raise_for_status(target, response)
+        content = await _read(target, response)
     try:
         body = finite_json(content, steered=bool(payload.get("apply_steering_vectors")))
     except ApiError:
@@ -526,15 +544,19 @@ async def upstream_tokenize(
         "prompt": prompt,
         "add_special_tokens": add_special_tokens,
     }
-    timeout = httpx.Timeout(TOKENIZE_TIMEOUT_S, connect=5.0)
-    target, response = await _post(
-        model.urls_for(activation=activation), "/tokenize", payload, timeout=timeout
-    )
-    if response.status_code == 404:
-        raise ApiError("tokenizer_unavailable", "The model's upstream has no tokenizer endpoint.")
-    await _raise_for_status(target, response)
+    urls = model.urls_for(activation=activation)
+    async with _exchange(urls, "/tokenize", payload, read_timeout_s=TOKENIZE_TIMEOUT_S) as (
+        target,
+        response,
+    ):
+        if response.status == 404:
+            raise ApiError(
+                "tokenizer_unavailable", "The model's upstream has no tokenizer endpoint."
+            )
+        await _raise_for_status(target, response)
+        content = await _read(target, response)
     try:
-        tokens = [int(token) for token in response.json()["tokens"]]
+        tokens = [int(token) for token in orjson.loads(content)["tokens"]]
     except (ValueError, KeyError, TypeError) as error:
         await record_failure(target)
         raise ApiError(
@@ -549,28 +571,42 @@ async def open_stream(urls: list[str], payload: dict, *, tenant: str):
     """Open a streaming completion for `tenant`; yields an async iterator of SSE `data:`
     payloads (bytes, without the `data: ` prefix). Failures before the first byte raise
     ApiError here; failures while iterating raise ApiError from the iterator."""
-    timeout = httpx.Timeout(STREAM_IDLE_TIMEOUT_S, connect=5.0)
-    target, response = await _post(
-        urls, "/v1/completions", payload, timeout=timeout, stream=True, tenant=tenant
-    )
-    try:
+    async with _exchange(
+        urls, "/v1/completions", payload, read_timeout_s=STREAM_IDLE_TIMEOUT_S, tenant=tenant
+    ) as (target, response):
         await _raise_for_status(target, response)
         yield _sse_payloads(target, response)
-    finally:
-        await response.aclose()
 
 
-async def _sse_payloads(target: Target, response: httpx.Response):
-    try:
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                yield line[5:].strip().encode()
-    except httpx.TimeoutException as error:
-        raise deadline() from error
-    except httpx.TransportError as error:
-        await record_failure(target)
-        raise engine_dead() from error
+async def _sse_payloads(target: Target, response: aiohttp.ClientResponse):
+    """The `data:` payloads of an SSE body, each as soon as its line is complete. Every line
+    the upstream sent before its connection failed is yielded before the failure is raised."""
+    reader = response.content
+    partial = b""
+    failure = None
+    while failure is None:
+        try:
+            chunk = await reader.readany()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            # aiohttp raises a failure before handing back what its buffer still holds: the
+            # frames that arrived with the connection's end.
+            chunk, failure = _unread(reader), error
+        if not chunk and failure is None:
+            break
+        *lines, partial = (partial + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if failure is not None:
+        raise await _transport_failure(target, failure) from failure
     await record_success(target)
+
+
+def _unread(reader: aiohttp.StreamReader) -> bytes:
+    """The bytes left in `reader`'s buffer after it failed. aiohttp has no public way to read
+    them (every read raises the failure first), so this takes its private buffer; aiohttp is
+    pinned and tests/gateway/test_upstream_seam.py checks this against the pinned version."""
+    return b"".join(reader._buffer)
 
 
 async def _health_of(url: str, *, timeout: float) -> dict:

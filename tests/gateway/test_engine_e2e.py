@@ -1,6 +1,8 @@
 """End to end against the real embedded engine (a subprocess of .venv-engine): logprobs,
 prompt logprobs, prompt-token counts, capture and steering through the gateway."""
 
+import time
+
 import httpx
 import numpy as np
 import openai
@@ -194,6 +196,23 @@ def test_engine_stream_through_the_gateway(sdk):
     text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     assert text.startswith(" Paris")
     assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_client_leaving_a_stream_stops_the_engines_generation(client, engine_model, engine_url):
+    """The gateway closes its connection to the engine when its client hangs up, and the
+    engine drops the sequence instead of generating the other 490 tokens for nobody."""
+    body = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 500, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        frames = 0
+        for line in response.iter_lines():
+            frames += line.startswith("data:")
+            if frames == 10:
+                break
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{engine_url}/health").json()["active_sequences"]:
+        assert time.monotonic() < deadline, "the engine still generates for a client gone"
+        time.sleep(0.05)
+    wait_settled()
 
 
 def test_engine_model_status_is_warm(client, engine_model):

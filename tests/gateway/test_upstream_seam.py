@@ -1,8 +1,11 @@
 """The upstream seam as other callers (harvest, jobs) use it, and activation upstreams."""
 
+import asyncio
+
 import pytest
 from asgiref.sync import async_to_sync
 
+from api import upstream
 from api.errors import ApiError
 from api.models import LanguageModel
 from api.selectors import registry_clear
@@ -64,3 +67,43 @@ def test_upstream_tokenize_maps_an_unreachable_upstream(stub, model):
     with pytest.raises(ApiError) as raised:
         async_to_sync(upstream_tokenize)(row, prompt="hello", add_special_tokens=True)
     assert (raised.value.status, raised.value.code) == (502, "upstream_unreachable")
+
+
+FRAMES = [b'{"n":1}', b'{"n":2}']
+
+
+async def _upstream_that_dies_after_two_frames(reader, writer):
+    """Answers a streaming completion with two SSE frames, then closes the connection without
+    the chunked body's end: an upstream process dying mid-stream."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    body = b"".join(b"data: " + frame + b"\n\n" for frame in FRAMES)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n"
+    )
+    await writer.drain()
+    writer.close()
+
+
+async def test_frames_that_arrive_with_the_upstreams_death_are_all_relayed(redis_client):
+    """aiohttp raises a broken connection before giving back what its buffer holds; the seam
+    still yields every frame the upstream sent, then vllm_engine_dead."""
+    server = await asyncio.start_server(_upstream_that_dies_after_two_frames, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    received = []
+    async with server, upstream.open_stream([url], {"prompt": "hello"}, tenant="7") as frames:
+        # Both the frames and the connection's end are in before the first read.
+        await asyncio.sleep(0.3)
+        with pytest.raises(ApiError) as raised:
+            async for frame in frames:
+                received.append(frame)
+    assert received == FRAMES
+    assert raised.value.code == "vllm_engine_dead"
