@@ -582,7 +582,9 @@ async def _sse_payloads(target: Target, response: aiohttp.ClientResponse):
     """The `data:` payloads of an SSE body, each as soon as its line is complete. Every line
     the upstream sent before its connection failed is yielded before the failure is raised."""
     reader = response.content
-    partial = b""
+    # The pieces of the line not yet complete: joined once its end arrives, so that a frame of
+    # many MB (a full-vocabulary answer) read in many chunks is copied once, not per chunk.
+    pending: list[bytes] = []
     failure = None
     while failure is None:
         try:
@@ -593,7 +595,11 @@ async def _sse_payloads(target: Target, response: aiohttp.ClientResponse):
             chunk, failure = _unread(reader), error
         if not chunk and failure is None:
             break
-        *lines, partial = (partial + chunk).split(b"\n")
+        if b"\n" not in chunk:
+            pending.append(chunk)
+            continue
+        *lines, rest = b"".join([*pending, chunk]).split(b"\n")
+        pending = [rest]
         for line in lines:
             if line.startswith(b"data:"):
                 yield line[5:].strip()
