@@ -143,7 +143,12 @@ class EngineRunner:
         rows = health.get("half_weight_rows", "?")
         half = "every product" if rows == sys.maxsize else f"products of up to {rows} rows"
         capability = health.get("cpu_capability", "?")
-        return f"torch, {dtype}, CPU capability {capability}, float16-weight kernel: {half}"
+        native_rows = health.get("native_decode_rows", 0)
+        native = f"decode steps of up to {native_rows} rows" if native_rows else "none"
+        return (
+            f"torch, {dtype}, CPU capability {capability}, float16-weight kernel: {half},"
+            f" native decode step (engine/csrc/decode.c): {native}"
+        )
 
     def measure_once(self) -> dict:
         return measure_once(self.client)

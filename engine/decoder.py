@@ -6,18 +6,25 @@ from a precomputed table, keys and values written in place into spare cache colu
 concatenated each step. A decode step of this 135M model is bound by per-op overhead, not by
 arithmetic (see docs/engine.md, "Where a decode step's time goes"), so fewer ops is what makes
 it fast. The transformers model keeps its weights: the fused matrices are the same storage.
+Decode steps of a float32 model run the same computation in C where the machine can
+(engine/native.py, docs/engine.md "Compute dtype").
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.kernels import KernelPlan, Linear, half_weights_exact, measure_plan
 
 # Columns of spare KV cache room added whenever a forward pass needs more than is left: a
 # decode step then writes in place, and the buffers are reallocated once every this many steps.
 CACHE_GROWTH_COLUMNS = 64
+
+# Decode steps of up to this many rows run engine/csrc/decode.c on a float32 model.
+NATIVE_ROWS = 16
 
 LayerHook = Callable[[torch.Tensor], None]
 
@@ -108,6 +115,7 @@ class LlamaDecoder:
         self.cos, self.sin = _rope_tables(
             model.model.rotary_emb, config.max_position_embeddings, self.dtype
         )
+        self.native_layers = native.DecodeLayers(self) if self.plan.native_rows else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,6 +142,8 @@ class LlamaDecoder:
         reads and may change in place the residual stream [rows, tokens, hidden] after layer i.
         Returns the final normed hidden states [rows, tokens, hidden]."""
         rows, tokens = input_ids.shape
+        if tokens == 1 and self.native_layers is not None and rows <= self.plan.native_rows:
+            return self._native_forward(input_ids, mask, position_ids, cache, hooks)
         cache.reserve(tokens)
         start, end = cache.length, cache.length + tokens
         attention_mask = _attention_mask(mask, tokens)
@@ -157,6 +167,26 @@ class LlamaDecoder:
             if hook is not None:
                 hook(hidden)
         cache.length = end
+        return self._norm(hidden, self.final_norm)
+
+    def _native_forward(self, input_ids, mask, position_ids, cache, hooks) -> torch.Tensor:
+        """`forward` of one token per row by decode.c: its layers in runs between hooks."""
+        cache.reserve(1)
+        hidden = F.embedding(input_ids, self.embed).contiguous()
+        real = mask.bool()
+        step = self.native_layers.step(
+            hidden,
+            position_ids.reshape(-1).to(torch.int64).contiguous(),
+            None if bool(real.all()) else real.contiguous(),
+            cache,
+        )
+        first = 0
+        for index in sorted(hooks):
+            self.native_layers.run(step, first, index + 1)
+            hooks[index](hidden)
+            first = index + 1
+        self.native_layers.run(step, first, len(self.layers))
+        cache.length += 1
         return self._norm(hidden, self.final_norm)
 
     def _attention(self, query, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
@@ -235,7 +265,19 @@ def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPl
         return KernelPlan(half_rows=0)
     per_layer = [[matrix.detach() for matrix in layer.values()] for layer in layer_matrices]
     measured = [matrix for layer in per_layer[::MEASURED_LAYER_STEP] for matrix in layer]
-    return measure_plan([model.lm_head.weight.detach(), *measured], prefill_weights=per_layer[0])
+    plan = measure_plan([model.lm_head.weight.detach(), *measured], prefill_weights=per_layer[0])
+    matrices = [model.lm_head.weight, *(matrix for layer in per_layer for matrix in layer)]
+    return _with_native_decode(plan, model.dtype, matrices)
+
+
+def _with_native_decode(plan: KernelPlan, dtype: torch.dtype, matrices: list) -> KernelPlan:
+    """`plan`, with decode steps of up to NATIVE_ROWS rows run by decode.c where it can run
+    these matrices (float32 computed, float16 exact) on this machine."""
+    if dtype != torch.float32 or native.library() is None:
+        return plan
+    if not all(native.packable(matrix) for matrix in matrices):
+        return plan
+    return dataclasses.replace(plan, native_rows=NATIVE_ROWS)
 
 
 def _rope_tables(

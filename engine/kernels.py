@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import native
+
 # Row counts the startup measurement tries for the float16-weight kernel: single-stream and
 # small-batch decode. Larger batches and prefill use the compute dtype's own matmul.
 ROW_COUNTS = (1, 2, 4, 8, 16)
@@ -31,9 +33,12 @@ ALL_ROWS = sys.maxsize
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Products of up to `half_rows` rows use the float16-weight kernel (0: never)."""
+    """Products of up to `half_rows` rows use the float16-weight kernel (0: never); decode
+    steps of up to `native_rows` rows run engine/csrc/decode.c (0: never), whose products
+    of up to that many rows also serve the LM head."""
 
     half_rows: int
+    native_rows: int = 0
 
 
 class Linear:
@@ -47,10 +52,15 @@ class Linear:
     def __init__(self, weight: torch.Tensor, plan: KernelPlan):
         self.weight = weight
         self.half_rows = plan.half_rows
+        self.native_rows = plan.native_rows
         self.packed = _pack_half(weight) if plan.half_rows else None
+        self.native = native.pack(weight) if plan.native_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.numel() > self.half_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if self.native is not None and rows <= self.native_rows:
+            return native.product(self.native, x)
+        if self.packed is None or rows > self.half_rows:
             return F.linear(x, self.weight)
         return _half_linear(x, self.packed)
 
