@@ -23,7 +23,7 @@ from engine.kernels import KernelPlan, Linear, half_weights_exact, measure_plan
 # decode step then writes in place, and the buffers are reallocated once every this many steps.
 CACHE_GROWTH_COLUMNS = 64
 
-# Decode steps of up to this many rows run engine/csrc/decode.c on a float32 model.
+# Decode steps of up to this many rows run engine/csrc/decode.c (on a CPU that can).
 NATIVE_ROWS = 16
 
 LayerHook = Callable[[torch.Tensor], None]
@@ -172,7 +172,8 @@ class LlamaDecoder:
     def _native_forward(self, input_ids, mask, position_ids, cache, hooks) -> torch.Tensor:
         """`forward` of one token per row by decode.c: its layers in runs between hooks."""
         cache.reserve(1)
-        hidden = F.embedding(input_ids, self.embed).contiguous()
+        # float32 whatever the dtype: decode.c computes in float32 (see native.DecodeLayers).
+        hidden = F.embedding(input_ids, self.embed).float().contiguous()
         real = mask.bool()
         step = self.native_layers.step(
             hidden,
@@ -272,8 +273,8 @@ def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPl
 
 def _with_native_decode(plan: KernelPlan, dtype: torch.dtype, matrices: list) -> KernelPlan:
     """`plan`, with decode steps of up to NATIVE_ROWS rows run by decode.c where it can run
-    these matrices (float32 computed, float16 exact) on this machine."""
-    if dtype != torch.float32 or native.library() is None:
+    these matrices (float16 exact, float32 or bfloat16) on this machine."""
+    if dtype not in (torch.float32, torch.bfloat16) or native.library() is None:
         return plan
     if not all(native.packable(matrix) for matrix in matrices):
         return plan

@@ -59,7 +59,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.native is not None and rows <= self.native_rows:
-            return native.product(self.native, x)
+            return native.product(self.native, x.float()).to(x.dtype)
         if self.packed is None or rows > self.half_rows:
             return F.linear(x, self.weight)
         return _half_linear(x, self.packed)

@@ -61,6 +61,7 @@ class Step(ctypes.Structure):
         ("layer_stride", ctypes.c_long),
         ("row_stride", ctypes.c_long),
         ("head_stride", ctypes.c_long),
+        ("cache_bfloat16", ctypes.c_int),
         ("scratch", ctypes.c_void_p),
         ("threads", ctypes.c_int),
     ]
@@ -140,17 +141,22 @@ def product(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeLayers:
-    """decode.c's layers of a float32 `LlamaDecoder` whose Linear matrices are packed for it."""
+    """decode.c's layers of a `LlamaDecoder` whose Linear matrices are packed for it. It
+    computes in float32 whatever the decoder's dtype: a bfloat16 decoder's norm weights and
+    RoPE tables (bfloat16 values) are copied as float32, and its cache stays bfloat16."""
 
     def __init__(self, decoder):
         self.layers = (Layer * len(decoder.layers))()
+        # float32 copies (or the tensors themselves), kept alive here for the pointers.
+        self.norms = []
         for slot, layer in zip(self.layers, decoder.layers, strict=True):
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(slot, name, getattr(layer, name).native.data_ptr())
-            slot.input_norm = layer.input_norm.data_ptr()
-            slot.post_norm = layer.post_norm.data_ptr()
-        # The decoder's tables, kept alive and contiguous here.
-        self.cos, self.sin = decoder.cos.contiguous(), decoder.sin.contiguous()
+            norms = (layer.input_norm, layer.post_norm)
+            input_norm, post_norm = (norm.float().contiguous() for norm in norms)
+            self.norms += [input_norm, post_norm]
+            slot.input_norm, slot.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+        self.cos, self.sin = decoder.cos.float().contiguous(), decoder.sin.float().contiguous()
         self.model = Model(
             hidden=decoder.hidden_size,
             heads=decoder.heads,
@@ -165,13 +171,15 @@ class DecodeLayers:
         )
 
     def step(self, hidden, positions, mask, cache) -> "Step":
-        """The Step that runs layers over `hidden` [rows, 1, hidden] (float32, contiguous,
-        changed in place) at `positions` [rows] (int64), attending to `mask` [rows, columns]
-        (bool; None if every column is real), with this step's keys and values written to
-        `cache` column `columns - 1`. The tensors must live as long as the Step is used."""
+        """The Step that runs layers over `hidden` [rows, 1, hidden] (float32 whatever the
+        decoder's dtype, contiguous, changed in place) at `positions` [rows] (int64), attending
+        to `mask` [rows, columns] (bool; None if every column is real), with this step's keys
+        and values written to `cache` column `columns - 1`. It keeps its tensors alive."""
         rows, columns = hidden.shape[0], cache.length + 1
         if cache.keys.stride() != cache.values.stride() or not cache.keys.is_contiguous():
             raise ValueError("decode.c reads a contiguous cache, keys and values alike")
+        if cache.keys.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"decode.c reads no {cache.keys.dtype} cache")
         scratch_floats = library().decode_scratch_floats(ctypes.byref(self.model), rows, columns)
         scratch = torch.empty(scratch_floats, dtype=torch.float32)
         layer_stride, row_stride, head_stride = cache.keys.stride()[:3]
@@ -186,6 +194,7 @@ class DecodeLayers:
             layer_stride=layer_stride,
             row_stride=row_stride,
             head_stride=head_stride,
+            cache_bfloat16=cache.keys.dtype == torch.bfloat16,
             scratch=scratch.data_ptr(),
             threads=torch.get_num_threads(),
         )

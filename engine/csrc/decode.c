@@ -37,8 +37,9 @@ typedef struct {
     const long *positions;  /* [rows] */
     const uint8_t *mask;    /* [rows, columns], 0 on padding; NULL: every column is real */
     long columns;           /* cached columns including this step's */
-    float *keys, *values;   /* the cache [layers, rows, kv_heads, capacity, head_dim] */
-    long layer_stride, row_stride, head_stride;
+    void *keys, *values;    /* the cache [layers, rows, kv_heads, capacity, head_dim] */
+    long layer_stride, row_stride, head_stride; /* in elements */
+    int cache_bfloat16;     /* the cache holds bfloat16 (a bfloat16 model's), else float32 */
     float *scratch;         /* decode_scratch_floats() floats */
     int threads;
 } Step;
@@ -151,31 +152,57 @@ static void rope(float *head, const float *cos, const float *sin, long head_dim)
     }
 }
 
-static float dot(const float *a, const float *b, long size) {
-    __m256 sum = _mm256_setzero_ps();
-    for (long i = 0; i < size; i += 8)
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum);
-    return sum8(sum);
+/* 8 cache entries from element `index` of a float32 or a bfloat16 cache, as float32 (a
+   bfloat16 is the upper half of a float32). */
+static inline __m256 load_cached8(const void *cache, long index, int bfloat16) {
+    if (!bfloat16) return _mm256_loadu_ps((const float *)cache + index);
+    __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 
-/* One query head over its key/value head's cached columns (masked ones skipped). */
-static void attend(const Model *m, const Step *s, const float *query, const float *keys,
-                   const float *values, const uint8_t *mask, float *scores, float *out) {
+/* `size` floats into a float32 or bfloat16 cache at element `index`; bfloat16 rounded to
+   nearest even, as torch's conversion does (the cache holds no NaN worth keeping apart: a
+   non-finite step fails its requests). */
+static void store_cached(void *cache, long index, const float *values, long size, int bfloat16) {
+    if (!bfloat16) {
+        memcpy((float *)cache + index, values, size * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + index;
+    for (long i = 0; i < size; i++) {
+        uint32_t bits;
+        memcpy(&bits, &values[i], sizeof bits);
+        out[i] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
+/* One query head over its key/value head's cached columns (masked ones skipped), the keys
+   and values starting at element `at` of the layer's cache. */
+static inline void attend(const Model *m, const Step *s, const float *query, const void *keys,
+                          const void *values, long at, const uint8_t *mask, float *scores,
+                          float *out, int bfloat16) {
     long d = m->head_dim;
     float highest = -INFINITY;
     for (long c = 0; c < s->columns; c++) {
         if (mask && !mask[c]) continue;
-        scores[c] = dot(query, keys + c * d, d) * m->scale;
+        __m256 sum = _mm256_setzero_ps();
+        for (long i = 0; i < d; i += 8)
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(query + i),
+                                  load_cached8(keys, at + c * d + i, bfloat16), sum);
+        scores[c] = sum8(sum) * m->scale;
         if (scores[c] > highest) highest = scores[c];
     }
     float total = 0;
-    memset(out, 0, d * sizeof(float));
+    for (long i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
     for (long c = 0; c < s->columns; c++) {
         if (mask && !mask[c]) continue;
         float weight = expf(scores[c] - highest);
         total += weight;
-        const float *value = values + c * d;
-        for (long i = 0; i < d; i++) out[i] += weight * value[i];
+        __m256 weights = _mm256_set1_ps(weight);
+        for (long i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(weights,
+                                                      load_cached8(values, at + c * d + i, bfloat16),
+                                                      _mm256_loadu_ps(out + i)));
     }
     for (long i = 0; i < d; i++) out[i] /= total;
 }
@@ -199,8 +226,7 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
 #pragma omp parallel num_threads(s->threads)
     for (long index = first; index < last; index++) {
         const Layer *layer = &m->layers[index];
-        float *layer_keys = s->keys + index * s->layer_stride;
-        float *layer_values = s->values + index * s->layer_stride;
+        long layer_at = index * s->layer_stride;
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++)
             rms_norm(s->hidden + r * hidden, layer->input_norm, normed + r * hidden, hidden, m->eps);
@@ -212,18 +238,25 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
             const float *cos = m->cos + s->positions[r] * d, *sin = m->sin + s->positions[r] * d;
             for (long h = 0; h < m->heads + m->kv_heads; h++) rope(row + h * d, cos, sin, d);
             for (long g = 0; g < m->kv_heads; g++) {
-                long at = r * s->row_stride + g * s->head_stride + column * d;
-                memcpy(layer_keys + at, row + (m->heads + g) * d, d * sizeof(float));
-                memcpy(layer_values + at, row + (m->heads + m->kv_heads + g) * d, d * sizeof(float));
+                long at = layer_at + r * s->row_stride + g * s->head_stride + column * d;
+                store_cached(s->keys, at, row + (m->heads + g) * d, d, s->cache_bfloat16);
+                store_cached(s->values, at, row + (m->heads + m->kv_heads + g) * d, d,
+                             s->cache_bfloat16);
             }
         }
 #pragma omp for schedule(static)
         for (long item = 0; item < rows * m->heads; item++) {
             long r = item / m->heads, h = item % m->heads;
-            long at = r * s->row_stride + (h / group) * s->head_stride;
+            long at = layer_at + r * s->row_stride + (h / group) * s->head_stride;
             const uint8_t *mask = s->mask ? s->mask + r * s->columns : NULL;
-            attend(m, s, qkv + r * qkv_size + h * d, layer_keys + at, layer_values + at, mask,
-                   scores + item * s->columns, attention + r * attention_size + h * d);
+            const float *query = qkv + r * qkv_size + h * d;
+            float *scores_of_item = scores + item * s->columns;
+            float *out = attention + r * attention_size + h * d;
+            /* Two copies of attend, each with the cache's type known where it loads. */
+            if (s->cache_bfloat16)
+                attend(m, s, query, s->keys, s->values, at, mask, scores_of_item, out, 1);
+            else
+                attend(m, s, query, s->keys, s->values, at, mask, scores_of_item, out, 0);
         }
         product_shared(layer->o, attention, projected, rows, attention_size, hidden);
 #pragma omp barrier

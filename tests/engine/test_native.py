@@ -42,16 +42,17 @@ def test_a_float32_model_on_this_cpu_decodes_natively(float32_decoder):
     assert float32_decoder.native_layers is not None
 
 
-def test_only_float32_models_decode_natively():
+def test_float32_and_bfloat16_models_decode_natively_and_no_other():
     plan, weights = KernelPlan(half_rows=4), [exact_in_half(64, 64)]
-    assert decoder_module._with_native_decode(plan, torch.bfloat16, weights) == plan
-    assert decoder_module._with_native_decode(plan, torch.float32, weights).native_rows > 0
+    assert decoder_module._with_native_decode(plan, torch.float16, weights) == plan
+    for dtype in (torch.float32, torch.bfloat16):
+        assert decoder_module._with_native_decode(plan, dtype, weights).native_rows > 0
 
 
 def decode(decoder, steps: int, hook_layer: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits [steps, rows, vocab] of `steps` decode steps after a prefill of three left-padded
-    rows (one shorter), steered after `hook_layer` (+0.5 on row 0), and the residual streams
-    the hook read."""
+    """Logits [steps, rows, vocab] (float32) of `steps` decode steps of random tokens after a
+    prefill of three left-padded rows (one shorter), steered after `hook_layer` (+0.5 on row
+    0), and the residual streams the hook read."""
     rows, prompt = 3, 7
     generator = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, 40000, (rows, prompt), generator=generator)
@@ -73,8 +74,8 @@ def decode(decoder, steps: int, hook_layer: int) -> tuple[torch.Tensor, list[tor
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
             at = positions[:, -1:] + 1 + step
             final = decoder.forward(next_ids, mask, at, cache, {hook_layer: steer})
-            logits.append(decoder.lm_head(final[:, -1]))
-            next_ids = logits[-1].argmax(-1, keepdim=True)
+            logits.append(decoder.lm_head(final[:, -1]).float())
+            next_ids = torch.randint(0, 40000, (rows, 1), generator=generator)
     return torch.stack(logits), seen
 
 
@@ -100,3 +101,19 @@ def test_where_the_native_step_cannot_be_built_the_decoder_keeps_pytorch(monkeyp
         assert decoder_module._with_native_decode(plan, torch.float32, weights) == plan
     finally:
         native.library.cache_clear()
+
+
+def test_a_bfloat16_models_native_steps_are_nearer_the_float32_models(
+    model_loaded_with, float32_decoder, monkeypatch
+):
+    """A bfloat16 model decodes natively in float32 over its bfloat16 cache: its logits are
+    no farther from the float32 model's than the bfloat16 PyTorch path's."""
+    bfloat16_decoder = model_loaded_with(ACS_ENGINE_DTYPE="bfloat16").decoder
+    assert bfloat16_decoder.native_layers is not None
+    float32_logits, _ = decode(float32_decoder, steps=4, hook_layer=11)
+    native_logits, _ = decode(bfloat16_decoder, steps=4, hook_layer=11)
+    monkeypatch.setattr(bfloat16_decoder, "native_layers", None)
+    torch_logits, _ = decode(bfloat16_decoder, steps=4, hook_layer=11)
+    native_error = (native_logits - float32_logits).abs().max()
+    torch_error = (torch_logits - float32_logits).abs().max()
+    assert native_error <= torch_error
