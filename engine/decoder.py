@@ -17,14 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.kernels import KernelPlan, Linear, half_weights_exact, measure_plan
+from engine.kernels import KernelPlan, Linear, fastest_times, half_weights_exact, measure_plan
 
 # Columns of spare KV cache room added whenever a forward pass needs more than is left: a
 # decode step then writes in place, and the buffers are reallocated once every this many steps.
 CACHE_GROWTH_COLUMNS = 64
 
-# Decode steps of up to this many rows run engine/csrc/decode.c (on a CPU that can).
-NATIVE_ROWS = 16
+# Row counts of the decode steps timed at load, natively and in PyTorch: single-stream, a
+# moderate batch and the engine's default ACS_ENGINE_MAX_ACTIVE.
+NATIVE_ROW_COUNTS = (1, 16, 64)
+# Columns already cached in those timed steps: a short prompt's.
+NATIVE_MEASURED_COLUMNS = 32
 
 LayerHook = Callable[[torch.Tensor], None]
 
@@ -107,7 +110,8 @@ class LlamaDecoder:
         self.final_norm = model.model.norm.weight
         layer_matrices = [_layer_matrices(layer) for layer in model.model.layers]
         self.plan = _kernel_plan(model, layer_matrices)
-        self.lm_head = Linear(model.lm_head.weight, self.plan)
+        # The LM head multiplies the final hidden states, after decode.c's layers.
+        self.lm_head = Linear(model.lm_head.weight, dataclasses.replace(self.plan, native_rows=0))
         self.layers = [
             _fused_layer(layer, matrices, self.plan)
             for layer, matrices in zip(model.model.layers, layer_matrices, strict=True)
@@ -116,6 +120,8 @@ class LlamaDecoder:
             model.model.rotary_emb, config.max_position_embeddings, self.dtype
         )
         self.native_layers = native.DecodeLayers(self) if self.plan.native_rows else None
+        if self.native_layers is not None:
+            self._limit_native_rows(_measured_native_rows(self))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,8 +148,13 @@ class LlamaDecoder:
         reads and may change in place the residual stream [rows, tokens, hidden] after layer i.
         Returns the final normed hidden states [rows, tokens, hidden]."""
         rows, tokens = input_ids.shape
-        if tokens == 1 and self.native_layers is not None and rows <= self.plan.native_rows:
+        if tokens == 1 and rows <= self.plan.native_rows:
             return self._native_forward(input_ids, mask, position_ids, cache, hooks)
+        return self._torch_forward(input_ids, mask, position_ids, cache, hooks)
+
+    def _torch_forward(self, input_ids, mask, position_ids, cache, hooks) -> torch.Tensor:
+        """`forward` in PyTorch ops."""
+        rows, tokens = input_ids.shape
         cache.reserve(tokens)
         start, end = cache.length, cache.length + tokens
         attention_mask = _attention_mask(mask, tokens)
@@ -168,6 +179,14 @@ class LlamaDecoder:
                 hook(hidden)
         cache.length = end
         return self._norm(hidden, self.final_norm)
+
+    def _limit_native_rows(self, rows: int) -> None:
+        """Run decode steps of up to `rows` rows natively; with 0, free decode.c's weights."""
+        self.plan = dataclasses.replace(self.plan, native_rows=rows)
+        if not rows:
+            self.native_layers = None
+            for layer in self.layers:
+                layer.qkv.native = layer.o.native = layer.gate_up.native = layer.down.native = None
 
     def _native_forward(self, input_ids, mask, position_ids, cache, hooks) -> torch.Tensor:
         """`forward` of one token per row by decode.c: its layers in runs between hooks."""
@@ -267,18 +286,52 @@ def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPl
     per_layer = [[matrix.detach() for matrix in layer.values()] for layer in layer_matrices]
     measured = [matrix for layer in per_layer[::MEASURED_LAYER_STEP] for matrix in layer]
     plan = measure_plan([model.lm_head.weight.detach(), *measured], prefill_weights=per_layer[0])
-    matrices = [model.lm_head.weight, *(matrix for layer in per_layer for matrix in layer)]
+    matrices = [matrix for layer in per_layer for matrix in layer]
     return _with_native_decode(plan, model.dtype, matrices)
 
 
 def _with_native_decode(plan: KernelPlan, dtype: torch.dtype, matrices: list) -> KernelPlan:
-    """`plan`, with decode steps of up to NATIVE_ROWS rows run by decode.c where it can run
-    these matrices (float16 exact, float32 or bfloat16) on this machine."""
+    """`plan`, with decode.c a candidate for decode steps of up to the largest of
+    NATIVE_ROW_COUNTS rows where it can run these matrices (float16 exact, float32 or bfloat16)
+    on this machine; the decoder then measures how many rows it should run."""
     if dtype not in (torch.float32, torch.bfloat16) or native.library() is None:
         return plan
     if not all(native.packable(matrix) for matrix in matrices):
         return plan
-    return dataclasses.replace(plan, native_rows=NATIVE_ROWS)
+    return dataclasses.replace(plan, native_rows=max(NATIVE_ROW_COUNTS))
+
+
+@torch.inference_mode()
+def _measured_native_rows(decoder: LlamaDecoder) -> int:
+    """The most rows of NATIVE_ROW_COUNTS up to which a native decode step beat the PyTorch
+    one at every count measured (0: never), each timed as `kernels._fastest_times` times."""
+    native_rows = 0
+    for rows in NATIVE_ROW_COUNTS:
+        steps = [
+            _timed_step(decoder, rows, step)
+            for step in (decoder._native_forward, decoder._torch_forward)
+        ]
+        native_time, torch_time = fastest_times(steps)
+        if native_time >= torch_time:
+            break
+        native_rows = rows
+    return native_rows
+
+
+def _timed_step(decoder: LlamaDecoder, rows: int, step: Callable) -> Callable[[], None]:
+    """A decode step of `rows` rows by `step`, each call over a cache of
+    NATIVE_MEASURED_COLUMNS columns (it writes the next column, the same at every call)."""
+    columns = NATIVE_MEASURED_COLUMNS
+    input_ids = torch.zeros(rows, 1, dtype=torch.long)
+    mask = torch.ones(rows, columns + 1, dtype=torch.long)
+    positions = torch.full((rows, 1), columns)
+    keys = decoder.new_cache_buffer(rows, columns + CACHE_GROWTH_COLUMNS).zero_()
+    values = torch.zeros_like(keys)
+
+    def run() -> None:
+        step(input_ids, mask, positions, KVCache(keys, values, columns), {})
+
+    return run
 
 
 def _rope_tables(

@@ -34,8 +34,8 @@ ALL_ROWS = sys.maxsize
 @dataclass(frozen=True)
 class KernelPlan:
     """Products of up to `half_rows` rows use the float16-weight kernel (0: never); decode
-    steps of up to `native_rows` rows run engine/csrc/decode.c (0: never), whose products
-    of up to that many rows also serve the LM head."""
+    steps of up to `native_rows` rows run engine/csrc/decode.c (0: never; see
+    `engine.decoder`, which measures it)."""
 
     half_rows: int
     native_rows: int = 0
@@ -47,20 +47,17 @@ class Linear:
     registers and accumulates in float32: the same products as a float32 matmul (the weights
     are float16 exactly, see `half_weights_exact`) reading half a float32 weight's bytes, and,
     for a bfloat16 model, the same products as bfloat16's matmul (which also accumulates in
-    float32) summed in another order. Products of more rows than `half_rows` use `weight`."""
+    float32) summed in another order. Products of more rows than `half_rows` use `weight`.
+    With a plan whose `native_rows` > 0, `native` is the float16 copy decode.c reads."""
 
     def __init__(self, weight: torch.Tensor, plan: KernelPlan):
         self.weight = weight
         self.half_rows = plan.half_rows
-        self.native_rows = plan.native_rows
         self.packed = _pack_half(weight) if plan.half_rows else None
         self.native = native.pack(weight) if plan.native_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if self.native is not None and rows <= self.native_rows:
-            return native.product(self.native, x.float()).to(x.dtype)
-        if self.packed is None or rows > self.half_rows:
+        if self.packed is None or x.numel() > self.half_rows * x.shape[-1]:
             return F.linear(x, self.weight)
         return _half_linear(x, self.packed)
 
@@ -102,7 +99,7 @@ def _half_faster(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: 
     inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
     native = functools.partial(_products, F.linear, inputs, weights)
     half = functools.partial(_products, _half_linear, inputs, packed)
-    native_time, half_time = _fastest_times([native, half])
+    native_time, half_time = fastest_times([native, half])
     return half_time < native_time
 
 
@@ -116,7 +113,7 @@ def bfloat16_prefills_faster(shapes: list[tuple[int, int]]) -> bool:
         weights = [torch.randn(shape, dtype=dtype) for shape in shapes]
         inputs = [torch.randn(PREFILL_ROWS, shape[1], dtype=dtype) for shape in shapes]
         candidates.append(functools.partial(_products, F.linear, inputs, weights))
-    bfloat16_time, float32_time = _fastest_times(candidates)
+    bfloat16_time, float32_time = fastest_times(candidates)
     return bfloat16_time < float32_time
 
 
@@ -125,7 +122,7 @@ def _products(kernel: Callable, inputs: list[torch.Tensor], weights: list) -> No
         kernel(x, weight)
 
 
-def _fastest_times(candidates: list[Callable[[], None]]) -> list[float]:
+def fastest_times(candidates: list[Callable[[], None]]) -> list[float]:
     """Seconds of each candidate's fastest run of REPETITIONS alternating runs, after one
     warm-up. Other work on the machine only ever adds time, so the fastest run is the least
     disturbed: with the median, a burst of load over two of a candidate's three runs made a

@@ -78,7 +78,6 @@ def library() -> ctypes.CDLL | None:
         log.warning("native decode step unavailable, decoding with PyTorch: %s", error)
         return None
     native = ctypes.CDLL(str(path))
-    native.packed_product.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     native.decode_layers.argtypes = [
         ctypes.POINTER(Model),
         ctypes.POINTER(Step),
@@ -120,24 +119,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     blocks = weight.detach().half().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     return blocks.permute(0, 2, 1, 3).contiguous()
-
-
-def product(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`x` [..., k] (float32) @ the packed weight's transpose: [..., n]."""
-    blocks, chunks = packed.shape[:2]
-    n, k = blocks * BLOCK, chunks * BLOCK
-    flat = x.reshape(-1, k).contiguous()
-    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    library().packed_product(
-        packed.data_ptr(),
-        flat.data_ptr(),
-        out.data_ptr(),
-        flat.shape[0],
-        k,
-        n,
-        torch.get_num_threads(),
-    )
-    return out.view(*x.shape[:-1], n)
 
 
 class DecodeLayers:

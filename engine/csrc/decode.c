@@ -116,7 +116,7 @@ static void block_rows(const uint16_t *block, const float *x, long rows, long k,
 
 /* out [rows, n] = x [rows, k] @ weight.T; weight packed [n, k]. Called inside a parallel
    region: the blocks are shared out among its threads; the caller waits at a barrier. */
-static void product_shared(const uint16_t *packed, const float *x, float *out, long rows, long k,
+static void product(const uint16_t *packed, const float *x, float *out, long rows, long k,
                            long n) {
     long blocks = n / BLOCK;
 #pragma omp for schedule(static) nowait
@@ -127,12 +127,6 @@ static void product_shared(const uint16_t *packed, const float *x, float *out, l
         else
             block_rows(block, x, rows, k, n, out + b * BLOCK);
     }
-}
-
-void packed_product(const uint16_t *packed, const float *x, float *out, long rows, long k, long n,
-                    int threads) {
-#pragma omp parallel num_threads(threads)
-    product_shared(packed, x, out, rows, k, n);
 }
 
 static void rms_norm(const float *x, const float *weight, float *out, long size, float eps) {
@@ -230,7 +224,7 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++)
             rms_norm(s->hidden + r * hidden, layer->input_norm, normed + r * hidden, hidden, m->eps);
-        product_shared(layer->qkv, normed, qkv, rows, hidden, qkv_size);
+        product(layer->qkv, normed, qkv, rows, hidden, qkv_size);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
@@ -258,7 +252,7 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
             else
                 attend(m, s, query, s->keys, s->values, at, mask, scores_of_item, out, 0);
         }
-        product_shared(layer->o, attention, projected, rows, attention_size, hidden);
+        product(layer->o, attention, projected, rows, attention_size, hidden);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
@@ -266,7 +260,7 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
             for (long i = 0; i < hidden; i++) row[i] += projected[r * hidden + i];
             rms_norm(row, layer->post_norm, normed + r * hidden, hidden, m->eps);
         }
-        product_shared(layer->gate_up, normed, mlp, rows, hidden, 2 * inter);
+        product(layer->gate_up, normed, mlp, rows, hidden, 2 * inter);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long item = 0; item < rows * inter; item++) {
@@ -274,7 +268,7 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
             float up = mlp[(item / inter) * 2 * inter + inter + item % inter];
             activation[item] = gate / (1.0f + expf(-gate)) * up;
         }
-        product_shared(layer->down, activation, projected, rows, inter, hidden);
+        product(layer->down, activation, projected, rows, inter, hidden);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {

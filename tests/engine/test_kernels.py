@@ -45,7 +45,7 @@ def test_the_plan_keeps_the_half_kernel_while_it_is_faster(monkeypatch, half_win
         measured_rows.append(rows)
         return [1.0, 0.5] if rows <= half_wins_up_to else [1.0, 2.0]
 
-    monkeypatch.setattr(kernels, "_fastest_times", times)
+    monkeypatch.setattr(kernels, "fastest_times", times)
     assert measure_plan([WEIGHT], prefill_weights=[WEIGHT]).half_rows == expected
 
 
@@ -61,7 +61,7 @@ def test_a_kernel_slowed_by_other_work_in_most_of_its_runs_still_wins(monkeypatc
     def slower():
         time.sleep(0.005)
 
-    fast_time, slower_time = kernels._fastest_times([fast_but_disturbed, slower])
+    fast_time, slower_time = kernels.fastest_times([fast_but_disturbed, slower])
     assert fast_time < slower_time
 
 
