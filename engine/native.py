@@ -73,11 +73,10 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        path = _built_library()
+        native = ctypes.CDLL(str(_built_library()))
     except (OSError, subprocess.CalledProcessError) as error:
         log.warning("native decode step unavailable, decoding with PyTorch: %s", error)
         return None
-    native = ctypes.CDLL(str(path))
     native.decode_layers.argtypes = [
         ctypes.POINTER(Model),
         ctypes.POINTER(Step),

@@ -45,6 +45,20 @@ def test_native_decode_serves_the_row_counts_where_it_was_faster(
     assert decoder_module._measured_native_rows(float32_decoder) == expected
 
 
+def test_a_decoder_whose_native_steps_lost_everywhere_frees_them(float32_decoder, monkeypatch):
+    layers = float32_decoder.layers
+    for layer in layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            monkeypatch.setattr(getattr(layer, name), "native", getattr(layer, name).native)
+    monkeypatch.setattr(float32_decoder, "native_layers", float32_decoder.native_layers)
+    monkeypatch.setattr(float32_decoder, "plan", float32_decoder.plan)
+    float32_decoder._limit_native_rows(0)
+    assert float32_decoder.native_layers is None
+    assert all(layer.qkv.native is None and layer.down.native is None for layer in layers)
+    logits, _ = decode(float32_decoder, steps=1, hook_layer=0, rows=1)
+    assert torch.isfinite(logits).all()
+
+
 def test_both_timed_decode_steps_run(float32_decoder):
     for step in (float32_decoder._native_forward, float32_decoder._torch_forward):
         decoder_module._timed_step(float32_decoder, rows=2, step=step)()
