@@ -136,6 +136,10 @@ static void rms_norm(const float *x, const float *weight, float *out, long size,
     for (long i = 0; i < size; i++) out[i] = weight[i] * (x[i] * inverse);
 }
 
+static void add_into(float *row, const float *addend, long size) {
+    for (long i = 0; i < size; i++) row[i] += addend[i];
+}
+
 /* Rotate-half RoPE of one head in place. */
 static void rope(float *head, const float *cos, const float *sin, long head_dim) {
     long half = head_dim / 2;
@@ -256,9 +260,8 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) {
-            float *row = s->hidden + r * hidden;
-            for (long i = 0; i < hidden; i++) row[i] += projected[r * hidden + i];
-            rms_norm(row, layer->post_norm, normed + r * hidden, hidden, m->eps);
+            add_into(s->hidden + r * hidden, projected + r * hidden, hidden);
+            rms_norm(s->hidden + r * hidden, layer->post_norm, normed + r * hidden, hidden, m->eps);
         }
         product(layer->gate_up, normed, mlp, rows, hidden, 2 * inter);
 #pragma omp barrier
@@ -271,9 +274,6 @@ void decode_layers(const Model *m, const Step *s, long first, long last) {
         product(layer->down, activation, projected, rows, inter, hidden);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (long r = 0; r < rows; r++) {
-            float *row = s->hidden + r * hidden;
-            for (long i = 0; i < hidden; i++) row[i] += projected[r * hidden + i];
-        }
+        for (long r = 0; r < rows; r++) add_into(s->hidden + r * hidden, projected + r * hidden, hidden);
     }
 }
