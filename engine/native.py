@@ -74,7 +74,11 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         native = ctypes.CDLL(str(_built_library()))
-    except (OSError, subprocess.CalledProcessError) as error:
+    except subprocess.CalledProcessError as error:
+        reason = error.stderr.decode(errors="replace").strip() or error
+        log.warning("native decode step did not build, decoding with PyTorch: %s", reason)
+        return None
+    except OSError as error:
         log.warning("native decode step unavailable, decoding with PyTorch: %s", error)
         return None
     native.decode_layers.argtypes = [
@@ -106,6 +110,10 @@ def _built_library() -> Path:
             capture_output=True,
         )
         os.replace(built, path)
+    # Builds of earlier versions of the file (a running engine keeps its loaded copy).
+    for stale in directory.glob("decode-*.so"):
+        if stale != path:
+            stale.unlink(missing_ok=True)
     return path
 
 

@@ -146,3 +146,13 @@ def test_a_bfloat16_models_native_steps_are_nearer_the_float32_models(
     native_error = (native_logits - float32_logits).abs().max()
     torch_error = (torch_logits - float32_logits).abs().max()
     assert native_error <= torch_error
+
+
+def test_a_build_replaces_the_builds_of_earlier_versions(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    earlier = tmp_path / "acs-engine" / "native" / "decode-0123456789abcdef.so"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"an earlier build")
+    built = native._built_library()
+    assert built.exists()
+    assert list(built.parent.iterdir()) == [built]
