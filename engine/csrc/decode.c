@@ -1,4 +1,5 @@
-/* A float32 decode step of the Llama decoder over weights stored as float16, for a few rows.
+/* A decode step of the Llama decoder (one new token per row), computed in float32 over
+   weights stored as float16 and a float32 or bfloat16 KV cache; head_dim a multiple of 8.
 
    A decode step of the 135M model reads every weight once per token, so its speed is the speed
    at which the weights stream from memory; in eager PyTorch it also pays ~25 dispatched ops per
