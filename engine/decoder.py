@@ -6,8 +6,9 @@ from a precomputed table, keys and values written in place into spare cache colu
 concatenated each step. A decode step of this 135M model is bound by per-op overhead, not by
 arithmetic (see docs/engine.md, "Where a decode step's time goes"), so fewer ops is what makes
 it fast. The transformers model keeps its weights: the fused matrices are the same storage.
-Decode steps of a float32 model run the same computation in C where the machine can
-(engine/native.py, docs/engine.md "Compute dtype").
+Decode steps of up to `plan.native_rows` rows run the same layers in C where the machine can
+and the load-time measurement found it faster (engine/native.py, docs/engine.md "Compute
+dtype").
 """
 
 import dataclasses
@@ -110,7 +111,7 @@ class LlamaDecoder:
         self.final_norm = model.model.norm.weight
         layer_matrices = [_layer_matrices(layer) for layer in model.model.layers]
         self.plan = _kernel_plan(model, layer_matrices)
-        # The LM head multiplies the final hidden states, after decode.c's layers.
+        # decode.c runs the layers only: the LM head keeps the compute dtype's kernels.
         self.lm_head = Linear(model.lm_head.weight, dataclasses.replace(self.plan, native_rows=0))
         self.layers = [
             _fused_layer(layer, matrices, self.plan)
@@ -304,7 +305,7 @@ def _with_native_decode(plan: KernelPlan, dtype: torch.dtype, matrices: list) ->
 @torch.inference_mode()
 def _measured_native_rows(decoder: LlamaDecoder) -> int:
     """The most rows of NATIVE_ROW_COUNTS up to which a native decode step beat the PyTorch
-    one at every count measured (0: never), each timed as `kernels._fastest_times` times."""
+    one at every count measured (0: never), each pair timed by `kernels.fastest_times`."""
     native_rows = 0
     for rows in NATIVE_ROW_COUNTS:
         steps = [
