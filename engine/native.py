@@ -2,8 +2,8 @@
 
 The C file is compiled with the machine's C compiler (`CC`, default `cc`) the first time an
 engine needs it (~1 s), into `$XDG_CACHE_HOME/acs-engine/native` (`~/.cache` by default) under
-a name made of the source's and flags' hash, so
-an edited file is rebuilt and processes started together never load a half-written library.
+a name made of the source's and flags' hash, so an edited file is rebuilt and processes started
+together never load a half-written library.
 It needs an x86-64 CPU with AVX2, FMA and F16C (torch's CPU capability AVX2 or AVX512); where
 it cannot be built or run, `library()` is None and the decoder keeps its PyTorch path.
 
@@ -168,6 +168,12 @@ class DecodeLayers:
             raise ValueError("decode.c reads a contiguous cache, keys and values alike")
         if cache.keys.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"decode.c reads no {cache.keys.dtype} cache")
+        # decode.c indexes these without bounds checks.
+        if mask is not None and mask.shape != (rows, columns):
+            raise ValueError(f"mask {tuple(mask.shape)} for {rows} rows of {columns} columns")
+        if positions.shape != (rows,) or int(positions.max()) >= self.cos.shape[0]:
+            table = self.cos.shape[0]
+            raise ValueError(f"positions {positions.tolist()} for {rows} rows, table of {table}")
         scratch_floats = library().decode_scratch_floats(ctypes.byref(self.model), rows, columns)
         scratch = torch.empty(scratch_floats, dtype=torch.float32)
         layer_stride, row_stride, head_stride = cache.keys.stride()[:3]

@@ -156,3 +156,14 @@ def test_a_build_replaces_the_builds_of_earlier_versions(monkeypatch, tmp_path):
     built = native._built_library()
     assert built.exists()
     assert list(built.parent.iterdir()) == [built]
+
+
+def test_a_step_whose_positions_or_mask_do_not_fit_is_refused(float32_decoder):
+    cache = KVCache.empty(float32_decoder, 1)
+    hidden = torch.zeros(1, 1, float32_decoder.hidden_size)
+    too_far = torch.tensor([float32_decoder.cos.shape[0]])
+    with pytest.raises(ValueError, match="positions"):
+        float32_decoder.native_layers.step(hidden, too_far, None, cache)
+    short_mask = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="mask"):
+        float32_decoder.native_layers.step(hidden, torch.tensor([0]), short_mask, cache)
