@@ -122,7 +122,8 @@ class LlamaDecoder:
         )
         self.native_layers = native.DecodeLayers(self) if self.plan.native_rows else None
         if self.native_layers is not None:
-            self._limit_native_rows(_measured_native_rows(self))
+            rows = _measured_native_rows(self)
+            self.plan = dataclasses.replace(self.plan, native_rows=rows)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,14 +182,6 @@ class LlamaDecoder:
         cache.length = end
         return self._norm(hidden, self.final_norm)
 
-    def _limit_native_rows(self, rows: int) -> None:
-        """Run decode steps of up to `rows` rows natively; with 0, free decode.c's weights."""
-        self.plan = dataclasses.replace(self.plan, native_rows=rows)
-        if not rows:
-            self.native_layers = None
-            for layer in self.layers:
-                layer.qkv.native = layer.o.native = layer.gate_up.native = layer.down.native = None
-
     def _native_forward(self, input_ids, mask, position_ids, cache, hooks) -> torch.Tensor:
         """`forward` of one token per row by decode.c: its layers in runs between hooks."""
         cache.reserve(1)
@@ -208,7 +201,9 @@ class LlamaDecoder:
             first = index + 1
         self.native_layers.run(step, first, len(self.layers))
         cache.length += 1
-        return self._norm(hidden, self.final_norm)
+        # In the decoder's dtype, as `_torch_forward` returns it (the LM head's matrix may be
+        # bfloat16).
+        return self._norm(hidden.to(self.dtype), self.final_norm)
 
     def _attention(self, query, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of `query` [rows, heads, tokens, head_dim] over the cached `keys` and

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import decoder as decoder_module
 from engine import native
@@ -17,15 +18,27 @@ def exact_in_half(*shape: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def float32_decoder(model_loaded_with):
+def loaded_float32_decoder(model_loaded_with):
     return model_loaded_with(ACS_ENGINE_DTYPE="float32").decoder
 
 
-def test_a_float32_model_on_this_cpu_decodes_natively(float32_decoder):
-    """Every CPU the project runs on has AVX2, FMA and F16C, and a C compiler is installed;
-    a single-row step natively took half the PyTorch step's time on each measured."""
-    assert float32_decoder.plan.native_rows in decoder_module.NATIVE_ROW_COUNTS
-    assert float32_decoder.native_layers is not None
+@pytest.fixture
+def float32_decoder(loaded_float32_decoder, monkeypatch):
+    """The float32 decoder decoding natively whatever its load-time measurement found (on a
+    busy machine that may be PyTorch, see `test_native_decode_serves_...`)."""
+    return natively(loaded_float32_decoder, monkeypatch)
+
+
+def natively(decoder, monkeypatch):
+    rows = max(decoder_module.NATIVE_ROW_COUNTS)
+    monkeypatch.setattr(decoder, "plan", dataclasses.replace(decoder.plan, native_rows=rows))
+    return decoder
+
+
+def test_a_float32_model_on_this_cpu_can_decode_natively(loaded_float32_decoder):
+    """Every CPU the project runs on has AVX2, FMA and F16C, and a C compiler is installed."""
+    assert loaded_float32_decoder.native_layers is not None
+    assert loaded_float32_decoder.plan.native_rows in (0, *decoder_module.NATIVE_ROW_COUNTS)
 
 
 @pytest.mark.parametrize(
@@ -45,16 +58,13 @@ def test_native_decode_serves_the_row_counts_where_it_was_faster(
     assert decoder_module._measured_native_rows(float32_decoder) == expected
 
 
-def test_a_decoder_whose_native_steps_lost_everywhere_frees_them(float32_decoder, monkeypatch):
-    layers = float32_decoder.layers
-    for layer in layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            monkeypatch.setattr(getattr(layer, name), "native", getattr(layer, name).native)
-    monkeypatch.setattr(float32_decoder, "native_layers", float32_decoder.native_layers)
-    monkeypatch.setattr(float32_decoder, "plan", float32_decoder.plan)
-    float32_decoder._limit_native_rows(0)
-    assert float32_decoder.native_layers is None
-    assert all(layer.qkv.native is None and layer.down.native is None for layer in layers)
+def test_a_decoder_whose_native_steps_lost_decodes_in_pytorch(float32_decoder, monkeypatch):
+    without_native(float32_decoder, monkeypatch)
+
+    def refused(*args):
+        raise AssertionError("a native step ran")
+
+    monkeypatch.setattr(float32_decoder, "_native_forward", refused)
     logits, _ = decode(float32_decoder, steps=1, hook_layer=0, rows=1)
     assert torch.isfinite(logits).all()
 
@@ -132,13 +142,27 @@ def without_native(decoder, monkeypatch) -> None:
     monkeypatch.setattr(decoder, "plan", dataclasses.replace(decoder.plan, native_rows=0))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_steps_answer_in_the_decoders_dtype(model_loaded_with, monkeypatch, dtype):
+    """Whatever the LM head's kernel plan: a bfloat16 model's LM head may be its bfloat16
+    matrix, which takes only bfloat16 states."""
+    decoder = natively(model_loaded_with(ACS_ENGINE_DTYPE=dtype).decoder, monkeypatch)
+    cache = KVCache.empty(decoder, 1)
+    with torch.inference_mode():
+        final = decoder._native_forward(
+            torch.tensor([[5]]), torch.ones(1, 1), torch.tensor([[0]]), cache, {}
+        )
+        assert final.dtype == decoder.dtype
+        vocabulary = decoder.lm_head.weight.shape[0]
+        assert F.linear(final, decoder.lm_head.weight).shape == (1, 1, vocabulary)
+
+
 def test_a_bfloat16_models_native_steps_are_nearer_the_float32_models(
     model_loaded_with, float32_decoder, monkeypatch
 ):
     """A bfloat16 model decodes natively in float32 over its bfloat16 cache: its logits are
     no farther from the float32 model's than the bfloat16 PyTorch path's."""
-    bfloat16_decoder = model_loaded_with(ACS_ENGINE_DTYPE="bfloat16").decoder
-    assert bfloat16_decoder.native_layers is not None
+    bfloat16_decoder = natively(model_loaded_with(ACS_ENGINE_DTYPE="bfloat16").decoder, monkeypatch)
     float32_logits, _ = decode(float32_decoder, steps=4, hook_layer=11)
     native_logits, _ = decode(bfloat16_decoder, steps=4, hook_layer=11)
     without_native(bfloat16_decoder, monkeypatch)
