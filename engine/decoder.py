@@ -187,11 +187,11 @@ class LlamaDecoder:
         cache.reserve(1)
         # float32 whatever the dtype: decode.c computes in float32 (see native.DecodeLayers).
         hidden = F.embedding(input_ids, self.embed).float().contiguous()
-        real = mask.bool()
+        padding = _attention_mask(mask, tokens=1)
         step = self.native_layers.step(
             hidden,
             position_ids.reshape(-1).to(torch.int64).contiguous(),
-            None if bool(real.all()) else real.contiguous(),
+            None if padding is None else padding.reshape(mask.shape).contiguous(),
             cache,
         )
         first = 0

@@ -39,8 +39,10 @@ class Layer(ctypes.Structure):
 
 class Model(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim")),
-        ("intermediate", ctypes.c_long),
+        *(
+            (name, ctypes.c_long)
+            for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
+        ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("layers", ctypes.POINTER(Layer)),

@@ -118,7 +118,7 @@ static void block_rows(const uint16_t *block, const float *x, long rows, long k,
 /* out [rows, n] = x [rows, k] @ weight.T; weight packed [n, k]. Called inside a parallel
    region: the blocks are shared out among its threads; the caller waits at a barrier. */
 static void product(const uint16_t *packed, const float *x, float *out, long rows, long k,
-                           long n) {
+                    long n) {
     long blocks = n / BLOCK;
 #pragma omp for schedule(static) nowait
     for (long b = 0; b < blocks; b++) {

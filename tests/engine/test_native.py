@@ -29,8 +29,8 @@ def float32_decoder(loaded_float32_decoder, monkeypatch):
     return natively(loaded_float32_decoder, monkeypatch)
 
 
-def natively(decoder, monkeypatch):
-    rows = max(decoder_module.NATIVE_ROW_COUNTS)
+def natively(decoder, monkeypatch, rows: int = max(decoder_module.NATIVE_ROW_COUNTS)):
+    """`decoder`, decoding natively up to `rows` rows (0: never) for this test."""
     monkeypatch.setattr(decoder, "plan", dataclasses.replace(decoder.plan, native_rows=rows))
     return decoder
 
@@ -59,7 +59,7 @@ def test_native_decode_serves_the_row_counts_where_it_was_faster(
 
 
 def test_a_decoder_whose_native_steps_lost_decodes_in_pytorch(float32_decoder, monkeypatch):
-    without_native(float32_decoder, monkeypatch)
+    natively(float32_decoder, monkeypatch, rows=0)
 
     def refused(*args):
         raise AssertionError("a native step ran")
@@ -118,7 +118,7 @@ def test_native_decode_steps_compute_the_pytorch_steps(float32_decoder, monkeypa
     """One row, or padded rows; a steering hook mid-stack and several steps (the cache
     growing): the same logits and residual stream at the hook as the PyTorch path's."""
     native_logits, native_seen = decode(float32_decoder, steps=4, hook_layer=11, rows=rows)
-    without_native(float32_decoder, monkeypatch)
+    natively(float32_decoder, monkeypatch, rows=0)
     torch_logits, torch_seen = decode(float32_decoder, steps=4, hook_layer=11, rows=rows)
     torch.testing.assert_close(native_logits, torch_logits, rtol=1e-4, atol=5e-4)
     for native_hidden, torch_hidden in zip(native_seen, torch_seen, strict=True):
@@ -136,10 +136,6 @@ def test_where_the_native_step_cannot_be_built_the_decoder_keeps_pytorch(monkeyp
         assert decoder_module._with_native_decode(plan, torch.float32, weights) == plan
     finally:
         native.library.cache_clear()
-
-
-def without_native(decoder, monkeypatch) -> None:
-    monkeypatch.setattr(decoder, "plan", dataclasses.replace(decoder.plan, native_rows=0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -165,7 +161,7 @@ def test_a_bfloat16_models_native_steps_are_nearer_the_float32_models(
     bfloat16_decoder = natively(model_loaded_with(ACS_ENGINE_DTYPE="bfloat16").decoder, monkeypatch)
     float32_logits, _ = decode(float32_decoder, steps=4, hook_layer=11)
     native_logits, _ = decode(bfloat16_decoder, steps=4, hook_layer=11)
-    without_native(bfloat16_decoder, monkeypatch)
+    natively(bfloat16_decoder, monkeypatch, rows=0)
     torch_logits, _ = decode(bfloat16_decoder, steps=4, hook_layer=11)
     native_error = (native_logits - float32_logits).abs().max()
     torch_error = (torch_logits - float32_logits).abs().max()
