@@ -50,6 +50,22 @@ def _tensors(path):
     return loaded
 
 
+def assert_same_rows(harvested: np.ndarray, captured: np.ndarray, engine_dtype: str) -> None:
+    """Each [layer, position] row harvested is the row one completion captured for the prompt.
+
+    In float32 they are equal to the bfloat16 rounding of the wire. A bfloat16 engine computes
+    a prompt's rows with other kernels when it is prefilled in a batch (products of more rows
+    than its kernel plan's `half_rows` skip the float16-weight kernel), which moves a row by
+    up to ~4% of its norm by the last layer (measured on an AVX-512 BF16 CPU: median 2.5%,
+    max 3.7% at layer 29): held to the engine fidelity suite's bfloat16 bounds against float32
+    (median 5%, max 25%). A row of the wrong position or prompt is off by ~50% or more."""
+    if engine_dtype == "float32":
+        np.testing.assert_allclose(harvested, captured, rtol=2**-7, atol=1e-2)
+        return
+    error = np.linalg.norm(harvested - captured, axis=-1) / np.linalg.norm(captured, axis=-1)
+    assert np.median(error) <= 0.05 and error.max() <= 0.25, error
+
+
 @pytest.mark.django_db
 def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
     engine_model, engine_url, api_key, settings, redis_client
@@ -78,6 +94,7 @@ def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
             assert handle.get_slice("prompt_" + shard["tensors"][0][7:]).get_dtype() == "BF16"
         tensors.update(_tensors(job.storage_prefix + shard["name"]))
 
+    engine_dtype = httpx.get(f"{engine_url}/health").json()["dtype"]
     for index, prompt in enumerate(PROMPTS):
         tokens = httpx.post(f"{engine_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
         assert tensors[f"tokens_{index}"].dtype == np.int32
@@ -95,7 +112,7 @@ def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
         ).json()
         expected = decode(reply["activations"]["residual_stream"])
         assert tensors[f"prompt_{index}"].shape == (len(LAYERS), len(tokens), 576)
-        np.testing.assert_allclose(tensors[f"prompt_{index}"], expected, rtol=2**-7, atol=1e-2)
+        assert_same_rows(tensors[f"prompt_{index}"], expected, engine_dtype)
 
 
 @pytest.mark.django_db
