@@ -1,7 +1,9 @@
 """Reads of the model registry and of upstream health."""
 
+import asyncio
 import datetime as dt
 import time
+import weakref
 
 from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
 from acs_portal.redis import redis_sync
@@ -16,6 +18,12 @@ from .upstream import FAILURE_WINDOW_MS, circuit_keys
 REGISTRY_TTL_S = 2.0
 
 _registry: dict = {"loaded_at": -1e9, "by_name": {}, "default": None}
+# The reload in flight on each event loop: every request that finds the registry stale waits
+# for that one read. Without it, at 64 requests in flight each of them read the table in a
+# worker thread of its own every REGISTRY_TTL_S (7% of the gateway's CPU under load, py-spy).
+_reloads: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _load_registry() -> None:
@@ -27,13 +35,20 @@ def _load_registry() -> None:
 
 
 def registry_clear() -> None:
-    """Forget the cached registry (tests, after a staff edit in this process)."""
+    """Forget the cached registry (tests, after a staff edit in this process): the next
+    request reads it anew, not through a read already in flight."""
     _registry["loaded_at"] = -1e9
+    _reloads.clear()
 
 
 async def _fresh_registry() -> dict:
     if time.monotonic() - _registry["loaded_at"] > REGISTRY_TTL_S:
-        await run_db(_load_registry)
+        loop = asyncio.get_running_loop()
+        reload = _reloads.get(loop)
+        if reload is None or reload.done():
+            reload = _reloads[loop] = asyncio.ensure_future(run_db(_load_registry))
+        # A request cancelled while it waits must not cancel the others' reload.
+        await asyncio.shield(reload)
     return _registry
 
 
