@@ -18,7 +18,7 @@ import weakref
 
 from redis import RedisError
 
-from acs_portal.redis import redis_async
+from acs_portal.redis import redis_async, redis_batched
 from metering import background
 
 from .errors import ApiError, redis_unavailable
@@ -169,11 +169,15 @@ async def admission_slot(key_id):
     """Hold one running slot of the key for the body of the `async with`."""
     client = redis_async()
     scripts = _scripts(client)
+    batcher = redis_batched()
     keys = _keys(key_id)
     token = secrets.token_hex(8)
     try:
-        outcome, retry_after = await scripts.acquire(
-            keys=keys, args=[token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
+        outcome, retry_after = await batcher.script(
+            scripts.acquire.sha,
+            _ACQUIRE,
+            keys,
+            [token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS],
         )
     except RedisError:
         raise redis_unavailable() from None
@@ -202,7 +206,7 @@ async def admission_slot(key_id):
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-        release = scripts.release(keys=keys[:3], args=[token, _channel(key_id)])
+        release = batcher.script(scripts.release.sha, _RELEASE, keys[:3], [token, _channel(key_id)])
         if background.on_server_loop.get():
             # The response need not wait for Redis; a cancelled request still releases.
             background.spawn(release)

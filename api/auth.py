@@ -27,7 +27,7 @@ from accounts.services.auth import (
     api_key_recheck,
     user_access_check,
 )
-from acs_portal.redis import redis_async, redis_sync
+from acs_portal.redis import redis_batched, redis_sync
 from metering.sql import run_db
 
 from .errors import ApiError, redis_unavailable
@@ -69,7 +69,7 @@ async def authenticate_header(authorization: str | None, *, scope: str) -> ApiKe
     # Read before the database, so a change committed in between leaves the entry stale
     # under an old generation rather than fresh-looking under the new one.
     try:
-        generation = await redis_async().get(GENERATION_KEY)
+        generation = await redis_batched().execute("GET", GENERATION_KEY)
     except redis.RedisError:
         raise redis_unavailable() from None
     entry = _cache.get(digest)

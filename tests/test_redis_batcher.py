@@ -1,0 +1,104 @@
+"""acs_portal.redis.CommandBatcher: the commands of one turn of the event loop go to Redis as
+one pipeline, and each caller gets its own reply or error."""
+
+import asyncio
+import hashlib
+
+import pytest
+import redis.asyncio as aioredis
+from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+from acs_portal.redis import CommandBatcher
+
+SCRIPT = "return redis.call('INCR', KEYS[1])"
+SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
+
+
+@pytest.fixture
+async def client(redis_client):
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def exchanges(client, monkeypatch):
+    """The exchanges with Redis: ("alone", command) or ("pipeline", number of commands)."""
+    seen = []
+    execute_command, pipeline = client.execute_command, client.pipeline
+
+    async def alone(*args, **options):
+        seen.append(("alone", args[0]))
+        return await execute_command(*args, **options)
+
+    def counted_pipeline(**options):
+        made = pipeline(**options)
+        execute = made.execute
+
+        async def counted(**execute_options):
+            seen.append(("pipeline", len(made.command_stack)))
+            return await execute(**execute_options)
+
+        made.execute = counted
+        return made
+
+    monkeypatch.setattr(client, "execute_command", alone)
+    monkeypatch.setattr(client, "pipeline", counted_pipeline)
+    return seen
+
+
+async def test_commands_of_one_turn_go_as_one_pipeline_and_each_gets_its_reply(client, exchanges):
+    batcher = CommandBatcher(client)
+    await client.set("greeting", "hello")
+    replies = await asyncio.gather(
+        *(batcher.execute("INCR", "counter") for _ in range(20)),
+        batcher.execute("GET", "greeting"),
+    )
+    assert replies == [*range(1, 21), b"hello"]
+    assert exchanges == [("alone", "SET"), ("pipeline", 21)]
+
+
+async def test_a_command_alone_in_its_turn_is_sent_alone(client, exchanges):
+    batcher = CommandBatcher(client)
+    assert await batcher.execute("INCR", "counter") == 1
+    assert await batcher.execute("INCR", "counter") == 2
+    assert exchanges == [("alone", "INCR"), ("alone", "INCR")]
+
+
+async def test_a_reply_error_fails_only_its_own_command(client):
+    batcher = CommandBatcher(client)
+    await client.set("text", "not a number")
+    replies = await asyncio.gather(
+        batcher.execute("INCR", "text"), batcher.execute("INCR", "counter"), return_exceptions=True
+    )
+    assert isinstance(replies[0], ResponseError)
+    assert replies[1] == 1
+
+
+async def test_a_script_redis_does_not_know_is_loaded(client):
+    await client.script_flush()
+    batcher = CommandBatcher(client)
+    assert await batcher.script(SHA, SCRIPT, ["counter"], []) == 1
+    assert await batcher.script(SHA, SCRIPT, ["counter"], []) == 2
+    assert await client.script_exists(SHA) == [True]
+
+
+async def test_an_unreachable_redis_fails_every_command_of_the_turn():
+    unreachable = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
+    batcher = CommandBatcher(unreachable)
+    replies = await asyncio.gather(
+        batcher.execute("GET", "a"), batcher.execute("GET", "b"), return_exceptions=True
+    )
+    assert all(isinstance(reply, RedisConnectionError) for reply in replies)
+    assert all(isinstance(reply, RedisError) for reply in replies)
+    await unreachable.aclose()
+
+
+async def test_a_caller_that_leaves_does_not_take_the_others_replies(client):
+    batcher = CommandBatcher(client)
+    leaving = asyncio.ensure_future(batcher.execute("INCR", "counter"))
+    staying = asyncio.ensure_future(batcher.execute("INCR", "counter"))
+    leaving.cancel()
+    assert await staying == 2  # the cancelled caller's command still ran
