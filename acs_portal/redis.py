@@ -11,6 +11,8 @@ from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from metering import background
+
 # A Redis host that stopped answering (not just refusing) fails a connect within this long,
 # so requests answer 503 redis_unavailable instead of waiting on the operating system's
 # connect timeout (minutes).
@@ -82,7 +84,6 @@ class CommandBatcher:
     def __init__(self, client: aioredis.Redis):
         self.client = client
         self._queued: list[tuple[tuple, asyncio.Future]] = []
-        self._sending: set[asyncio.Task] = set()
 
     def execute(self, *args) -> "asyncio.Future":
         """A future of the reply to the command `args` (as `Redis.execute_command` takes them)."""
@@ -93,20 +94,18 @@ class CommandBatcher:
             loop.call_soon(self._send_queued)
         return reply
 
-    async def script(self, sha: str, body: str, keys: list, args: list):
-        """EVALSHA of the script `body` (whose SHA1 is `sha`), loading it into a Redis that
-        does not know it (a restarted one)."""
+    async def script(self, script, keys: list, args: list):
+        """Run `script` (what `register_script` returned) by EVALSHA, loading it into a Redis
+        that does not know it (a restarted one)."""
         try:
-            return await self.execute("EVALSHA", sha, len(keys), *keys, *args)
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self.client.eval(body, len(keys), *keys, *args)
+            return await self.client.eval(script.script, len(keys), *keys, *args)
 
     def _send_queued(self) -> None:
         batch, self._queued = self._queued, []
-        task = asyncio.ensure_future(self._send(batch))
-        # The loop keeps only weak references to tasks.
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        # Not cancelled with any one caller: the others wait for its replies.
+        background.spawn(self._send(batch))
 
     async def _send(self, batch) -> None:
         try:

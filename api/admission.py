@@ -174,10 +174,7 @@ async def admission_slot(key_id):
     token = secrets.token_hex(8)
     try:
         outcome, retry_after = await batcher.script(
-            scripts.acquire.sha,
-            _ACQUIRE,
-            keys,
-            [token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS],
+            scripts.acquire, keys, [token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
         )
     except RedisError:
         raise redis_unavailable() from None
@@ -206,7 +203,7 @@ async def admission_slot(key_id):
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-        release = batcher.script(scripts.release.sha, _RELEASE, keys[:3], [token, _channel(key_id)])
+        release = batcher.script(scripts.release, keys[:3], [token, _channel(key_id)])
         if background.on_server_loop.get():
             # The response need not wait for Redis; a cancelled request still releases.
             background.spawn(release)

@@ -2,7 +2,6 @@
 one pipeline, and each caller gets its own reply or error."""
 
 import asyncio
-import hashlib
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,7 +12,6 @@ from redis.exceptions import RedisError, ResponseError
 from acs_portal.redis import CommandBatcher
 
 SCRIPT = "return redis.call('INCR', KEYS[1])"
-SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -79,10 +77,11 @@ async def test_a_reply_error_fails_only_its_own_command(client):
 
 async def test_a_script_redis_does_not_know_is_loaded(client):
     await client.script_flush()
+    script = client.register_script(SCRIPT)
     batcher = CommandBatcher(client)
-    assert await batcher.script(SHA, SCRIPT, ["counter"], []) == 1
-    assert await batcher.script(SHA, SCRIPT, ["counter"], []) == 2
-    assert await client.script_exists(SHA) == [True]
+    assert await batcher.script(script, ["counter"], []) == 1
+    assert await batcher.script(script, ["counter"], []) == 2
+    assert await client.script_exists(script.sha) == [True]
 
 
 async def test_an_unreachable_redis_fails_every_command_of_the_turn():
