@@ -48,9 +48,15 @@ from tests.servers import (  # noqa: E402 (needs ROOT on the path)
 )
 
 CLIENTS = 64
+# Keys the requests rotate over: enough that no key reaches api.limits.STARTS_PER_MINUTE in
+# a run (64 keys did above ~640 requests/s, and the 429s then counted as requests/s).
+KEYS = 256
 SEQUENTIAL = int(os.environ.get("BENCH_SEQUENTIAL", 400))
 CONCURRENT_SECONDS = float(os.environ.get("BENCH_CONCURRENT_SECONDS", 8))
 STREAMS = int(os.environ.get("BENCH_STREAMS", 150))
+# uvicorn worker processes of the floors and of the gateway alike (production runs one per
+# core, docs/deploy.md); 1 measures what one process does.
+WORKERS = int(os.environ.get("BENCH_WORKERS", 1))
 PROMPT = "the capital of france is"
 # Upstream kinds: (model row, label, whether its stub serves /tokenizer.json, attached).
 KINDS = [
@@ -103,7 +109,7 @@ def body(model: str, **fields) -> dict:
 
 
 def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
-    """Migrate, then (re)create the bench models and 64 users with one key each."""
+    """Migrate, then (re)create the bench models and KEYS users with one key each."""
     import django
 
     django.setup()
@@ -131,10 +137,9 @@ def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
             content = build_tokenizer().to_str().encode()
             language_model_tokenizer_set(model=model, content=content)
     secrets = []
-    for index in range(CLIENTS):
+    for index in range(KEYS):
         user = User.objects.create_user(
             f"bench-{index}@example.org",
-            "bench-password-0123",
             status=UserStatus.APPROVED,
             monthly_token_budget=10**12,
         )
@@ -201,8 +206,9 @@ async def concurrent(url, secrets, seconds, body):
 
         async def client(index):
             nonlocal errors
-            headers = {"Authorization": f"Bearer {secrets[index]}"}
             while time.perf_counter() < stop_at:
+                headers = {"Authorization": f"Bearer {secrets[index % len(secrets)]}"}
+                index += CLIENTS
                 started = time.perf_counter()
                 try:
                     response = await http.post("/v1/completions", json=body, headers=headers)
@@ -260,7 +266,10 @@ def _lua_string(text: str) -> str:
 
 
 def start_server(app: str, port: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(uvicorn_command(app, port, lifespan=False), cwd=ROOT, env=env)
+    command = uvicorn_command(app, port, lifespan=False)
+    if WORKERS > 1:
+        command += ["--workers", str(WORKERS)]
+    return subprocess.Popen(command, cwd=ROOT, env=env)
 
 
 def main():
@@ -300,19 +309,37 @@ def main():
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time a process and its descendants (uvicorn's workers) have used
+    (Linux /proc)."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # Fields after the name: state, ppid, ..., utime (12th), stime (13th).
+        stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    family = {pid}
+    for _ in range(3):  # the supervisor, its workers, their helpers
+        family |= {child for child, (parent, _) in stats.items() if parent in family}
+    ticks = sum(stats[member][1] for member in family if member in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def measure(url, secrets, model, pid=None) -> dict:
     """Every figure of the table for one upstream, called at `url` with `model`'s requests."""
     cpu_before = cpu_seconds(pid) if pid else 0.0
     first, steady = sequential(url, secrets, SEQUENTIAL, body(model))
-    cpu_ms = (cpu_seconds(pid) - cpu_before) * 1000 / (SEQUENTIAL + CLIENTS) if pid else 0.0
+    cpu_ms = (cpu_seconds(pid) - cpu_before) * 1000 / (SEQUENTIAL + len(secrets)) if pid else 0.0
     ttft = time_to_first_token(url, secrets, STREAMS, body(model, stream=True))
     load = wrk_concurrent if WRK else lambda *args: asyncio.run(concurrent(*args))
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     rps, p50, p99, errors = load(url, secrets, CONCURRENT_SECONDS, body(model))
+    load_cpu_ms = (
+        (cpu_seconds(pid) - cpu_before) * 1000 / (rps * CONCURRENT_SECONDS) if pid else 0.0
+    )
     return {
         "sequential latency p50 (ms)": statistics.median(steady),
         "sequential latency p99 (ms)": percentile(steady, 0.99),
@@ -322,6 +349,7 @@ def measure(url, secrets, model, pid=None) -> dict:
         f"{CLIENTS} connections latency p50 (ms)": p50,
         f"{CLIENTS} connections latency p99 (ms)": p99,
         "server CPU per sequential request (ms)": cpu_ms,
+        f"server CPU per request, {CLIENTS} connections (ms)": load_cpu_ms,
         "errors under load": errors,
     }
 
@@ -340,7 +368,8 @@ def run(stub_url, floors, gateway_url, secrets, gateway_pid):
     load = "wrk, 1 thread" if WRK else "the httpx client (no wrk on the PATH)"
     print(
         f"\nGateway benchmark ({SEQUENTIAL} sequential, {STREAMS} streams, {CLIENTS} "
-        f"connections for {CONCURRENT_SECONDS:g} s by {load}; cpus={os.cpu_count()}, load "
+        f"connections over {KEYS} keys for {CONCURRENT_SECONDS:g} s by {load}; {WORKERS} uvicorn "
+        f"worker(s) per server; cpus={os.cpu_count()}, load "
         f"average {os.getloadavg()[0]:.2f}). Columns: the stub called directly, the two "
         "passthrough floors (uvicorn + one client, no logic), then the gateway per upstream "
         "kind; each as the value and, in brackets, the ratio to direct:"
