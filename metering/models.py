@@ -126,8 +126,14 @@ class UsageRecord(models.Model):
 
     created_at = models.DateTimeField(default=timezone.now)
     request_id = models.CharField(max_length=64)
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="usage_records")
-    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage_records")
+    # No index of their own: the (user, -created_at) and (key, -created_at) indexes below
+    # serve lookups by either alone, and every batch of the gateway pays for each index.
+    user = models.ForeignKey(
+        User, on_delete=models.CASCADE, related_name="usage_records", db_index=False
+    )
+    key = models.ForeignKey(
+        ApiKey, on_delete=models.CASCADE, related_name="usage_records", db_index=False
+    )
     model = models.CharField(max_length=64, blank=True)
     endpoint = models.CharField(max_length=64)
     status_code = models.PositiveSmallIntegerField()
@@ -156,7 +162,8 @@ class UsageDaily(models.Model):
     never scan the raw records. Updated by `metering.usage.usage_record_create` with an upsert."""
 
     day = models.DateField()
-    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+")
+    # The (user, day) index below serves lookups by user alone.
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="+", db_index=False)
     key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="+")
     model = models.CharField(max_length=64, blank=True)
     status_code = models.PositiveSmallIntegerField()
