@@ -83,44 +83,49 @@ class CommandBatcher:
 
     def __init__(self, client: aioredis.Redis):
         self.client = client
-        self._queued: list[tuple[tuple, asyncio.Future]] = []
+        self._queued: list[tuple[tuple, object, asyncio.Future]] = []
 
     def execute(self, *args) -> "asyncio.Future":
         """A future of the reply to the command `args` (as `Redis.execute_command` takes them)."""
-        loop = asyncio.get_running_loop()
-        reply = loop.create_future()
-        self._queued.append((args, reply))
+        return self._queue(args, None)
+
+    def script(self, script, keys: list, args: list) -> "asyncio.Future":
+        """A future of the reply of `script` (what `register_script` returned), run by
+        EVALSHA and loaded into a Redis that does not know it (a restarted one). Sent
+        whether or not the future is awaited."""
+        return self._queue(("EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    def _queue(self, args: tuple, script) -> "asyncio.Future":
+        reply = asyncio.get_running_loop().create_future()
+        self._queued.append((args, script, reply))
         if len(self._queued) == 1:
-            loop.call_soon(self._send_queued)
+            # The send starts in the loop's next turn, with every command queued until then.
+            # Not cancelled with any one caller: the others wait for its replies.
+            background.spawn(self._send())
         return reply
 
-    async def script(self, script, keys: list, args: list):
-        """Run `script` (what `register_script` returned) by EVALSHA, loading it into a Redis
-        that does not know it (a restarted one)."""
-        try:
-            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self.client.eval(script.script, len(keys), *keys, *args)
-
-    def _send_queued(self) -> None:
+    async def _send(self) -> None:
         batch, self._queued = self._queued, []
-        # Not cancelled with any one caller: the others wait for its replies.
-        background.spawn(self._send(batch))
-
-    async def _send(self, batch) -> None:
         try:
             if len(batch) == 1:
                 replies = [await self.client.execute_command(*batch[0][0])]
             else:
                 pipeline = self.client.pipeline(transaction=False)
-                for args, _ in batch:
+                for args, _, _ in batch:
                     pipeline.execute_command(*args)
                 replies = await pipeline.execute(raise_on_error=False)
         except Exception as error:
             replies = [error] * len(batch)
-        for (_, future), reply in zip(batch, replies, strict=True):
+        for (args, script, future), reply in zip(batch, replies, strict=True):
             if future.done():  # its caller was cancelled
                 continue
+            if isinstance(reply, NoScriptError) and script is not None:
+                try:
+                    reply = await self.client.eval(script.script, *args[2:])
+                except Exception as error:
+                    reply = error
+                if future.done():
+                    continue
             if isinstance(reply, Exception):
                 future.set_exception(reply)
             else:

@@ -13,6 +13,7 @@ reach, and always releases (also on cancellation).
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import weakref
 
@@ -23,6 +24,8 @@ from metering import background
 
 from .errors import ApiError, redis_unavailable
 from .limits import MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE
+
+logger = logging.getLogger(__name__)
 
 LEASE_MS = 30_000
 HEARTBEAT_S = 10.0
@@ -205,10 +208,19 @@ async def admission_slot(key_id):
             heartbeat.cancel()
         release = batcher.script(scripts.release, keys[:3], [token, _channel(key_id)])
         if background.on_server_loop.get():
-            # The response need not wait for Redis; a cancelled request still releases.
-            background.spawn(release)
+            # The response need not wait for Redis (the batcher sends it in any case).
+            release.add_done_callback(_released)
         else:
             await asyncio.shield(release)
+
+
+def _released(release: asyncio.Future) -> None:
+    if not release.cancelled() and release.exception() is not None:
+        logger.warning(
+            "could not release an admission slot (it lapses in %d s): %r",
+            LEASE_MS // 1000,
+            release.exception(),
+        )
 
 
 async def admission_counts(key_id) -> dict:

@@ -10,6 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from acs_portal.redis import CommandBatcher
+from metering import background
 
 SCRIPT = "return redis.call('INCR', KEYS[1])"
 
@@ -101,3 +102,12 @@ async def test_a_caller_that_leaves_does_not_take_the_others_replies(client):
     staying = asyncio.ensure_future(batcher.execute("INCR", "counter"))
     leaving.cancel()
     assert await staying == 2  # the cancelled caller's command still ran
+
+
+async def test_a_script_runs_whether_or_not_its_reply_is_awaited(client):
+    script = client.register_script(SCRIPT)
+    batcher = CommandBatcher(client)
+    batcher.script(script, ["counter"], [])  # as a request's admission release
+    while background.pending():
+        await asyncio.sleep(0.01)
+    assert await client.get("counter") == b"1"
