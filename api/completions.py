@@ -150,17 +150,24 @@ class _Request:
         returns the max_tokens to send upstream."""
         valid = self.valid
         await stack.enter_async_context(admission_slot(self.key.pk))
-        hold = asyncio.ensure_future(
-            gateway.reserve(
-                key=self.key,
-                prompt_tokens=valid.prompt_tokens,
-                max_tokens=valid.max_tokens,
-                completions=valid.completions,
-                activation=valid.activation,
-            )
-        )
+        terms = {
+            "key": self.key,
+            "prompt_tokens": valid.prompt_tokens,
+            "max_tokens": valid.max_tokens,
+            "completions": valid.completions,
+            "activation": valid.activation,
+        }
+        # Most requests are held out of the key's lease at once; a task for the rest.
+        self.reservation = gateway.reserve_from_lease(**terms)
+        if self.reservation is None:
+            self.reservation = await self._reserve(terms)
+        self.reservation_alive_at = time.monotonic()
+        return self.reservation.max_tokens_applied
+
+    async def _reserve(self, terms: dict):
+        hold = asyncio.ensure_future(gateway.reserve(**terms))
         try:
-            self.reservation = await asyncio.shield(hold)
+            return await asyncio.shield(hold)
         except (BudgetExceeded, DatabaseBusy) as error:
             raise metering_refusal(error) from None
         except asyncio.CancelledError:
@@ -169,8 +176,6 @@ class _Request:
             with contextlib.suppress(Exception):
                 self.reservation = await hold
             raise
-        self.reservation_alive_at = time.monotonic()
-        return self.reservation.max_tokens_applied
 
     def keep_reservation_alive(self) -> None:
         """Mark the hold alive once every `gateway.hold_heartbeat_s()` while the request

@@ -38,6 +38,16 @@ def hold_heartbeat_s() -> float:
     return settings.ACS_STALE_RESERVATION_SECONDS / HEARTBEATS_PER_STALE_AGE
 
 
+def reserve_from_lease(*, key, prompt_tokens, max_tokens, completions, activation):
+    """What `reserve` returns when the key's budget lease in this process covers the worst
+    case as it is (no database, no waiting); else None: call `reserve`."""
+    if not leases.leasable(key, activation=activation):
+        return None
+    return leases.current().take(
+        key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
+    )
+
+
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
     """Hold the worst case against every budget window: a `leases.LeaseHold` or a
     `BudgetReservation` (whose `max_tokens_applied` may be clamped), or raise

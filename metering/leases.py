@@ -121,12 +121,11 @@ class _Leases:
         stale or short; None when no lease can be granted (reserve exactly instead: this
         process's unused leased tokens of the key are back in the windows by then)."""
         while True:
+            held = self.take(key=key, worst_case=worst_case, max_tokens=max_tokens)
+            if held is not None:
+                return held
             now = timezone.now()
             lease = self.current.get(key.pk)
-            if lease is not None and lease.usable_for(key, now) and lease.free >= worst_case:
-                lease.in_flight += worst_case
-                lease.last_used = time.monotonic()
-                return LeaseHold(lease, worst_case, max_tokens)
             granting = self.granting.get(key.pk)
             if granting is not None:
                 await asyncio.shield(granting)
@@ -134,6 +133,15 @@ class _Leases:
                 key=key, retiring=lease, worst_case=worst_case, now=now
             ):
                 return None
+
+    def take(self, *, key, worst_case: int, max_tokens: int) -> LeaseHold | None:
+        """`hold` when the key's current lease covers `worst_case` as it is; else None."""
+        lease = self.current.get(key.pk)
+        if lease is None or lease.free < worst_case or not lease.usable_for(key, timezone.now()):
+            return None
+        lease.in_flight += worst_case
+        lease.last_used = time.monotonic()
+        return LeaseHold(lease, worst_case, max_tokens)
 
     async def _grant(self, *, key, retiring: Lease | None, worst_case: int, now) -> bool:
         done = self.granting[key.pk] = asyncio.get_running_loop().create_future()
