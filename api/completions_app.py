@@ -12,7 +12,6 @@ functions then settle and meter what was used (status 499).
 """
 
 import asyncio
-import contextlib
 import logging
 
 from accounts.models import Scope
@@ -51,8 +50,7 @@ async def completions_app(scope, receive, send) -> None:
         logger.exception("completion %s failed before its work started", rid)
         error = unexpected_error(failure, rid)
         return await reply.result(CompletionResult(error.status, error.body(), error.headers()), "")
-    work = _serve(reply, key, payload, rid, headers)
-    await _cancel_on_disconnect(work, receive)
+    await _cancel_on_disconnect(_serve(reply, key, payload, rid, headers), reply, receive)
 
 
 async def _serve(reply, key, payload, rid, headers) -> None:
@@ -73,23 +71,28 @@ async def _serve(reply, key, payload, rid, headers) -> None:
     await reply.result(result, headers.get("accept-encoding", ""))
 
 
-async def _cancel_on_disconnect(work, receive) -> None:
-    """Run `work`; cancel it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
+async def _cancel_on_disconnect(work, reply: "_Reply", receive) -> None:
+    """Run `work` in this task; cancel it if the client disconnects before `reply` is sent
+    in full (the work then settles what it used and ends)."""
+    request = asyncio.current_task()
+    watcher = asyncio.ensure_future(_cancel_when_gone(request, reply, receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await work
+    except asyncio.CancelledError:
+        if not reply.client_gone:
+            raise  # the server's cancellation, not the client's
+        request.uncancel()
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
-async def _disconnected(receive) -> None:
+async def _cancel_when_gone(request: asyncio.Task, reply: "_Reply", receive) -> None:
+    # uvicorn answers http.disconnect once the response is complete, too.
     while (await receive())["type"] != "http.disconnect":
         pass
+    if not reply.complete:
+        reply.client_gone = True
+        request.cancel()
 
 
 async def error_reply(send, error: ApiError, request_id: str) -> None:
@@ -105,6 +108,8 @@ class _Reply:
     def __init__(self, send, request_id: str):
         self.send = send
         self.request_id = request_id
+        self.complete = False  # the response's last byte was sent
+        self.client_gone = False  # the client disconnected before that
 
     async def _start(self, status: int, headers: dict) -> None:
         headers = {**headers, "X-Request-Id": self.request_id}
@@ -128,6 +133,7 @@ class _Reply:
         }
         await self._start(result.status, headers)
         await self.send({"type": "http.response.body", "body": content})
+        self.complete = True
 
     async def stream(self, opened: StreamOpened, frames) -> None:
         headers = {
@@ -140,3 +146,4 @@ class _Reply:
         async for frame in frames:
             await self.send({"type": "http.response.body", "body": frame, "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})
+        self.complete = True
