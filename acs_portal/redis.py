@@ -3,8 +3,10 @@ control, the auth cache's generation, the circuit breakers, login throttling, pl
 streams and caches) gets its client here, on `settings.REDIS_URL`."""
 
 import asyncio
+import functools
 import weakref
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -41,6 +43,38 @@ def redis_sync_reset() -> None:
     _sync_clients.clear()
 
 
+class _HiredisPacking:
+    """Packs commands with hiredis, in C: redis-py's asyncio connections pack them in Python,
+    ~9.7 µs for an admission script's EVALSHA against hiredis's ~1.1 µs (its synchronous
+    connections already use hiredis). The bytes are the same."""
+
+    def pack_command(self, *args):
+        if not isinstance(args[0], str) or " " in args[0]:
+            return super().pack_command(*args)  # "CLIENT SETNAME": redis-py splits it
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError:
+            return super().pack_command(*args)  # its DataError naming the bad argument
+
+    def pack_commands(self, commands):
+        return [b"".join(packed for args in commands for packed in self.pack_command(*args))]
+
+
+@functools.cache
+def _hiredis_packing(connection_class: type) -> type:
+    return type(
+        f"HiredisPacking{connection_class.__name__}", (_HiredisPacking, connection_class), {}
+    )
+
+
+def _async_client(url: str, **options) -> aioredis.Redis:
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, **options)
+    pool = client.connection_pool
+    # Whatever class the URL's scheme chose (TCP, TLS, a Unix socket).
+    pool.connection_class = _hiredis_packing(pool.connection_class)
+    return client
+
+
 def redis_async() -> aioredis.Redis:
     """The running event loop's pooled asyncio client (uvicorn has one loop; a Celery
     worker's async_to_sync makes a new one per call, so pools are never shared across loops).
@@ -52,11 +86,8 @@ def redis_async() -> aioredis.Redis:
     loop = asyncio.get_running_loop()
     client = _by_loop.get(loop)
     if client is None:
-        client = _by_loop[loop] = aioredis.Redis.from_url(
-            settings.REDIS_URL,
-            max_connections=512,
-            retry_on_error=[RedisConnectionError],
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
+        client = _by_loop[loop] = _async_client(
+            settings.REDIS_URL, max_connections=512, retry_on_error=[RedisConnectionError]
         )
     return client
 
@@ -64,9 +95,7 @@ def redis_async() -> aioredis.Redis:
 def redis_async_dedicated(*, socket_timeout: float) -> aioredis.Redis:
     """A new asyncio client of its own, for a long blocking read whose socket must outlast
     `socket_timeout` seconds; the caller closes it."""
-    return aioredis.Redis.from_url(
-        settings.REDIS_URL, socket_timeout=socket_timeout, socket_connect_timeout=CONNECT_TIMEOUT_S
-    )
+    return _async_client(settings.REDIS_URL, socket_timeout=socket_timeout)
 
 
 class CommandBatcher:

@@ -3,13 +3,14 @@ one pipeline, and each caller gets its own reply or error."""
 
 import asyncio
 
+import hiredis
 import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import DataError, RedisError, ResponseError
 
-from acs_portal.redis import CommandBatcher
+from acs_portal.redis import CommandBatcher, redis_async
 from metering import background
 
 SCRIPT = "return redis.call('INCR', KEYS[1])"
@@ -111,3 +112,30 @@ async def test_a_script_runs_whether_or_not_its_reply_is_awaited(client):
     while background.pending():
         await asyncio.sleep(0.01)
     assert await client.get("counter") == b"1"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "a" * 40, 2, "acs:adm:{7}:run", "acs:adm:{7}:wait", "token", 16, 30_000),
+        ("ZADD", "scores", 0.1 + 0.2, "élan", -3, b"\xff\x00"),
+        ("SET", "big", 10**20),
+        ("CLIENT SETNAME", "gateway"),
+    ],
+)
+async def test_commands_are_packed_by_hiredis_as_redis_py_packs_them(args, monkeypatch):
+    packed_by_hiredis = []
+    pack_command = hiredis.pack_command
+    monkeypatch.setattr(
+        hiredis, "pack_command", lambda a: packed_by_hiredis.append(a[0]) or pack_command(a)
+    )
+    packing = redis_async().connection_pool.connection_class()
+    plain = aioredis.Connection()
+    assert b"".join(packing.pack_command(*args)) == b"".join(plain.pack_command(*args))
+    assert packing.pack_commands([args, args]) == [b"".join(plain.pack_commands([args, args]))]
+    assert packed_by_hiredis == ([] if " " in args[0] else [args[0]] * 3)
+
+
+async def test_a_bad_argument_is_refused_as_redis_py_refuses_it():
+    with pytest.raises(DataError, match="NoneType"):
+        redis_async().connection_pool.connection_class().pack_command("SET", "key", None)
