@@ -17,7 +17,7 @@ from accounts.models import ApiKey, ServiceSettings
 
 from . import windows
 from .models import BudgetLease, BudgetReservation, ReservationStatus, UsagePeriod
-from .sql import COMMIT, NO_FLUSH_WAIT, Statements, run_steps
+from .sql import COMMIT, NO_FLUSH_WAIT, Statements, int_array, run_steps
 
 
 class BudgetExceeded(Exception):
@@ -423,8 +423,14 @@ def budget_lease_spend_steps(*, spends: list[dict]):
     lease_ids = [spend["lease"].pk for spend in spends]
     rows = yield [
         NO_FLUSH_WAIT,
-        (f"SELECT id FROM {_ROWS_TABLE} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [window_ids]),
-        (f"SELECT id FROM {_LEASES} WHERE id = ANY(%s) AND returned_at IS NULL", [lease_ids]),
+        (
+            f"SELECT id FROM {_ROWS_TABLE} WHERE id = ANY(%s::bigint[]) ORDER BY id FOR UPDATE",
+            [int_array(window_ids)],
+        ),
+        (
+            f"SELECT id FROM {_LEASES} WHERE id = ANY(%s::bigint[]) AND returned_at IS NULL",
+            [int_array(lease_ids)],
+        ),
     ]
     held = {lease_id for (lease_id,) in rows}
     by_window: dict[int, list[int]] = {window_id: [0, 0, 0, 0] for window_id in window_ids}
@@ -444,7 +450,10 @@ def budget_lease_spend_steps(*, spends: list[dict]):
         " requests = w.requests + d.requests"
         " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
         " AS d(id, released, prompt, completion, requests) WHERE w.id = d.id",
-        [window_ids, *([by_window[i][column] for i in window_ids] for column in range(4))],
+        [
+            int_array(window_ids),
+            *(int_array(by_window[i][column] for i in window_ids) for column in range(4)),
+        ],
     )
     leases = (
         f"UPDATE {_LEASES} AS l SET held_tokens = l.held_tokens - CASE WHEN"
@@ -454,7 +463,10 @@ def budget_lease_spend_steps(*, spends: list[dict]):
         " requests = l.requests + d.requests"
         " FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::integer[])"
         " AS d(id, prompt, completion, requests) WHERE l.id = d.id",
-        [lease_ids, *([spend[name] for spend in spends] for name in _SPEND_FIELDS)],
+        [
+            int_array(lease_ids),
+            *(int_array(spend[name] for spend in spends) for name in _SPEND_FIELDS),
+        ],
     )
     yield [move, leases]
 
