@@ -43,9 +43,8 @@ def reserve_from_lease(*, key, prompt_tokens, max_tokens, completions, activatio
     case as it is (no database, no waiting); else None: call `reserve`."""
     if not leases.leasable(key, activation=activation):
         return None
-    return leases.current().take(
-        key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
-    )
+    worst_case = _worst_case(prompt_tokens, max_tokens, completions)
+    return leases.current().take(key=key, worst_case=worst_case, max_tokens=max_tokens)
 
 
 async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
@@ -54,9 +53,8 @@ async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
     `BudgetExceeded` (or `sql.DatabaseBusy`)."""
     now = timezone.now()
     if leases.leasable(key, activation=activation):
-        hold = await leases.current().hold(
-            key=key, worst_case=prompt_tokens + completions * max_tokens, max_tokens=max_tokens
-        )
+        worst_case = _worst_case(prompt_tokens, max_tokens, completions)
+        hold = await leases.current().hold(key=key, worst_case=worst_case, max_tokens=max_tokens)
         if hold is not None:
             return hold
     return await run_steps_async(
@@ -69,6 +67,11 @@ async def reserve(*, key, prompt_tokens, max_tokens, completions, activation):
             now=now,
         )
     )
+
+
+def _worst_case(prompt_tokens: int, max_tokens: int, completions: int) -> int:
+    """The tokens a request can spend at most, held out of a lease unclamped."""
+    return prompt_tokens + completions * max_tokens
 
 
 def _settle_and_record_steps(settlement: dict | None, record: UsageRecord, *, retry: bool):
