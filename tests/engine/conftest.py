@@ -124,6 +124,11 @@ def client(engine) -> httpx.Client:
 @pytest.fixture
 def complete(client):
     """POST a completion with the model filled in; assert 200 and return the body."""
+    return completer(client)
+
+
+def completer(client: httpx.Client):
+    """`complete(**fields)` on `client`: see the `complete` fixture."""
 
     def _complete(**fields) -> dict:
         response = client.post("/v1/completions", json={"model": MODEL, **fields})

@@ -5,7 +5,13 @@ import threading
 
 import pytest
 import torch
-from conftest import MODEL, decode_logprob_tolerance, reference_forward
+from conftest import (
+    MODEL,
+    completer,
+    decode_logprob_tolerance,
+    engine_in_process,
+    reference_forward,
+)
 
 PARIS_PROMPT = "The capital of France is"
 
@@ -52,13 +58,31 @@ def test_seeded_sampling_repeats_and_unseeded_varies(complete):
     assert len(unseeded) > 1
 
 
-def test_choices_are_ordered_by_prompt_then_sample(complete):
+@pytest.fixture(scope="module")
+def float32_complete(engine, model_loaded_with):
+    """`complete` on an engine computing in float32: the session's engine when it does, else
+    one in this process. A batch's shape picks the kernels of its products (engine.kernels);
+    in bfloat16 their different rounding moves a logprob by a bfloat16 step (~0.06), which the
+    contract allows and which can change a sampled token; in float32 it moves ~1e-6."""
+    if engine.stats()["dtype"] == "float32":
+        yield completer(engine.client)
+        return
+    loaded = model_loaded_with(ACS_ENGINE_DTYPE="float32")
+    with engine_in_process(loaded) as other:
+        yield completer(other.client)
+
+
+def test_choices_are_ordered_by_prompt_then_sample(float32_complete):
     prompts = ["One, two, three,", "Roses are red,"]
-    both = complete(prompt=prompts, n=2, max_tokens=4, seed=7, temperature=0.7)
+    body = dict(n=2, max_tokens=4, seed=7, temperature=0.7, echo=True)
+    both = float32_complete(prompt=prompts, **body)
     assert [choice["index"] for choice in both["choices"]] == [0, 1, 2, 3]
+    # The second prompt's two samples differ, so a swap of samples would show.
+    assert both["choices"][2]["text"] != both["choices"][3]["text"]
     for i, prompt in enumerate(prompts):
-        alone = complete(prompt=prompt, n=2, max_tokens=4, seed=7, temperature=0.7)
+        alone = float32_complete(prompt=prompt, **body)
         for j in range(2):
+            assert both["choices"][i * 2 + j]["text"].startswith(prompt)
             assert both["choices"][i * 2 + j]["text"] == alone["choices"][j]["text"]
     assert both["usage"]["completion_tokens"] == 16
 
