@@ -24,9 +24,11 @@ from engine.kernels import KernelPlan, Linear, fastest_times, half_weights_exact
 # decode step then writes in place, and the buffers are reallocated once every this many steps.
 CACHE_GROWTH_COLUMNS = 64
 
-# Row counts of the decode steps timed at load, natively and in PyTorch: single-stream, a
-# moderate batch and the engine's default ACS_ENGINE_MAX_ACTIVE.
-NATIVE_ROW_COUNTS = (1, 16, 64)
+# Row counts of the decode steps timed at load, natively and in PyTorch: single-stream, small
+# and moderate batches and the engine's default ACS_ENGINE_MAX_ACTIVE. Where bfloat16 is
+# multiplied by AMX, PyTorch overtakes the native step between 8 and 16 rows (8.6 against 20.2
+# ms at 1 row, 24.9 against 27.0 at 8, 42.8 against 29.0 at 16), so 4 and 8 are measured too.
+NATIVE_ROW_COUNTS = (1, 4, 8, 16, 64)
 # Columns already cached in those timed steps: a short prompt's.
 NATIVE_MEASURED_COLUMNS = 32
 

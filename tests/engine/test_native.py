@@ -42,7 +42,8 @@ def test_a_float32_model_on_this_cpu_can_decode_natively(loaded_float32_decoder)
 
 
 @pytest.mark.parametrize(
-    ("native_wins_up_to", "expected"), [(0, 0), (1, 1), (16, 16), (64, 64), (32, 16)]
+    ("native_wins_up_to", "expected"),
+    [(0, 0), (1, 1), (4, 4), (8, 8), (12, 8), (16, 16), (64, 64), (32, 16)],
 )
 def test_native_decode_serves_the_row_counts_where_it_was_faster(
     float32_decoder, monkeypatch, native_wins_up_to, expected
