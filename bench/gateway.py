@@ -12,7 +12,9 @@ Creates DATABASE_URL's database if missing (scripts/ensure-test-db), migrates it
 its own users, keys and model row (names starting with "bench-"), starts the stub and the
 gateway as subprocesses on free loopback ports, and prints: added latency p50/p99 for
 sequential requests (after one warm-up request per key, whose latency is shown apart: the
-gateway's per-key cache entry and budget lease then exist, as under steady traffic),
+gateway's per-key cache entry and budget lease then exist, as under steady traffic), the
+first request of a key after a few seconds without any (its lease given back, as between a
+researcher's requests),
 requests/s and p99 at 64 concurrent connections, and added time to first token for streams;
 then each gateway column against the aiohttp floor (the issue 23 goal).
 
@@ -57,6 +59,10 @@ STREAMS = int(os.environ.get("BENCH_STREAMS", 150))
 # uvicorn worker processes of the floors and of the gateway alike (production runs one per
 # core, docs/deploy.md); 1 measures what one process does.
 WORKERS = int(os.environ.get("BENCH_WORKERS", 1))
+# Seconds without requests after which the gateway has given every key's budget lease back
+# (metering.leases.LEASE_IDLE_S, 2 s, and its timer), and the keys then timed one request each.
+IDLE_S = 3.5
+IDLE_KEYS = 50
 PROMPT = "the capital of france is"
 # Upstream kinds: (model row, label, whether its stub serves /tokenizer.json, attached).
 KINDS = [
@@ -174,6 +180,23 @@ def sequential(url, secrets, count, body):
             assert response.status_code == 200, response.text
             (first if index < len(secrets) else steady).append(elapsed)
     return first, steady
+
+
+def after_idle(url, secrets, count, body):
+    """Latencies (ms) of one request for each of `count` keys after IDLE_S without any:
+    the gateway has given their budget leases back (metering.leases.LEASE_IDLE_S), so each
+    takes a new one first, as a researcher's request does seconds after the last."""
+    time.sleep(IDLE_S)
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for secret in secrets[:count]:
+            started = time.perf_counter()
+            response = http.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {secret}"}
+            )
+            latencies.append((time.perf_counter() - started) * 1000)
+            assert response.status_code == 200, response.text
+    return latencies
 
 
 def time_to_first_token(url, secrets, count, stream_body):
@@ -334,6 +357,7 @@ def measure(url, secrets, model, pid=None) -> dict:
     first, steady = sequential(url, secrets, SEQUENTIAL, body(model))
     cpu_ms = (cpu_seconds(pid) - cpu_before) * 1000 / (SEQUENTIAL + len(secrets)) if pid else 0.0
     ttft = time_to_first_token(url, secrets, STREAMS, body(model, stream=True))
+    idle = after_idle(url, secrets, IDLE_KEYS, body(model))
     load = wrk_concurrent if WRK else lambda *args: asyncio.run(concurrent(*args))
     cpu_before = cpu_seconds(pid) if pid else 0.0
     rps, p50, p99, errors = load(url, secrets, CONCURRENT_SECONDS, body(model))
@@ -345,6 +369,7 @@ def measure(url, secrets, model, pid=None) -> dict:
         "sequential latency p99 (ms)": percentile(steady, 0.99),
         "first request of a key p50 (ms)": statistics.median(first),
         "stream time to first token p50 (ms)": statistics.median(ttft),
+        f"first request after {IDLE_S:g} s idle p50 (ms)": statistics.median(idle),
         f"{CLIENTS} connections requests/s": rps,
         f"{CLIENTS} connections latency p50 (ms)": p50,
         f"{CLIENTS} connections latency p99 (ms)": p99,
