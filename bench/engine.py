@@ -145,8 +145,11 @@ class EngineRunner:
         capability = health.get("cpu_capability", "?")
         native_rows = health.get("native_decode_rows", 0)
         native = f"decode steps of up to {native_rows} rows" if native_rows else "none"
+        onednn_rows = health.get("onednn_weight_rows", 0)
+        onednn = f"products of up to {onednn_rows} rows" if onednn_rows else "none"
         return (
             f"torch, {dtype}, CPU capability {capability}, float16-weight kernel: {half},"
+            f" oneDNN on reordered weights: {onednn},"
             f" native decode step (engine/csrc/decode.c): {native}"
         )
 

@@ -277,13 +277,17 @@ MEASURED_LAYER_STEP = 3
 
 
 def _kernel_plan(model: torch.nn.Module, layer_matrices: list[dict]) -> KernelPlan:
-    """Measured on the model's own matrices (see MEASURED_LAYER_STEP) where the float16
-    kernel can run them; otherwise every product uses the compute dtype's matmul."""
-    if not half_weights_exact(model):
+    """Measured on the model's own matrices (see MEASURED_LAYER_STEP) on a CPU; on CUDA every
+    product uses the compute dtype's matmul."""
+    if model.device.type != "cpu":
         return KernelPlan(half_rows=0)
     per_layer = [[matrix.detach() for matrix in layer.values()] for layer in layer_matrices]
     measured = [matrix for layer in per_layer[::MEASURED_LAYER_STEP] for matrix in layer]
-    plan = measure_plan([model.lm_head.weight.detach(), *measured], prefill_weights=per_layer[0])
+    plan = measure_plan(
+        [model.lm_head.weight.detach(), *measured],
+        prefill_weights=per_layer[0],
+        half=half_weights_exact(model),
+    )
     matrices = [matrix for layer in per_layer for matrix in layer]
     return _with_native_decode(plan, model.dtype, matrices)
 

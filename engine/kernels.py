@@ -4,8 +4,11 @@ A decode step of a few rows is bound by reading the weights (~135M of them per t
 prefill by arithmetic, and which kernel is faster for each depends on the CPU: bfloat16
 products are fast where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX) and emulated
 elsewhere, and torch's one-row bfloat16 matmul reads the weights far below the memory's speed
-even there, while fbgemm's float16-weight kernel streams them well. So the choice is measured
-on this machine, on matrices of the model's shapes, not guessed from CPU flags.
+even there, while fbgemm's float16-weight kernel streams them well. `F.linear` in bfloat16
+also reorders the whole weight into oneDNN's blocked layout at every call; oneDNN's own
+product on weights reordered once at load (`torch.ops.mkldnn`) computes the same bits without
+that pass. So the choice is measured on this machine, on matrices of the model's shapes, not
+guessed from CPU flags.
 """
 
 import functools
@@ -22,6 +25,14 @@ from engine import native
 # Row counts the startup measurement tries for the float16-weight kernel: single-stream and
 # small-batch decode. Larger batches and prefill use the compute dtype's own matmul.
 ROW_COUNTS = (1, 2, 4, 8, 16)
+# Row counts it tries for oneDNN's product on reordered bfloat16 weights: single-stream, a
+# moderate batch and the engine's default ACS_ENGINE_MAX_ACTIVE. On an AMX machine it took
+# 11-13 against F.linear's 17-19 ms for 1 to 16 rows of the layers' products, 16-18 against
+# 23-32 for 64 rows, but 54-62 against 52 for a 256-token prefill.
+ONEDNN_ROW_COUNTS = (1, 16, 64)
+# The batch size oneDNN reorders the weights for; its products of up to 64 rows on them are
+# bit-identical to F.linear's (a reorder for 1 row was not, at 256 rows).
+ONEDNN_REORDER_ROWS = 16
 # Rows of the prefill-like product that decides the compute dtype: a 256-token prompt's chunk.
 PREFILL_ROWS = 256
 REPETITIONS = 3
@@ -33,11 +44,13 @@ ALL_ROWS = sys.maxsize
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Products of up to `half_rows` rows use the float16-weight kernel (0: never); decode
+    """Products of up to `half_rows` rows use the float16-weight kernel (0: never); those of
+    more rows, up to `onednn_rows`, oneDNN's product on reordered weights (0: never); decode
     steps of up to `native_rows` rows run engine/csrc/decode.c (0: never; see
     `engine.decoder`, which measures it)."""
 
     half_rows: int
+    onednn_rows: int = 0
     native_rows: int = 0
 
 
@@ -47,19 +60,26 @@ class Linear:
     registers and accumulates in float32: the same products as a float32 matmul (the weights
     are float16 exactly, see `half_weights_exact`) reading half a float32 weight's bytes, and,
     for a bfloat16 model, the same products as bfloat16's matmul (which also accumulates in
-    float32) summed in another order. Products of more rows than `half_rows` use `weight`.
-    With a plan whose `native_rows` > 0, `native` is the float16 copy decode.c reads."""
+    float32) summed in another order. Products of more rows than `half_rows`, up to
+    `onednn_rows`, use `onednn`, `weight` reordered once for oneDNN (the same bits as
+    F.linear); the rest F.linear on `weight`. With a plan whose `native_rows` > 0, `native`
+    is the float16 copy decode.c reads."""
 
     def __init__(self, weight: torch.Tensor, plan: KernelPlan):
         self.weight = weight
         self.half_rows = plan.half_rows
+        self.onednn_rows = plan.onednn_rows
         self.packed = _pack_half(weight) if plan.half_rows else None
+        self.onednn = _reorder_onednn(weight) if plan.onednn_rows > plan.half_rows else None
         self.native = native.pack(weight) if plan.native_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.numel() > self.half_rows * x.shape[-1]:
-            return F.linear(x, self.weight)
-        return _half_linear(x, self.packed)
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.half_rows:
+            return _half_linear(x, self.packed)
+        if rows <= self.onednn_rows:
+            return _onednn_linear(x, self.onednn)
+        return F.linear(x, self.weight)
 
 
 def half_weights_exact(model: torch.nn.Module) -> bool:
@@ -75,32 +95,78 @@ def half_weights_exact(model: torch.nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def measure_plan(weights: list[torch.Tensor], prefill_weights: list[torch.Tensor]) -> KernelPlan:
-    """The plan for `weights` (the model's matrices, in the compute dtype): the most rows
-    up to which the float16 kernel beat the compute dtype's matmul at every row count of
-    ROW_COUNTS, each timed as one pass over all `weights` (as a decode step reads them), the two
-    kernels alternating so that load changes hit both alike; ALL_ROWS if it also wins a
-    PREFILL_ROWS product by `prefill_weights` (a layer's matrices: a prefill is bound by
-    arithmetic, not by reading them)."""
+def measure_plan(
+    weights: list[torch.Tensor], prefill_weights: list[torch.Tensor], *, half: bool
+) -> KernelPlan:
+    """The plan for `weights` (the model's matrices, in the compute dtype), each candidate
+    timed as one pass over all `weights` (as a decode step reads them), the candidates
+    alternating so that load changes hit both alike. `onednn_rows`: the most rows of
+    ONEDNN_ROW_COUNTS up to which oneDNN on reordered weights beat F.linear at every count
+    and gave the same bits (bfloat16 only). `half_rows` (where `half`: the float16 kernel can
+    run these weights): the most rows up to which the float16 kernel beat that compute dtype's
+    product at every row count of ROW_COUNTS; ALL_ROWS if it also wins a PREFILL_ROWS product
+    by `prefill_weights` (a layer's matrices: a prefill is bound by arithmetic, not by reading
+    them)."""
+    onednn_rows = _measured_onednn_rows(weights)
+    if not half:
+        return KernelPlan(half_rows=0, onednn_rows=onednn_rows)
     # Packed once: packing reads and converts every weight, as long as a few timed passes.
     packed = [_pack_half(weight) for weight in weights]
+    reordered = [_reorder_onednn(weight) for weight in weights] if onednn_rows else []
     half_rows = 0
     for rows in ROW_COUNTS:
-        if not _half_faster(weights, packed, rows):
-            return KernelPlan(half_rows=half_rows)
+        dtype_kernel = (_onednn_linear, reordered) if rows <= onednn_rows else None
+        if not _half_faster(weights, packed, rows, dtype_kernel):
+            return KernelPlan(half_rows=half_rows, onednn_rows=onednn_rows)
         half_rows = rows
     prefill_packed = [_pack_half(weight) for weight in prefill_weights]
-    prefill_wins = _half_faster(prefill_weights, prefill_packed, PREFILL_ROWS)
-    return KernelPlan(half_rows=ALL_ROWS if prefill_wins else rows)
+    prefill_wins = _half_faster(prefill_weights, prefill_packed, PREFILL_ROWS, None)
+    return KernelPlan(half_rows=ALL_ROWS if prefill_wins else rows, onednn_rows=onednn_rows)
 
 
-def _half_faster(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int) -> bool:
-    """Whether `packed` (the float16 copies of `weights`) multiply `rows` rows faster."""
+def _half_faster(weights, packed, rows: int, dtype_kernel: tuple | None) -> bool:
+    """Whether `packed` (the float16 copies of `weights`) multiply `rows` rows faster than
+    `dtype_kernel` (a kernel and its copies of `weights`; None: F.linear on `weights`)."""
+    kernel, operands = dtype_kernel or (F.linear, weights)
     inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
-    native = functools.partial(_products, F.linear, inputs, weights)
+    dtype_product = functools.partial(_products, kernel, inputs, operands)
     half = functools.partial(_products, _half_linear, inputs, packed)
-    native_time, half_time = fastest_times([native, half])
-    return half_time < native_time
+    dtype_time, half_time = fastest_times([dtype_product, half])
+    return half_time < dtype_time
+
+
+def _measured_onednn_rows(weights: list[torch.Tensor]) -> int:
+    """`onednn_rows` of `measure_plan`: 0 unless `weights` are bfloat16 and oneDNN multiplies
+    bfloat16 on this CPU."""
+    if weights[0].dtype != torch.bfloat16 or not onednn_bfloat16():
+        return 0
+    reordered = [_reorder_onednn(weight) for weight in weights]
+    onednn_rows = 0
+    for rows in ONEDNN_ROW_COUNTS:
+        inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights]
+        same = all(
+            torch.equal(_onednn_linear(x, ready), F.linear(x, weight))
+            for x, ready, weight in zip(inputs, reordered, weights, strict=True)
+        )
+        plain = functools.partial(_products, F.linear, inputs, weights)
+        onednn = functools.partial(_products, _onednn_linear, inputs, reordered)
+        plain_time, onednn_time = fastest_times([plain, onednn])
+        if not same or onednn_time >= plain_time:
+            break
+        onednn_rows = rows
+    return onednn_rows
+
+
+def onednn_bfloat16() -> bool:
+    """Whether this torch has oneDNN's linear on reordered weights and it multiplies
+    bfloat16 on this CPU."""
+    mkldnn = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+        and bool(mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 @torch.inference_mode()
@@ -140,6 +206,15 @@ def fastest_times(candidates: list[Callable[[], None]]) -> list[float]:
 
 def _pack_half(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+
+
+def _reorder_onednn(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_REORDER_ROWS)
+
+
+def _onednn_linear(x: torch.Tensor, reordered: torch.Tensor) -> torch.Tensor:
+    """oneDNN's product of `x` by a weight `_reorder_onednn` reordered (`x @ weight.T`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], "")
 
 
 def _half_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -199,6 +199,7 @@ async def health(request: Request) -> Response:
             "dtype": str(decoder.dtype).removeprefix("torch."),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "half_weight_rows": decoder.plan.half_rows,
+            "onednn_weight_rows": decoder.plan.onednn_rows,
             "native_decode_rows": decoder.plan.native_rows,
             **state.scheduler.stats(),
         }

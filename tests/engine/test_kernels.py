@@ -46,7 +46,79 @@ def test_the_plan_keeps_the_half_kernel_while_it_is_faster(monkeypatch, half_win
         return [1.0, 0.5] if rows <= half_wins_up_to else [1.0, 2.0]
 
     monkeypatch.setattr(kernels, "fastest_times", times)
-    assert measure_plan([WEIGHT], prefill_weights=[WEIGHT]).half_rows == expected
+    weight = WEIGHT.float()  # oneDNN's reordered weights are measured for bfloat16 only
+    assert measure_plan([weight], prefill_weights=[weight], half=True).half_rows == expected
+
+
+class FakeOneDNN:
+    """oneDNN's reorder and product, replaced by F.linear (`differ`: off by a bit), with
+    the row counts it multiplied."""
+
+    def __init__(self, monkeypatch, differ: bool = False):
+        self.rows = []
+        self.differ = differ
+        monkeypatch.setattr(kernels, "onednn_bfloat16", lambda: True)
+        monkeypatch.setattr(kernels, "_reorder_onednn", lambda weight: weight)
+        monkeypatch.setattr(kernels, "_onednn_linear", self.linear)
+
+    def linear(self, x, weight):
+        self.rows.append(x.numel() // x.shape[-1])
+        product = F.linear(x, weight)
+        return torch.nextafter(product, product + 1) if self.differ else product
+
+
+@pytest.mark.parametrize(
+    ("onednn_wins_up_to", "expected"), [(0, 0), (1, 1), (16, 16), (32, 16), (64, 64)]
+)
+def test_the_plan_uses_onednn_up_to_the_rows_where_it_was_faster(
+    monkeypatch, onednn_wins_up_to, expected
+):
+    FakeOneDNN(monkeypatch)
+    measured_rows = []
+
+    def times(candidates):
+        rows = kernels.ONEDNN_ROW_COUNTS[len(measured_rows)]
+        measured_rows.append(rows)
+        return [1.0, 0.5] if rows <= onednn_wins_up_to else [1.0, 2.0]
+
+    monkeypatch.setattr(kernels, "fastest_times", times)
+    plan = measure_plan([WEIGHT], prefill_weights=[WEIGHT], half=False)
+    assert plan.onednn_rows == expected
+
+
+def test_onednn_is_not_planned_where_its_bits_differ_from_f_linear(monkeypatch):
+    FakeOneDNN(monkeypatch, differ=True)
+    monkeypatch.setattr(kernels, "fastest_times", lambda candidates: [1.0, 0.5])
+    assert measure_plan([WEIGHT], prefill_weights=[WEIGHT], half=False).onednn_rows == 0
+
+
+def test_onednn_is_not_planned_for_float32(monkeypatch):
+    FakeOneDNN(monkeypatch)
+    monkeypatch.setattr(kernels, "fastest_times", lambda candidates: [1.0, 0.5])
+    weight = WEIGHT.float()
+    assert measure_plan([weight], prefill_weights=[weight], half=False).onednn_rows == 0
+
+
+def test_each_product_takes_the_kernel_its_row_count_is_planned_for(monkeypatch):
+    onednn = FakeOneDNN(monkeypatch)
+    linear = Linear(WEIGHT, KernelPlan(half_rows=2, onednn_rows=4))
+    half = Linear(WEIGHT, KernelPlan(half_rows=16))
+    within_half, within_onednn, beyond = (torch.randn(n, 64).bfloat16() for n in (2, 4, 5))
+    assert torch.equal(linear(within_half), half(within_half))
+    assert torch.equal(linear(within_onednn), F.linear(within_onednn, WEIGHT))
+    assert torch.equal(linear(beyond), F.linear(beyond, WEIGHT))
+    one_prompt = torch.randn(1, 3, 64).bfloat16()  # three tokens' rows
+    assert torch.equal(linear(one_prompt), F.linear(one_prompt, WEIGHT))
+    assert onednn.rows == [4, 3]
+
+
+@pytest.mark.skipif(not kernels.onednn_bfloat16(), reason="oneDNN does not multiply bfloat16 here")
+def test_onednn_on_reordered_weights_gives_the_bits_of_f_linear():
+    weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    linear = Linear(weight, KernelPlan(half_rows=0, onednn_rows=64))
+    for shape in [(1, 576), (16, 576), (2, 8, 576), (64, 576)]:
+        x = torch.randn(*shape).bfloat16()
+        assert torch.equal(linear(x), F.linear(x, weight)), shape
 
 
 def test_a_kernel_slowed_by_other_work_in_most_of_its_runs_still_wins(monkeypatch):
