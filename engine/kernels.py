@@ -107,12 +107,11 @@ def measure_plan(
     product at every row count of ROW_COUNTS; ALL_ROWS if it also wins a PREFILL_ROWS product
     by `prefill_weights` (a layer's matrices: a prefill is bound by arithmetic, not by reading
     them)."""
-    onednn_rows = _measured_onednn_rows(weights)
+    onednn_rows, reordered = _measured_onednn_rows(weights)
     if not half:
         return KernelPlan(half_rows=0, onednn_rows=onednn_rows)
     # Packed once: packing reads and converts every weight, as long as a few timed passes.
     packed = [_pack_half(weight) for weight in weights]
-    reordered = [_reorder_onednn(weight) for weight in weights] if onednn_rows else []
     half_rows = 0
     for rows in ROW_COUNTS:
         dtype_kernel = (_onednn_linear, reordered) if rows <= onednn_rows else None
@@ -135,11 +134,11 @@ def _half_faster(weights, packed, rows: int, dtype_kernel: tuple | None) -> bool
     return half_time < dtype_time
 
 
-def _measured_onednn_rows(weights: list[torch.Tensor]) -> int:
-    """`onednn_rows` of `measure_plan`: 0 unless `weights` are bfloat16 and oneDNN multiplies
-    bfloat16 on this CPU."""
+def _measured_onednn_rows(weights: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """`onednn_rows` of `measure_plan` (0 unless `weights` are bfloat16 and oneDNN multiplies
+    bfloat16 on this CPU) and the reordered `weights` it measured."""
     if weights[0].dtype != torch.bfloat16 or not onednn_bfloat16():
-        return 0
+        return 0, []
     reordered = [_reorder_onednn(weight) for weight in weights]
     onednn_rows = 0
     for rows in ONEDNN_ROW_COUNTS:
@@ -154,7 +153,7 @@ def _measured_onednn_rows(weights: list[torch.Tensor]) -> int:
         if not same or onednn_time >= plain_time:
             break
         onednn_rows = rows
-    return onednn_rows
+    return onednn_rows, reordered
 
 
 def onednn_bfloat16() -> bool:
