@@ -182,6 +182,19 @@ def float32_reference() -> ReferenceModel:
     return ReferenceModel(cache_dir)
 
 
+def faster_up_to(row_counts, wins_up_to: int, *, candidate: int):
+    """A stand-in for `engine.kernels.fastest_times` in a load-time measurement that times
+    `row_counts` in turn: candidate number `candidate` is the faster up to `wins_up_to` rows
+    and the slower beyond."""
+    counts = iter(row_counts)
+
+    def times(candidates) -> list[float]:
+        faster = next(counts) <= wins_up_to
+        return [(0.5 if faster else 2.0) if i == candidate else 1.0 for i in range(len(candidates))]
+
+    return times
+
+
 def decode_logprob_tolerance() -> float:
     """How far a logprob of a generated token may sit from a full forward pass's. The engine
     decodes with a KV cache and batches; in float32 that changes logits by ~1e-5, in bfloat16

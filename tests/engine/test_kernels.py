@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import faster_up_to
 
 from engine import kernels, loader
 from engine.kernels import KernelPlan, Linear, measure_plan
@@ -38,13 +39,8 @@ def test_products_of_more_rows_than_the_plan_says_use_the_dtypes_own_matmul():
     [(0, 0), (1, 1), (4, 4), (8, 8), (16, 16), (kernels.PREFILL_ROWS, kernels.ALL_ROWS)],
 )
 def test_the_plan_keeps_the_half_kernel_while_it_is_faster(monkeypatch, half_wins_up_to, expected):
-    measured_rows = []
-
-    def times(candidates):
-        rows = [*kernels.ROW_COUNTS, kernels.PREFILL_ROWS][len(measured_rows)]
-        measured_rows.append(rows)
-        return [1.0, 0.5] if rows <= half_wins_up_to else [1.0, 2.0]
-
+    row_counts = [*kernels.ROW_COUNTS, kernels.PREFILL_ROWS]
+    times = faster_up_to(row_counts, half_wins_up_to, candidate=1)
     monkeypatch.setattr(kernels, "fastest_times", times)
     weight = WEIGHT.float()  # oneDNN's reordered weights are measured for bfloat16 only
     assert measure_plan([weight], prefill_weights=[weight], half=True).half_rows == expected
@@ -74,13 +70,7 @@ def test_the_plan_uses_onednn_up_to_the_rows_where_it_was_faster(
     monkeypatch, onednn_wins_up_to, expected
 ):
     FakeOneDNN(monkeypatch)
-    measured_rows = []
-
-    def times(candidates):
-        rows = kernels.ONEDNN_ROW_COUNTS[len(measured_rows)]
-        measured_rows.append(rows)
-        return [1.0, 0.5] if rows <= onednn_wins_up_to else [1.0, 2.0]
-
+    times = faster_up_to(kernels.ONEDNN_ROW_COUNTS, onednn_wins_up_to, candidate=1)
     monkeypatch.setattr(kernels, "fastest_times", times)
     plan = measure_plan([WEIGHT], prefill_weights=[WEIGHT], half=False)
     assert plan.onednn_rows == expected

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import faster_up_to
 
 from engine import decoder as decoder_module
 from engine import native
@@ -48,13 +49,7 @@ def test_a_float32_model_on_this_cpu_can_decode_natively(loaded_float32_decoder)
 def test_native_decode_serves_the_row_counts_where_it_was_faster(
     float32_decoder, monkeypatch, native_wins_up_to, expected
 ):
-    measured = []
-
-    def times(candidates):
-        rows = decoder_module.NATIVE_ROW_COUNTS[len(measured)]
-        measured.append(rows)
-        return [1.0, 2.0] if rows <= native_wins_up_to else [2.0, 1.0]
-
+    times = faster_up_to(decoder_module.NATIVE_ROW_COUNTS, native_wins_up_to, candidate=0)
     monkeypatch.setattr(decoder_module, "fastest_times", times)
     assert decoder_module._measured_native_rows(float32_decoder) == expected
 
