@@ -25,12 +25,12 @@ def task_send(name: str, *args, countdown: int | None = None) -> None:
 @task_prerun.connect
 @task_postrun.connect
 def database_connections_checked(sender=None, **kwargs) -> None:
-    """Before and after every task, what Django does around every request: close connections
-    that broke or outlived CONN_MAX_AGE, and make the next query check a reused one first
-    (CONN_HEALTH_CHECKS). Celery's Django fixup, with CELERY_DB_REUSE_MAX set, closes them
-    only every 2 × N task events and never checks them: a connection PostgreSQL ended (a
-    restart, a failover, pg_terminate_backend) then failed every task until the worker was
-    restarted. An eager task runs inside its caller's connection and transaction (tests):
-    it is left alone, as the fixup leaves it."""
+    """Before and after every task, what Django does around every request: give the
+    connection back to the process's pool (taking one again checks it: CONN_HEALTH_CHECKS).
+    Celery's Django fixup, with CELERY_DB_REUSE_MAX set, does nothing for 2 × N task events:
+    the task's connection would stay out of the pool and unchecked, and one that PostgreSQL
+    ended (a restart, a failover, pg_terminate_backend) failed every task until the worker
+    was restarted. An eager task runs inside its caller's connection and transaction
+    (tests): it is left alone, as the fixup leaves it."""
     if not getattr(sender.request, "is_eager", False):
         close_old_connections()

@@ -150,6 +150,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "acs_portal.database_busy.DatabaseBusyMiddleware",
 ]
 
 ROOT_URLCONF = "acs_portal.urls"
@@ -174,16 +175,26 @@ TEMPLATES = [
 # SQLite is only the zero-configuration default of `make run`; tests and production use
 # PostgreSQL through DATABASE_URL.
 DATABASES = {
-    "default": dj_database_url.parse(
-        env("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"), conn_max_age=60
-    )
+    "default": dj_database_url.parse(env("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"))
 }
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
 # Connections each server process pools for the gateway's hot path (metering/sql.py); budget
 # PostgreSQL's max_connections with it (docs/deploy.md).
 ACS_DB_POOL_MAX_SIZE = env_int("ACS_DB_POOL_MAX_SIZE", 16, minimum=1)
+# Django's own connections (pages, the other /v1 views, worker threads, Celery tasks) come
+# from a pool of at most this many per process. Not persistent per-thread connections
+# (CONN_MAX_AGE): under ASGI every request runs in a thread of its own, so each request left
+# its connection open until garbage collection (63 page views held 45 connections).
+ACS_ORM_POOL_MAX_SIZE = env_int("ACS_ORM_POOL_MAX_SIZE", 8, minimum=1)
+# How long a page or task waits for one of them before the page answers 503.
+ACS_ORM_POOL_TIMEOUT_SECONDS = env_int("ACS_ORM_POOL_TIMEOUT_SECONDS", 10, minimum=1)
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+else:
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": ACS_ORM_POOL_MAX_SIZE,
+        "timeout": ACS_ORM_POOL_TIMEOUT_SECONDS,
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_USER_MODEL = "accounts.User"
@@ -312,11 +323,11 @@ MIDDLEWARE = ["api.middleware.RequestIdMiddleware", *MIDDLEWARE]
 # Where the gateway caches each model's tokenizer.json (attached to its row or fetched from
 # its upstream).
 ACS_TOKENIZER_CACHE_DIR = env("ACS_TOKENIZER_CACHE_DIR", str(BASE_DIR / ".run" / "tokenizers"))
-# Celery's Django fixup closes the database connection before and after every task; reusing
-# it (up to this many tasks per connection) saves a new PostgreSQL connection per run on the
-# playground's path to the first token. A reused connection is still checked around every
-# task, as around every request (acs_portal/celery.py), so one that PostgreSQL ended is
-# replaced instead of failing the next tasks.
+
+# Celery's Django fixup closes a prefork worker's whole database pool after every task (a
+# new PostgreSQL connection per task, on the playground's path to the first token); with
+# this set it does so every N tasks only. The connection itself still goes back to the pool,
+# and is checked when taken again, around every task (acs_portal/celery.py).
 CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100, minimum=0)
 
 # --- ASGI split (acs_portal/asgi.py) ---
@@ -374,7 +385,7 @@ ACS_HARVEST_RETENTION_SECONDS = env_int("ACS_HARVEST_RETENTION_SECONDS", 7 * 24 
 ACS_HARVEST_MAX_JOB_BYTES = env_int("ACS_HARVEST_MAX_JOB_BYTES", 2 * 1024**3, minimum=1)
 
 # --- Reliability (issue #12: the fault suite in tests/faults) ---
-# A persistent connection that PostgreSQL ended (a restart, a failover, pg_terminate_backend)
-# is checked before its first use in each request, task or gateway worker-thread call and
+# A pooled connection that PostgreSQL ended (a restart, a failover, pg_terminate_backend) is
+# checked when a request, task or gateway worker-thread call takes it from the pool, and
 # replaced, instead of failing that call with a 500.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

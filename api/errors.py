@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from django.http import JsonResponse
 from redis import RedisError
 
+from acs_portal.database_busy import pool_exhausted
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
 
@@ -265,10 +266,12 @@ def redis_unavailable() -> ApiError:
 
 def unexpected_error(error: Exception, request_id: str) -> ApiError:
     """The answer to an exception no code path expected: 503 redis_unavailable when Redis
-    failed under the request (it went away mid-request), else 500 internal_error quoting
-    the request id."""
+    failed under the request (it went away mid-request), 503 db_pool_exhausted when no
+    database connection freed up in time, else 500 internal_error quoting the request id."""
     if isinstance(error, RedisError):
         return redis_unavailable()
+    if pool_exhausted(error):
+        return ApiError("db_pool_exhausted", "Every database connection was busy; retry.")
     return ApiError("internal_error", f"Internal error; quote request id {request_id}.")
 
 

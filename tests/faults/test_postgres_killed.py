@@ -162,8 +162,8 @@ def _job_finished(job_id: str) -> CompletionJob:
 def test_worker_recovers_at_its_next_task_after_its_db_connections_are_killed(
     system, account, fault_table
 ):
-    """The worker reuses its database connection across tasks (CELERY_DB_REUSE_MAX); a
-    connection PostgreSQL ended must be replaced at the next task, not fail it."""
+    """The worker's pool keeps its database connection across tasks; a connection
+    PostgreSQL ended must be replaced at the next task, not fail it."""
     http = httpx.Client(
         base_url=system.web_url,
         headers={"Authorization": f"Bearer {account.secret}"},
