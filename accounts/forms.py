@@ -92,7 +92,7 @@ class LoginForm(AuthenticationForm):
             if lock := login_throttle.login_failed(username=username, ip=ip):
                 raise self.locked_error(lock) from None
             raise
-        login_throttle.login_succeeded(username=username, ip=ip)
+        login_throttle.login_succeeded(user=self.get_user(), ip=ip)
         return cleaned
 
     @classmethod

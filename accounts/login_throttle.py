@@ -3,10 +3,14 @@ own limit within a window of ACS_LOGIN_LOCKOUT_SECONDS from its first failure:
 
 - an account from one IP address (ACS_LOGIN_FAILURE_LIMIT, 5): that pair is locked for
   ACS_LOGIN_LOCKOUT_SECONDS; other addresses and accounts are unaffected;
-- an account from any address (ACS_LOGIN_ACCOUNT_FAILURE_LIMIT, 20): guesses spread over
-  many addresses lock the account everywhere, for ACS_LOGIN_LOCKOUT_SECONDS, twice that at
-  the next lock, and so on up to ACS_LOGIN_LOCKOUT_MAX_SECONDS (a day), until its owner
-  logs in or a day passes without a lock;
+- an account from addresses it has not signed in from (ACS_LOGIN_ACCOUNT_FAILURE_LIMIT,
+  20): guesses spread over many addresses lock the account at every such address, for
+  ACS_LOGIN_LOCKOUT_SECONDS, twice that at the next lock, and so on up to
+  ACS_LOGIN_LOCKOUT_MAX_SECONDS (a day), until a day passes without a lock or staff lift it.
+  An address the account signed in from with the right password within
+  ACS_LOGIN_KNOWN_ADDRESS_SECONDS (a `LoginAddress`) is neither locked nor counted here:
+  otherwise whoever knows an e-mail address could lock its owner out (the pair and address
+  limits still hold there);
 - an address across accounts (ACS_LOGIN_ADDRESS_FAILURE_LIMIT, 50): one address spraying
   passwords over many accounts is locked for ACS_LOGIN_LOCKOUT_SECONDS.
 
@@ -28,7 +32,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from .models import LoginThrottle, User
+from .models import LoginAddress, LoginThrottle, User
 from .models import LoginThrottleScope as Scope
 from .services.login import login_lock_audit, login_unlock_audit
 
@@ -48,13 +52,29 @@ class Lock:
     seconds: int
 
 
-def _subjects(username: str, ip: str) -> dict[str, str]:
+def _subjects(username: str, ip: str, now) -> dict[str, str]:
+    """The digests of what an attempt to sign in as `username` from `ip` is counted and locked
+    against: the account only from an address it has not lately signed in from."""
     account = username.strip().lower()
-    return {
-        Scope.PAIR: _digest(f"{account}\n{ip}"),
-        Scope.ACCOUNT: _digest(account),
-        Scope.ADDRESS: _digest(ip),
-    }
+    subjects = {Scope.PAIR: _pair_digest(account, ip), Scope.ADDRESS: _digest(ip)}
+    if not _known_address(username, ip, now):
+        subjects[Scope.ACCOUNT] = _digest(account)
+    return subjects
+
+
+def _pair_digest(account: str, ip: str) -> str:
+    return _digest(f"{account}\n{ip}")
+
+
+def _known_address(username: str, ip: str, now) -> bool:
+    # The e-mail address as typed: the backend signs in only its exact match.
+    return LoginAddress.objects.filter(
+        user__email=username, ip=ip, last_login_at__gt=_known_since(now)
+    ).exists()
+
+
+def _known_since(now):
+    return now - timedelta(seconds=settings.ACS_LOGIN_KNOWN_ADDRESS_SECONDS)
 
 
 def _digest(text: str) -> str:
@@ -72,7 +92,7 @@ def login_lock(*, username: str, ip: str, now=None) -> Lock | None:
     """The longest lock on an attempt to sign in as `username` from `ip`, or None when it may
     try a password."""
     now = now or timezone.now()
-    locked = _rows(_subjects(username, ip)).filter(locked_until__gt=now)
+    locked = _rows(_subjects(username, ip, now)).filter(locked_until__gt=now)
     return max(
         (Lock(row.scope, _seconds_left(row, now)) for row in locked),
         key=lambda lock: lock.seconds,
@@ -85,11 +105,11 @@ def _seconds_left(row: LoginThrottle, now) -> int:
 
 
 def login_failed(*, username: str, ip: str, now=None) -> Lock | None:
-    """Count one wrong password against the pair, the account and the address; returns the
-    longest lock this failure set (None while under every limit). Each lock writes an audit
-    row."""
+    """Count one wrong password against the pair, the address and (from an address it has not
+    signed in from) the account; returns the longest lock this failure set (None while under
+    every limit). Each lock writes an audit row."""
     now = now or timezone.now()
-    subjects = _subjects(username, ip)
+    subjects = _subjects(username, ip, now)
     locks = []
     with transaction.atomic():
         LoginThrottle.objects.bulk_create(
@@ -146,12 +166,23 @@ def _audit(row: LoginThrottle, lock: Lock, *, username: str, ip: str) -> None:
     )
 
 
-def login_succeeded(*, username: str, ip: str) -> None:
-    """Forget the account's failures, from this address and from all (and so the growth of
-    its lockouts); the address's count across accounts stays."""
-    subjects = _subjects(username, ip)
-    del subjects[Scope.ADDRESS]
-    _rows(subjects).delete()
+def login_succeeded(*, user: User, ip: str, now=None) -> None:
+    """Forget `user`'s failures from this address, and record it as an address they signed in
+    from (spared their account's lock from now on). The account's count from all addresses
+    stays, and so does the growth of its lockouts: its owner gets in without forgetting them,
+    and forgetting them would give whoever guesses from elsewhere a fresh start at each of
+    the owner's logins. The address's count across accounts stays too."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        LoginThrottle.objects.filter(
+            scope=Scope.PAIR, subject=_pair_digest(user.email.strip().lower(), ip)
+        ).delete()
+        LoginAddress.objects.bulk_create(
+            [LoginAddress(user=user, ip=ip, last_login_at=now)],
+            update_conflicts=True,
+            unique_fields=["user", "ip"],
+            update_fields=["last_login_at"],
+        )
 
 
 def login_lock_lift(*, user: User, acting_user: User) -> bool:
@@ -169,13 +200,16 @@ def login_lock_lift(*, user: User, acting_user: User) -> bool:
 
 def login_throttles_prune(*, now=None) -> int:
     """Delete counts whose window ended and whose last lock is a day old or more (the age
-    after which an account's lockouts no longer grow); returns how many."""
+    after which an account's lockouts no longer grow), and addresses no longer spared their
+    account's lock; returns how many rows."""
     now = now or timezone.now()
     window = timedelta(seconds=settings.ACS_LOGIN_LOCKOUT_SECONDS)
     quiet = timedelta(seconds=settings.ACS_LOGIN_LOCKOUT_MAX_SECONDS)
-    deleted, _ = (
-        LoginThrottle.objects.filter(window_started_at__lt=now - window)
-        .filter(Q(locked_until=None) | Q(locked_until__lt=now - quiet))
-        .delete()
-    )
-    return deleted
+    with transaction.atomic():
+        counts, _ = (
+            LoginThrottle.objects.filter(window_started_at__lt=now - window)
+            .filter(Q(locked_until=None) | Q(locked_until__lt=now - quiet))
+            .delete()
+        )
+        addresses, _ = LoginAddress.objects.filter(last_login_at__lte=_known_since(now)).delete()
+    return counts + addresses

@@ -187,7 +187,8 @@ class LoginThrottle(models.Model):
     failures = models.PositiveIntegerField(default=0)
     window_started_at = models.DateTimeField(default=timezone.now)
     locked_until = models.DateTimeField(null=True, blank=True)
-    # Locks so far: an account's lockout doubles with each (reset by a successful login).
+    # Locks so far: an account's lockout doubles with each (forgotten a day after the last
+    # lock, or when staff lift it).
     locks = models.PositiveSmallIntegerField(default=0)
 
     class Meta:
@@ -198,6 +199,24 @@ class LoginThrottle(models.Model):
 
     def __str__(self):
         return f"{self.get_scope_display()} ({self.subject[:12]})"
+
+
+class LoginAddress(models.Model):
+    """An IP address from which `user` signed in with the right password, last at
+    `last_login_at`: their account's lock (guesses spread over many addresses) does not apply
+    to it for ACS_LOGIN_KNOWN_ADDRESS_SECONDS after that (`accounts.login_throttle`)."""
+
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="login_addresses")
+    # REMOTE_ADDR as the throttle takes it, an opaque string as in its digests.
+    ip = models.TextField()
+    last_login_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "ip"], name="login_address_user_ip")]
+        indexes = [models.Index(fields=["last_login_at"])]
+
+    def __str__(self):
+        return f"{self.user} from {self.ip}"
 
 
 class AuditLog(models.Model):

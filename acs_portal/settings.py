@@ -362,15 +362,21 @@ ACS_STALE_RESERVATION_SECONDS = env_int(
 # sends it to every upstream (vLLM's --api-key takes the same header). Same variable for both.
 ACS_ENGINE_TOKEN = env("ACS_ENGINE_TOKEN", "")
 
-# --- Login throttling (issues 12.10 and 20.7, accounts/login_throttle.py) ---
+# --- Login throttling (issues 12.10, 20.7 and 36.7, accounts/login_throttle.py) ---
 # Wrong passwords within ACS_LOGIN_LOCKOUT_SECONDS of the first, counted in PostgreSQL: this
 # many for one account from one IP address lock that pair for ACS_LOGIN_LOCKOUT_SECONDS;
 ACS_LOGIN_FAILURE_LIMIT = env_int("ACS_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 ACS_LOGIN_LOCKOUT_SECONDS = env_int("ACS_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
-# this many for one account from any addresses lock the account everywhere, for the lockout
-# and twice as long at each further lock, up to ACS_LOGIN_LOCKOUT_MAX_SECONDS;
+# this many for one account from addresses it has not signed in from lock the account at
+# every such address, for the lockout and twice as long at each further lock, up to
+# ACS_LOGIN_LOCKOUT_MAX_SECONDS; an address the account signed in from with the right
+# password within ACS_LOGIN_KNOWN_ADDRESS_SECONDS is exempt (so whoever knows an e-mail
+# address cannot lock its owner out), and its wrong passwords are not counted for the account;
 ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = env_int("ACS_LOGIN_ACCOUNT_FAILURE_LIMIT", 20, minimum=1)
 ACS_LOGIN_LOCKOUT_MAX_SECONDS = env_int("ACS_LOGIN_LOCKOUT_MAX_SECONDS", 24 * 3600, minimum=1)
+ACS_LOGIN_KNOWN_ADDRESS_SECONDS = env_int(
+    "ACS_LOGIN_KNOWN_ADDRESS_SECONDS", 90 * 24 * 3600, minimum=1
+)
 # and this many from one address over any accounts lock that address for the lockout.
 ACS_LOGIN_ADDRESS_FAILURE_LIMIT = env_int("ACS_LOGIN_ADDRESS_FAILURE_LIMIT", 50, minimum=1)
 CELERY_BEAT_SCHEDULE["accounts.login_throttles_prune"] = {

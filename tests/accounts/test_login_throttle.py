@@ -1,6 +1,7 @@
 """Login throttling: too many wrong passwords lock one account and IP address pair, an account
-from any addresses (for longer at each lock) or an address across accounts, with a clear
-message and an audit row, counted in PostgreSQL so that it holds while Redis is down."""
+from addresses it has not signed in from (for longer at each lock) or an address across
+accounts, with a clear message and an audit row, counted in PostgreSQL so that it holds while
+Redis is down. The owner still signs in from an address they signed in from before."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +14,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts import login_throttle
-from accounts.models import AuditLog, LoginThrottle
+from accounts.models import AuditLog, LoginAddress, LoginThrottle
 from acs_portal.redis import redis_sync_reset
 from tests.conftest import PASSWORD
 
 ATTACKER_IP = "203.0.113.7"
+HOME_IP = "192.0.2.50"
 LOCKED_MESSAGE = "Too many wrong passwords for this account from your address"
 ACCOUNT_LOCKED = "Too many wrong passwords for this account. Try again in"
 ADDRESS_LOCKED = "Too many wrong passwords from your address. Try again in"
@@ -30,6 +32,7 @@ def throttle(settings):
     settings.ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = 20
     settings.ACS_LOGIN_ADDRESS_FAILURE_LIMIT = 12
     settings.ACS_LOGIN_LOCKOUT_MAX_SECONDS = 86400
+    settings.ACS_LOGIN_KNOWN_ADDRESS_SECONDS = 90 * 86400
 
 
 def log_in(client, email, password, ip=ATTACKER_IP):
@@ -42,6 +45,17 @@ def is_logged_in(client) -> bool:
 
 def fail(client, email, times, ip=ATTACKER_IP):
     return [log_in(client, email, "wrong-password", ip) for _ in range(times)]
+
+
+def lock_account_from_twenty_addresses(email):
+    responses = [log_in(Client(), email, "wrong-password", ip=f"198.51.100.{i}") for i in range(20)]
+    assert ACCOUNT_LOCKED in responses[-1].content.decode()
+
+
+def signs_in(email, ip) -> bool:
+    client = Client()
+    response = log_in(client, email, PASSWORD, ip)
+    return response.status_code == 302 and is_logged_in(client)
 
 
 def test_right_password_after_five_wrong_ones_is_refused_with_the_message(approved_user):
@@ -134,21 +148,69 @@ def test_guesses_spread_over_many_addresses_lock_the_account_everywhere(approved
     }
 
 
-def test_an_accounts_lockouts_grow_until_its_owner_logs_in(approved_user, settings):
+def test_an_accounts_lockouts_grow_and_its_owners_login_does_not_reset_them(
+    approved_user, settings
+):
     settings.ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = 3
     account = LoginThrottle.objects.filter(scope="account")
-    for expected_minutes in (15, 30, 60):
+
+    def lock_for(expected_minutes):
         for i in range(3):
             last = log_in(Client(), approved_user.email, "wrong-password", ip=f"198.51.100.{i}")
         assert f"{ACCOUNT_LOCKED} {expected_minutes} minutes" in last.content.decode()
         _lock_ends(account.get())
+
+    for expected_minutes in (15, 30, 60):
+        lock_for(expected_minutes)
     lockouts = [
         row.after["lockout_seconds"]
         for row in AuditLog.objects.filter(action="user.login_locked").order_by("created_at")
     ]
     assert lockouts == [900, 1800, 3600]
-    assert log_in(Client(), approved_user.email, PASSWORD, ip="192.0.2.1").status_code == 302
-    assert not account.exists()  # its owner logged in: the next lock is 15 minutes again
+    assert signs_in(approved_user.email, "192.0.2.1")
+    # A fresh start at each of the owner's logins would let the guessing go on unhindered.
+    lock_for(120)
+
+
+def test_the_owner_signs_in_from_a_known_address_while_the_account_is_locked(approved_user):
+    assert signs_in(approved_user.email, HOME_IP)
+    lock_account_from_twenty_addresses(approved_user.email)
+    assert signs_in(approved_user.email, HOME_IP)
+
+
+def test_a_new_address_is_refused_while_locked_even_after_the_owner_signed_in(approved_user):
+    assert signs_in(approved_user.email, HOME_IP)
+    lock_account_from_twenty_addresses(approved_user.email)
+    assert signs_in(approved_user.email, HOME_IP)
+    client = Client()
+    refused = log_in(client, approved_user.email, PASSWORD, ip="192.0.2.200")
+    assert refused.status_code == 200
+    assert f"{ACCOUNT_LOCKED} 15 minutes" in refused.content.decode()
+    assert not is_logged_in(client)
+
+
+def test_an_address_is_known_only_for_a_while_after_its_last_login(approved_user, settings):
+    assert signs_in(approved_user.email, HOME_IP)
+    lock_account_from_twenty_addresses(approved_user.email)
+    assert signs_in(approved_user.email, HOME_IP)
+    LoginAddress.objects.update(
+        last_login_at=timezone.now() - timedelta(seconds=settings.ACS_LOGIN_KNOWN_ADDRESS_SECONDS)
+    )
+    client = Client()
+    refused = log_in(client, approved_user.email, PASSWORD, ip=HOME_IP)
+    assert ACCOUNT_LOCKED in refused.content.decode()
+    assert not is_logged_in(client)
+
+
+def test_guesses_from_a_known_address_lock_that_address_not_the_account(approved_user, settings):
+    settings.ACS_LOGIN_ACCOUNT_FAILURE_LIMIT = 3
+    assert signs_in(approved_user.email, HOME_IP)
+    client = Client()
+    *_, fifth = fail(client, approved_user.email, 5, ip=HOME_IP)
+    assert LOCKED_MESSAGE in fifth.content.decode()
+    assert LOCKED_MESSAGE in log_in(client, approved_user.email, PASSWORD, HOME_IP).content.decode()
+    assert not is_logged_in(client)
+    assert signs_in(approved_user.email, "192.0.2.9")
 
 
 def test_staff_lift_an_accounts_lock_from_the_admin_with_an_audit_row(approved_user, staff_user):
@@ -224,3 +286,13 @@ def test_counts_that_no_longer_matter_are_pruned(approved_user):
     assert login_throttle.login_throttles_prune() == 0
     later = timezone.now() + timedelta(days=1, hours=1)
     assert login_throttle.login_throttles_prune(now=later) == 3
+
+
+def test_addresses_no_longer_known_are_pruned(approved_user, other_user, settings):
+    assert signs_in(approved_user.email, HOME_IP)
+    assert signs_in(other_user.email, HOME_IP)
+    LoginAddress.objects.filter(user=approved_user).update(
+        last_login_at=timezone.now() - timedelta(seconds=settings.ACS_LOGIN_KNOWN_ADDRESS_SECONDS)
+    )
+    assert login_throttle.login_throttles_prune() == 1
+    assert list(LoginAddress.objects.values_list("user", flat=True)) == [other_user.pk]
