@@ -9,9 +9,11 @@ and do nothing for it (every /v1 view authenticates by API key and is CSRF-exemp
 Every /v1 request first has its Host checked against ALLOWED_HOSTS (Django's own check runs
 in the portal's middleware only); its body is read within ACS_REQUEST_BODY_TIMEOUT_SECONDS
 (`api.bodies.read_body`: by the completions app itself, after authentication, and here for
-the other /v1 views, since Django's handler would wait for a slow body without limit).
+the other /v1 views, since Django's handler would wait for a slow body without limit). A
+portal request's body has the same time to arrive (`portal`), else 408.
 """
 
+import asyncio
 import gc
 import os
 
@@ -70,8 +72,7 @@ async def lifespan(scope, receive, send):
 async def gateway(scope, receive, send):
     """A /v1 request: its Host checked, then /v1/completions to the hot path, any other to
     the gateway's Django handler with its body already read."""
-    headers = dict(scope["headers"])
-    refusal = host_refusal(headers.get(b"host", b"").decode("latin-1"))
+    refusal = host_refusal(scope["headers"])
     if refusal is None and scope["path"] == "/v1/completions":
         return await completions_app(scope, receive, send)
     if refusal is None:
@@ -83,8 +84,49 @@ async def gateway(scope, receive, send):
             refusal = error
         else:
             return await gateway_application(scope, replaying(body, receive), send)
-    rid = request_id_from(headers.get(b"x-request-id", b"").decode("latin-1"))
+    rid = request_id_from(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1"))
     await error_reply(send, refusal, rid)
+
+
+async def portal(scope, receive, send):
+    """A portal request, to Django's handler, whose body must arrive within
+    ACS_REQUEST_BODY_TIMEOUT_SECONDS as on /v1: Django reads it before anything else, and would
+    wait for a slow one without limit. Past the deadline the client is answered 408 and the
+    handler is told it left, so it answers nothing more."""
+    deadline = asyncio.get_running_loop().time() + settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS
+    body_read = False
+
+    async def receive_in_time():
+        nonlocal body_read
+        if body_read:  # what Django awaits later: the client's disconnect, without limit
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            body_read = True
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 408,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"The request body did not arrive within "
+                    f"{settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS} s.\n".encode(),
+                }
+            )
+            return {"type": "http.disconnect"}
+        body_read = not message.get("more_body")
+        return message
+
+    return await portal_application(scope, receive_in_time, send)
 
 
 async def application(scope, receive, send):
@@ -92,7 +134,7 @@ async def application(scope, receive, send):
         return await lifespan(scope, receive, send)
     if scope["type"] == "http" and scope["path"].startswith("/v1/"):
         return await gateway(scope, receive, send)
-    return await portal_application(scope, receive, send)
+    return await portal(scope, receive, send)
 
 
 # The collector, set for a server process: everything loaded by now lives as long as the

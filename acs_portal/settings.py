@@ -333,8 +333,9 @@ CELERY_DB_REUSE_MAX = env_int("CELERY_DB_REUSE_MAX", 100, minimum=0)
 # --- ASGI split (acs_portal/asgi.py) ---
 # The /v1 gateway's own middleware chain: async-native only, no session/CSRF/auth.
 GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
-# A /v1 request body must arrive within this many seconds, else 408 request_timeout (8 MiB at
-# 2.5 Mbit/s): a client trickling bytes cannot hold a connection open for long.
+# A request body (/v1 and the portal's) must arrive within this many seconds, else 408 (on /v1
+# request_timeout; 8 MiB at 2.5 Mbit/s): a client trickling bytes cannot hold a connection
+# open for long.
 ACS_REQUEST_BODY_TIMEOUT_SECONDS = env_int("ACS_REQUEST_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
 # --- Playground live output (playground/streams.py) ---

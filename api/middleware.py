@@ -36,11 +36,19 @@ def _host_allowed(host: str, allowed_hosts: tuple[str, ...]) -> bool:
     return bool(domain) and validate_host(domain, allowed_hosts)
 
 
-def host_refusal(host: str) -> ApiError | None:
-    """400 host_not_allowed unless the Host header value `host` names one of ALLOWED_HOSTS,
-    as Django checks it for the portal's pages. The gateway runs none of Django's host
-    checking (its hot path no Django request at all), so a DNS-rebound or misrouted request
-    would otherwise be served under any name."""
+def host_refusal(headers: list[tuple[bytes, bytes]]) -> ApiError | None:
+    """400 host_not_allowed unless the request's ASGI `headers` hold exactly one Host header
+    and it names one of ALLOWED_HOSTS, as Django checks it for the portal's pages. The
+    gateway runs none of Django's host checking (its hot path no Django request at all), so
+    a DNS-rebound or misrouted request would otherwise be served under any name. Two Host
+    headers are refused whatever they name (RFC 9112 §3.2): a proxy may route by one while
+    the gateway reads the other."""
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) > 1:
+        return ApiError(
+            "host_not_allowed", f"The request carries {len(hosts)} Host headers; send one."
+        )
+    host = hosts[0].decode("latin-1") if hosts else ""
     if _host_allowed(host, tuple(settings.ALLOWED_HOSTS)):
         return None
     return ApiError("host_not_allowed", f"This server does not answer for the host {host[:100]!r}.")

@@ -158,6 +158,49 @@ def test_an_allowed_host_with_a_port_is_served(client, stub):
     assert response.status_code == 200, response.text
 
 
+def _send_raw(url: str, request: bytes) -> bytes:
+    """Send `request` (which asks the server to close the connection) as is; the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [("attacker.example", "localhost"), ("localhost", "attacker.example"), ("localhost",) * 2],
+)
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/completions", json.dumps(BASE)),
+        ("GET", "/v1/models", ""),
+        ("GET", "/login/", ""),
+    ],
+)
+def test_a_request_with_two_host_headers_is_400(
+    gateway_url, api_secret, stub, model, hosts, method, path, body
+):
+    """A proxy may route by one Host header while the server reads another: with more than
+    one, the request is refused whatever they name (the portal's pages by Django)."""
+    host_lines = "".join(f"Host: {host}\r\n" for host in hosts)
+    answer = _send_raw(
+        gateway_url,
+        (
+            f"{method} {path} HTTP/1.1\r\n{host_lines}Authorization: Bearer {api_secret}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n{body}"
+        ).encode(),
+    )
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    if path.startswith("/v1/"):
+        assert b'"code":"host_not_allowed"' in answer and b"2 Host headers" in answer
+    assert stub.requests == []
+
+
 @pytest.mark.parametrize(
     ("path", "headers", "body"),
     [
@@ -222,6 +265,16 @@ def test_a_body_trickling_in_is_cut_off_with_408(
     assert b'"code":"request_timeout"' in answer and b"retry-after: 1" in answer.lower()
     assert 0.9 <= after <= 3, after
     assert stub.requests == []
+
+
+def test_a_portal_body_trickling_in_is_cut_off_with_408(gateway_url, settings):
+    """Django's handler reads a portal request's body before anything else, without a limit
+    of its own: the body has as long to arrive as a /v1 one."""
+    settings.ACS_REQUEST_BODY_TIMEOUT_SECONDS = 1
+    answer, after = _trickle(gateway_url, "/login/", "none", seconds=6)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"The request body did not arrive within 1 s." in answer
+    assert 0.9 <= after <= 3, after
 
 
 NUL = "a\u0000b"
