@@ -1,12 +1,10 @@
 """Playground forms. Limits shown next to each field are the API contract's; the API checks
 them again, and its error code is shown on the run if a request still fails there."""
 
-import io
 import json
 import math
 import uuid
 
-import numpy as np
 from django import forms
 from django.core.validators import MaxValueValidator
 
@@ -22,7 +20,7 @@ from api.limits import MAX_BODY_BYTES
 
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
-from .services.vectors import VectorError, vector_from_upload
+from .services.vectors import VectorError, vector_from_npy
 from .vectors import steering_entry
 
 DEFAULT_MAX_LOGPROBS = 100
@@ -239,6 +237,8 @@ class CompletionForm(SubmitOnceForm):
             else [prompt]
         )
         data["prompts"] = prompts
+        if not prompts and "prompt" in data:
+            self.add_error("prompt", "Several prompts: one per line, and every line here is empty.")
         n = data.get("n") or 1
         max_tokens = data.get("max_tokens")
         if (len(prompts) > 1 or n > 1) and max_tokens is None:
@@ -436,17 +436,11 @@ class UploadVectorForm(forms.Form):
         upload = self.cleaned_data["file"]
         if upload.size > MAX_BODY_BYTES:
             raise forms.ValidationError(f"The file is larger than {MAX_BODY_BYTES // 2**20} MiB.")
-        try:
-            array = np.load(io.BytesIO(upload.read()), allow_pickle=False)
-        except (ValueError, OSError, EOFError):
-            raise forms.ValidationError("This is not a .npy file (numpy.save format).") from None
-        if not isinstance(array, np.ndarray):
-            raise forms.ValidationError("Upload one array saved with numpy.save, not an archive.")
         hidden = self.capabilities.hidden_size
         if not hidden:
             raise forms.ValidationError("The model's hidden size is unknown; try again later.")
         try:
-            return vector_from_upload(array, hidden_size=hidden)
+            return vector_from_npy(upload.read(), hidden_size=hidden)
         except VectorError as error:
             raise forms.ValidationError(str(error)) from None
 

@@ -1,13 +1,19 @@
 """The steering-vector library: uploaded vectors, vectors built from a contrast pair's
 captures, and the runs that steer with a vector."""
 
+import io
 import uuid
 
 import numpy as np
 from django.db import IntegrityError, transaction
 
 from accounts.models import User
-from acs_client.codec import decode, encode_vector
+from acs_client.codec import (
+    bfloat16_bits_to_float32,
+    decode,
+    encode_vector,
+    float32_to_bfloat16_bits,
+)
 
 from .. import figures
 from ..models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
@@ -18,21 +24,74 @@ class VectorError(ValueError):
     """An uploaded or built vector that cannot be used; the message names the problem."""
 
 
-def vector_from_upload(array: np.ndarray, *, hidden_size: int) -> np.ndarray:
-    """Check an uploaded array is `[hidden]` or `[1, hidden]` floats and return it as
-    float32 `[hidden]`."""
-    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
-        raise VectorError(f"The array has dtype {array.dtype}; upload float values.")
-    if array.ndim == 2 and array.shape[0] == 1:
-        array = array[0]
-    if array.ndim != 1 or array.shape[0] != hidden_size:
+# The largest finite bfloat16, as which vectors are stored and sent.
+BFLOAT16_MAX = float(bfloat16_bits_to_float32(np.array([0x7F7F], dtype=np.uint16))[0])
+
+
+# The .npy header readers of the format versions numpy.save writes for a vector (3.0 only
+# for field names beyond Latin-1, which a vector has none of).
+NPY_HEADER_READERS = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def vector_from_npy(data: bytes, *, hidden_size: int) -> np.ndarray:
+    """The vector of an uploaded .npy file holding `[hidden]` or `[1, hidden]` numbers, as
+    float32 `[hidden]`. The header is checked first: reading the data allocates the array the
+    header claims, whatever its size, so only a shape of the model's hidden size and a numeric
+    dtype (at most 16 bytes a value) get that far. Every value must be finite and fit the
+    bfloat16 the vector is stored and sent as."""
+    stream = io.BytesIO(data)
+    not_npy = VectorError("This is not a .npy file (numpy.save format).")
+    try:
+        version = np.lib.format.read_magic(stream)
+    except ValueError:
+        raise not_npy from None
+    read_header = NPY_HEADER_READERS.get(version)
+    if read_header is None:
         raise VectorError(
-            f"The array has shape {list(array.shape)}; this model needs [{hidden_size}] "
+            f"This .npy file has format version {version[0]}.{version[1]}; "
+            "save the vector with numpy.save."
+        )
+    try:
+        shape, _, dtype = read_header(stream)
+    except ValueError:
+        raise not_npy from None
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+        raise VectorError(f"The array has dtype {dtype}; upload float values.")
+    if shape not in ((hidden_size,), (1, hidden_size)):
+        raise VectorError(
+            f"The array has shape {list(shape)}; this model needs [{hidden_size}] "
             f"or [1, {hidden_size}]."
         )
-    if not np.all(np.isfinite(array)):
-        raise VectorError("The array contains NaN or infinite values.")
+    stream.seek(0)
+    try:
+        array = np.load(stream, allow_pickle=False).reshape(hidden_size)
+    except ValueError:
+        raise VectorError(
+            f"The file holds fewer values than its header's shape {list(shape)} says."
+        ) from None
+    _check_storable(array)
     return array.astype(np.float32)
+
+
+def _check_storable(array: np.ndarray) -> None:
+    """VectorError naming the first value that is NaN or infinite, or that becomes infinite
+    stored as bfloat16 (float64's 1e300, say)."""
+    bad = np.flatnonzero(~np.isfinite(array))
+    if bad.size:
+        index = int(bad[0])
+        raise VectorError(f"Value {index} is {array[index]}; every value must be finite.")
+    with np.errstate(over="ignore"):  # the overflow is what is looked for
+        stored = bfloat16_bits_to_float32(float32_to_bfloat16_bits(array.astype(np.float32)))
+    bad = np.flatnonzero(~np.isfinite(stored))
+    if bad.size:
+        index = int(bad[0])
+        raise VectorError(
+            f"Value {index} is {array[index]:g}, beyond the ±{BFLOAT16_MAX:.4g} that bfloat16 "
+            "(how vectors are stored and sent) holds."
+        )
 
 
 def steering_vector_create(

@@ -340,6 +340,23 @@ def test_a_prompts_file_with_a_nul_is_a_field_error_not_a_500(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
+def test_a_completion_job_of_several_prompts_all_empty_lines_is_a_field_error(
+    logged_in, approved_user, model_list, headers
+):
+    response = logged_in.post(
+        "/jobs/completion/",
+        {**COMPLETION_POST, "completion-prompt": "\n", "completion-several_prompts": "on"},
+        **headers,
+    )
+    assert response.status_code == (200 if headers else 400)
+    html = response.content.decode()
+    message = "Several prompts: one per line, and every line here is empty."
+    assert message in html and 'id="id_completion-prompt"' in html.split(message)[0]
+    assert not JobSubmission.objects.filter(user=approved_user).exists()
+
+
+@pytest.mark.django_db
 def test_bad_input_without_js_is_a_400_page_with_the_field_error(
     logged_in, approved_user, model_list
 ):

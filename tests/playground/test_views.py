@@ -488,6 +488,79 @@ def test_upload_rejects_a_file_that_is_not_npy(user_client):
     assert "This is not a .npy file" in response.content.decode()
 
 
+def _upload(user_client, content: bytes, headers):
+    upload = io.BytesIO(content)
+    upload.name = "v.npy"
+    return user_client.post(
+        reverse("playground:vector_upload"),
+        {"upload-name": "v", "upload-layer": 3, "upload-file": upload},
+        **headers,
+    )
+
+
+def _npy(array) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
+def test_an_npy_header_claiming_2_to_the_40_values_is_refused_before_reading_them(
+    user_client, headers
+):
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (2**40,)}
+    )
+    response = _upload(user_client, header.getvalue() + b"\0" * 64, headers)
+    assert response.status_code == (200 if headers else 400)
+    assert "The array has shape [1099511627776]; this model needs [576] or [1, 576]." in (
+        response.content.decode()
+    )
+    assert not SteeringVector.objects.exists()
+
+
+def test_an_npy_file_with_fewer_values_than_its_header_says_is_a_field_error(user_client):
+    response = _upload(user_client, _npy(np.zeros(576, dtype=np.float32))[:-8], {})
+    assert response.status_code == 400
+    assert "The file holds fewer values than its header&#x27;s shape [576] says." in (
+        response.content.decode()
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (1e300, "Value 7 is 1e+300, beyond the ±3.39e+38 that bfloat16"),
+        (3.4e38, "Value 7 is 3.4e+38, beyond the ±3.39e+38 that bfloat16"),
+        (np.nan, "Value 7 is nan; every value must be finite."),
+        (-np.inf, "Value 7 is -inf; every value must be finite."),
+    ],
+)
+def test_an_upload_whose_value_is_not_finite_once_stored_names_the_first_one(
+    user_client, value, message
+):
+    array = np.full(576, 0.5)
+    array[7] = array[9] = value
+    response = _upload(user_client, _npy(array), HTMX)
+    assert message in response.content.decode()
+    assert not SteeringVector.objects.exists()
+
+
+@pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
+def test_several_prompts_of_only_a_newline_is_a_field_error(user_client, headers):
+    response = user_client.post(
+        reverse("playground:run_submit"),
+        {"model": "smollm2-135m", "prompt": "\n", "several_prompts": "on", "max_tokens": "4"},
+        **headers,
+    )
+    assert response.status_code == (200 if headers else 400)
+    body = response.content.decode()
+    message = "Several prompts: one per line, and every line here is empty."
+    assert message in body and 'id="id_prompt"' in body.split(message)[0]
+    assert not Run.objects.exists()
+
+
 def test_upload_saves_a_one_by_hidden_vector(user_client, approved_user):
     buffer = io.BytesIO()
     np.save(buffer, np.full((1, 576), 0.5, dtype=np.float32))
