@@ -2,16 +2,18 @@
 
     DATABASE_URL=postgres://.../acs_smoke REDIS_URL=redis://.../14 scripts/production-smoke
 
-Runs the page's commands as they are written (`tests/deploy_doc.py`): §1's secrets and
-engine token and §2's copy of `.env.example`'s production section into a temporary ACS_ETC,
-edited for this machine by appending its values, then loaded with §2's `set -a; . …` line.
-Starts the embedded engine, (re)creates DATABASE_URL's database, runs §7's release commands
-(but pip), starts Procfile.production (two web replicas, worker, beat) with honcho, all in
-that environment (DEBUG=0); creates an approved account and key with the CLI; then sends a
-completion to one replica, a stream to the other (it must end with `data: [DONE]`) and a
-playground run through the portal (log in, submit the form, wait until the run succeeded).
-Stops everything it started; exits non-zero with the reason (and the tail of the logs) when
-anything fails.
+Runs the page's commands as they are written (`tests/deploy_doc.py`), as root, with ACS_USER
+root (this machine's interpreters live under /root, which no other user can read): §0's
+service user and virtualenvs; §1's secrets and engine token and §2's copy of `.env.example`'s
+production section into a temporary ACS_ETC, edited for this machine by appending its values
+of the section's variables, then loaded with §2's `set -a; . …` line, and §2's folders.
+Starts the embedded engine, (re)creates DATABASE_URL's database, runs §7's release commands,
+starts the processes with §7's honcho line (two web replicas, worker, beat), all in that
+environment (DEBUG=0); creates an approved account and key with the CLI; then runs §8's
+health check on each replica by its address, sends a completion to one replica, a stream to
+the other (it must end with `data: [DONE]`) and a playground run through the portal (log in,
+submit the form, wait until the run succeeded). Stops everything it started; exits non-zero
+with the reason (and the tail of the logs) when anything fails.
 """
 
 import json
@@ -31,11 +33,18 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.deploy_doc import DocCommandFailed, loaded_environment, run_doc_block  # noqa: E402
+from tests.deploy_doc import (  # noqa: E402
+    DocCommandFailed,
+    loaded_environment,
+    run_doc_block,
+    start_doc_command,
+)
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 MODEL = "smollm2-135m"  # the registry row the first migrations create, at ENGINE_URL
+# The site's name here (ALLOWED_HOSTS); the proxy would reach its replicas at 127.0.0.1.
+SITE = "localhost"
 EMAIL = "smoke@example.org"
 PASSWORD = "smoke-test-password-1234"
 RUN_TIMEOUT_S = 180
@@ -112,7 +121,7 @@ def two_free_ports() -> int:
     raise SmokeFailure("no two consecutive free ports")
 
 
-def machine_edits(*, work: Path, web_urls: list[str], engine_url: str) -> dict:
+def machine_edits(*, work: Path, base_port: int, web_urls: list[str], engine_url: str) -> dict:
     """The edits docs/deploy.md §2 asks for, made for this machine: its host names, URLs,
     database, Redis and folders, console mail, Procfile.production's knobs, and plain HTTP."""
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
@@ -122,7 +131,8 @@ def machine_edits(*, work: Path, web_urls: list[str], engine_url: str) -> dict:
         "SESSION_COOKIE_SECURE": "0",
         "CSRF_COOKIE_SECURE": "0",
         "SECURE_HSTS_SECONDS": "0",
-        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+        # The site's name; not the replicas' address, which §8's health check uses.
+        "ALLOWED_HOSTS": SITE,
         "CSRF_TRUSTED_ORIGINS": ",".join(web_urls),
         "SITE_URL": web_urls[0],
         "GATEWAY_URL": web_urls[0],
@@ -130,32 +140,42 @@ def machine_edits(*, work: Path, web_urls: list[str], engine_url: str) -> dict:
         "REDIS_URL": redis_url,
         "CELERY_BROKER_URL": redis_url,
         "ENGINE_URL": engine_url,
+        "ACS_ENGINE_ALLOWED_HOSTS": "127.0.0.1",
         "MEDIA_ROOT": str(work / "media"),
         # The repository's own collectstatic output, kept between runs (it takes a while).
         "STATIC_ROOT": str(ROOT / "staticfiles"),
         "ACS_TOKENIZER_CACHE_DIR": str(work / "tokenizers"),
         # No SMTP server here: mail (the approval e-mail) goes to the worker's log.
         "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
-        # Procfile.production's knobs: two web replicas of one uvicorn worker each.
+        # Procfile.production's knobs: two web replicas of one uvicorn worker each, on
+        # base_port and the next (honcho numbers them from PORT).
         "WEB_HOST": "127.0.0.1",
+        "PORT": str(base_port),
         "WEB_WORKERS": "1",
         "FORWARDED_ALLOW_IPS": "127.0.0.1",
         "WORKER_CONCURRENCY": "2",
-        "BEAT_SCHEDULE_FILE": str(work / "celerybeat-schedule"),
+        # In a folder that only §2's `install -d` line creates: beat does not start without.
+        "BEAT_SCHEDULE_FILE": str(work / "beat" / "celerybeat-schedule"),
     }
 
 
 def production_env(*, etc: Path, edits: dict) -> dict:
     """docs/deploy.md §1 and §2 run as written into `etc`, `edits` appended to acs.env as a
-    person edits it, both files loaded with §2's line: the environment of every process."""
+    person edits it (each a variable of the production section), both files loaded with §2's
+    line: the environment of every process; then §2's folders created."""
     run_doc_block("secrets", etc=etc)
     run_doc_block("environment", etc=etc)
+    section = {line.split("=", 1)[0] for line in (etc / "acs.env").read_text().splitlines()}
+    missing = sorted(edits.keys() - section)
+    check(not missing, f".env.example's production section lacks {missing}, set here")
     with open(etc / "acs.env", "a") as env_file:
         env_file.write("# This machine (scripts/production_smoke.py)\n")
         env_file.writelines(f"{name}={shlex.quote(value)}\n" for name, value in edits.items())
     loaded = loaded_environment(etc)
     check(loaded["DEBUG"] == "0" and "ACS_ENGINE_TOKEN" in loaded, f"loaded: {sorted(loaded)}")
-    return {**os.environ, **loaded, "CELERY_TASK_ALWAYS_EAGER": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **loaded, "CELERY_TASK_ALWAYS_EAGER": "0", "PYTHONUNBUFFERED": "1"}
+    run_doc_block("folders", etc=etc, env=env)
+    return env
 
 
 def completion(web_url: str, secret: str) -> None:
@@ -242,17 +262,23 @@ def wait_for_beat(log: Path, honcho: subprocess.Popen) -> None:
 
 def main() -> int:
     check("DATABASE_URL" in os.environ, "set DATABASE_URL to a PostgreSQL database to (re)create")
+    check(os.geteuid() == 0, "run it as root: docs/deploy.md starts the processes with setpriv")
     work = Path(tempfile.mkdtemp(prefix="acs-production-smoke-"))
     base_port = two_free_ports()
-    web_urls = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
+    replicas = [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
+    web_urls = [replica.replace("127.0.0.1", SITE) for replica in replicas]
     engine_port = free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     etc = work / "etc"
     processes: list[subprocess.Popen] = []
     honcho_log = work / "honcho.log"
     try:
+        run_doc_block("user", etc=etc)
+        run_doc_block("install", etc=etc, quiet=False)
         # As on a fresh machine: the settings do not load before the secrets exist.
-        edits = machine_edits(work=work, web_urls=web_urls, engine_url=engine_url)
+        edits = machine_edits(
+            work=work, base_port=base_port, web_urls=web_urls, engine_url=engine_url
+        )
         env = production_env(etc=etc, edits=edits)
         # The engine needs neither the database nor the static files: it loads the model
         # (the longest start) while the release commands run.
@@ -267,32 +293,10 @@ def main() -> int:
                 )
             )
         recreate_database(env["DATABASE_URL"])
-        run_doc_block(
-            "release", etc=etc, env=env, skip=("pip install", "check --deploy"), quiet=False
-        )
+        run_doc_block("release", etc=etc, env=env, skip=("check --deploy",), quiet=False)
         check_deploy(env)
-        empty_env = work / "empty.env"
-        empty_env.write_text("")
         with open(honcho_log, "wb") as log:
-            honcho = subprocess.Popen(
-                [
-                    str(ROOT / ".venv" / "bin" / "honcho"),
-                    "start",
-                    "-f",
-                    "Procfile.production",
-                    "-p",
-                    str(base_port),
-                    "-c",
-                    "web=2",
-                    # Only the environment built here, not a developer's .env.
-                    "-e",
-                    str(empty_env),
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            honcho = start_doc_command("start", etc=etc, env=env, log=log)
             processes.append(honcho)
         manage("acs_accounts", "create", EMAIL, "--password", PASSWORD, "--approve", env=env)
         secret = manage("acs_keys", "create", EMAIL, "--name", "smoke", env=env).split()[-1]
@@ -300,6 +304,9 @@ def main() -> int:
             wait_ready(f"{url}/login/", honcho, f"web replica {url}")
         wait_ready(f"{engine_url}/health", processes[0], "the engine")
         say(f"up: web {web_urls[0]} and {web_urls[1]}, engine {engine_url}, logs in {work}")
+        for replica in replicas:
+            run_doc_block("health", etc=etc, env=env, SITE=SITE, REPLICA=replica)
+            say(f"health check of {replica} with Host: {SITE}: 200")
         completion(web_urls[0], secret)
         stream(web_urls[1], secret)
         playground_run(web_urls[1])

@@ -4,6 +4,7 @@ the settings tests run follows a `<!-- production-smoke: NAME -->` line in the p
 Python (stdlib), shared by `scripts/production_smoke.py` and the web suite."""
 
 import os
+import pwd
 import re
 import subprocess
 from pathlib import Path
@@ -11,9 +12,10 @@ from pathlib import Path
 from .servers import REPO_ROOT
 
 DEPLOY_DOC = REPO_ROOT / "docs" / "deploy.md"
-# The folder of the environment files in the page's commands (`ACS_ETC=/etc/acs` in §1): the
-# caller says where it is instead.
-ETC_ASSIGNMENT = re.compile(r"^ACS_ETC=\S*\s*(#.*)?$")
+# A line of the page's commands that sets a variable for the reader to choose (`ACS_USER=acs`
+# in §0, `ACS_ETC=/etc/acs` in §1, the health check's `SITE=` and `REPLICA=` in §8): the
+# caller gives the values instead, and such a line is left out.
+ASSIGNMENT = re.compile(r"^([A-Z_]+)=\S*\s*(#.*)?$")
 # What a shell sets by itself, not the files it loaded.
 _SHELL_OWN = {"PWD", "OLDPWD", "SHLVL", "_"}
 
@@ -46,18 +48,49 @@ def _bash(script: str, *, env: dict, quiet: bool = True) -> str:
     return result.stdout
 
 
-def run_doc_block(
-    name: str, *, etc: Path, env: dict | None = None, skip=(), quiet: bool = True
-) -> None:
-    """Run block `name` of docs/deploy.md with ACS_ETC=`etc` (its own `ACS_ETC=` line is left
-    out), in `env` (default: this process's), leaving out lines that contain a phrase of
-    `skip`; see `_bash` for `quiet`."""
+def _script(name: str, variables: dict[str, str], skip=()) -> str:
+    """Block `name` without the lines that set one of `variables` or contain a phrase of
+    `skip`."""
     lines = [
         line
         for line in doc_block(name)
-        if not ETC_ASSIGNMENT.match(line) and not any(phrase in line for phrase in skip)
+        if not ((match := ASSIGNMENT.match(line)) and match[1] in variables)
+        and not any(phrase in line for phrase in skip)
     ]
-    _bash("\n".join(lines), env={**(env or os.environ), "ACS_ETC": str(etc)}, quiet=quiet)
+    return "\n".join(lines)
+
+
+def _variables(etc: Path, given: dict[str, str]) -> dict[str, str]:
+    """ACS_ETC=`etc`, ACS_USER the user this process runs as, and `given`."""
+    return {"ACS_ETC": str(etc), "ACS_USER": pwd.getpwuid(os.geteuid()).pw_name, **given}
+
+
+def run_doc_block(
+    name: str, *, etc: Path, env: dict | None = None, skip=(), quiet: bool = True, **given: str
+) -> None:
+    """Run block `name` of docs/deploy.md with ACS_ETC=`etc`, ACS_USER this process's user
+    and the `given` variables (the block's own lines setting them are left out), in `env`
+    (default: this process's), leaving out lines that contain a phrase of `skip`; see
+    `_bash` for `quiet`."""
+    variables = _variables(etc, given)
+    _bash(_script(name, variables, skip), env={**(env or os.environ), **variables}, quiet=quiet)
+
+
+def start_doc_command(name: str, *, etc: Path, env: dict, log) -> subprocess.Popen:
+    """Start block `name` of docs/deploy.md, one command, as `run_doc_block` would run it but
+    without waiting, its output to the file `log`. The command replaces its shell (exec), so
+    that stopping the process stops it."""
+    variables = _variables(etc, {})
+    command = _script(name, variables)
+    if "\n" in command:
+        raise DocCommandFailed(f"docs/deploy.md's block {name} is not one command:\n{command}")
+    return subprocess.Popen(
+        ["bash", "-c", f"exec {command}"],
+        cwd=REPO_ROOT,
+        env={**env, **variables},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def loaded_environment(etc: Path) -> dict[str, str]:

@@ -3,6 +3,7 @@ secret, read every security setting from the environment, and refuse malformed v
 documented production environment passes `check --deploy`."""
 
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from .deploy_doc import doc_block, production_environment
+from .deploy_doc import DEPLOY_DOC, doc_block, production_environment
 from .servers import REPO_ROOT, generated_secrets
 
 SETTINGS_FILE = REPO_ROOT / "acs_portal" / "settings.py"
@@ -246,3 +247,28 @@ def test_the_development_env_file_loads_in_sh():
 def test_the_processes_in_the_deploy_doc_are_procfile_production():
     lines = (REPO_ROOT / "Procfile.production").read_text().splitlines()
     assert doc_block("procfile") == [line for line in lines if line and line[0] != "#"]
+
+
+def test_the_production_environment_sets_the_engine_and_every_procfile_knob():
+    """Where the first migrate points the embedded model's row, the names the engine
+    answers, and each `${NAME:-default}` of Procfile.production: a person edits them in
+    the production section, so they must be there (scripts/production-smoke edits no other)."""
+    env = documented_production_env()
+    knobs = set(re.findall(r"\$\{(\w+):-", (REPO_ROOT / "Procfile.production").read_text()))
+    assert "WEB_WORKERS" in knobs
+    assert {"ENGINE_URL", "ACS_ENGINE_ALLOWED_HOSTS", *knobs} <= set(env)
+
+
+def test_the_deploy_docs_connection_count_is_the_example_environments(monkeypatch):
+    """docs/deploy.md §3 works its formula out for the example environment on two web
+    machines, and the max_connections it sets holds the result."""
+    env = documented_production_env()
+    for name in ("ACS_DB_POOL_MAX_SIZE", "ACS_ORM_POOL_MAX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    defaults = load_settings(monkeypatch, **production())
+    workers, slots = int(env["WEB_WORKERS"]), int(env["WORKER_CONCURRENCY"])
+    hot, orm = defaults["ACS_DB_POOL_MAX_SIZE"], defaults["ACS_ORM_POOL_MAX_SIZE"]
+    total = 2 * workers * (hot + orm) + slots + 10
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    assert f"2 × {workers} × ({hot} + {orm}) + {slots} + 10 = {total}" in doc
+    assert int(re.search(r"SET max_connections = (\d+)", doc)[1]) >= total
