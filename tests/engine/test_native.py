@@ -65,9 +65,40 @@ def test_a_decoder_whose_native_steps_lost_decodes_in_pytorch(float32_decoder, m
     assert torch.isfinite(logits).all()
 
 
-def test_both_timed_decode_steps_run(float32_decoder):
+def test_both_timed_decode_steps_decode_the_same_step_after_the_measured_columns(
+    float32_decoder,
+):
+    """What the load-time measurement times, natively and in PyTorch: at every call one
+    decode step of `rows` rows after NATIVE_MEASURED_COLUMNS cached columns, writing the
+    next column of the keys and values (the same one each call), both steps computing the same
+    hidden states."""
+    columns = decoder_module.NATIVE_MEASURED_COLUMNS
+    hidden_of = {}
     for step in (float32_decoder._native_forward, float32_decoder._torch_forward):
-        decoder_module._timed_step(float32_decoder, rows=2, step=step)()
+        calls = []
+
+        def recorded(input_ids, mask, positions, cache, hooks, step=step, calls=calls):
+            length = cache.length
+            hidden = step(input_ids, mask, positions, cache, hooks)
+            written = [
+                buffer.abs().sum(dim=(0, 1, 2, 4)).nonzero().flatten().tolist()
+                for buffer in (cache.keys, cache.values)
+            ]
+            shapes = tuple(input_ids.shape), tuple(mask.shape), positions.flatten().tolist()
+            calls.append((shapes, length, cache.length, written, hidden))
+            return hidden
+
+        timed = decoder_module._timed_step(float32_decoder, rows=2, step=recorded)
+        timed()
+        timed()
+        shapes = (2, 1), (2, columns + 1), [columns, columns]
+        expected = (shapes, columns, columns + 1, [[columns], [columns]])
+        assert [call[:4] for call in calls] == [expected] * 2, step.__name__
+        torch.testing.assert_close(calls[0][4], calls[1][4], rtol=0, atol=0)
+        hidden_of[step.__name__] = calls[1][4]
+    torch.testing.assert_close(
+        hidden_of["_native_forward"], hidden_of["_torch_forward"], rtol=1e-4, atol=5e-4
+    )
 
 
 def test_float32_and_bfloat16_models_decode_natively_and_no_other():

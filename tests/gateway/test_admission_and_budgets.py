@@ -1,6 +1,7 @@
 """Admission limits and budgets under real concurrency (Redis, PostgreSQL, live gateway)."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -23,7 +24,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 BODY = {"model": "stub-model", "prompt": "hello", "max_tokens": 1}
 
 
-async def fire(gateway_url, secret, count, body=BODY):
+@contextlib.asynccontextmanager
+async def posting(gateway_url, secret, count, body=BODY):
+    """`count` concurrent completion requests, as tasks that end with their responses; those
+    still running when the block ends are cancelled (the block failed)."""
     headers = {"Authorization": f"Bearer {secret}"}
     limits = httpx.Limits(max_connections=count + 10)
     async with httpx.AsyncClient(
@@ -33,9 +37,28 @@ async def fire(gateway_url, secret, count, body=BODY):
         limits=limits,
         event_hooks=ASYNC_SETTLED_HOOKS,
     ) as http:
-        return await asyncio.gather(
-            *(http.post("/v1/completions", json=body) for _ in range(count))
-        )
+        requests = [
+            asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(count)
+        ]
+        try:
+            yield requests
+        finally:
+            for request in requests:
+                request.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+
+
+async def fire(gateway_url, secret, count, body=BODY):
+    async with posting(gateway_url, secret, count, body) as requests:
+        return await asyncio.gather(*requests)
+
+
+async def until(condition, what: str, timeout: float = 30.0) -> None:
+    """Wait until the coroutine function `condition` returns true."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
 
 
 async def test_sixteen_run_sixty_four_wait_and_the_rest_get_queue_full(
@@ -43,18 +66,22 @@ async def test_sixteen_run_sixty_four_wait_and_the_rest_get_queue_full(
 ):
     gate = threading.Event()
     stub.mode["gate"] = gate
-    batch = asyncio.ensure_future(fire(gateway_url, api_secret, 16 + 64 + 6))
-    deadline = time.monotonic() + 30
-    while stub.in_flight < 16 or (
-        batch.done() is False
-        and (await admission.admission_counts(api_key.pk) != {"running": 16, "waiting": 64})
-    ):
-        assert time.monotonic() < deadline, await admission.admission_counts(api_key.pk)
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.2)
-    assert stub.in_flight == 16
-    gate.set()
-    responses = await batch
+    async with posting(gateway_url, api_secret, 16 + 64 + 6) as requests:
+
+        async def every_request_admitted_queued_or_refused():
+            answered = sum(request.done() for request in requests)
+            counts = await admission.admission_counts(api_key.pk)
+            running = stub.in_flight >= 16 and counts == {"running": 16, "waiting": 64}
+            return running and answered == 6
+
+        await until(
+            every_request_admitted_queued_or_refused,
+            "16 running, 64 waiting and 6 answered were never seen together",
+        )
+        # None can arrive any more: the gate holds every slot.
+        assert stub.in_flight == 16
+        gate.set()
+        responses = await asyncio.gather(*requests)
     statuses = [r.status_code for r in responses]
     assert statuses.count(200) == 80
     refused = [r for r in responses if r.status_code == 429]
@@ -75,14 +102,20 @@ async def test_limits_are_per_key(gateway_url, api_secret, api_key, stub, model,
     _, other_secret = await sync_to_async(api_key_create)(
         user=await sync_to_async(lambda: api_key.user)(), name="second", acting_user=None
     )
-    batch = asyncio.ensure_future(
-        asyncio.gather(fire(gateway_url, api_secret, 2), fire(gateway_url, other_secret, 1))
-    )
-    while stub.in_flight < 2:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)
-    gate.set()
-    mine, theirs = await batch
+    async with (
+        posting(gateway_url, api_secret, 2) as my_requests,
+        posting(gateway_url, other_secret, 1) as their_requests,
+    ):
+
+        async def one_of_mine_refused_while_theirs_runs():
+            # Theirs runs (not refused by my slot) beside my first; my second is refused.
+            return stub.in_flight == 2 and sum(request.done() for request in my_requests) == 1
+
+        await until(
+            one_of_mine_refused_while_theirs_runs, "each key's first never ran side by side"
+        )
+        gate.set()
+        mine, theirs = await asyncio.gather(*my_requests), await asyncio.gather(*their_requests)
     assert sorted(r.status_code for r in mine) == [200, 429]
     assert theirs[0].status_code == 200
 
@@ -114,28 +147,50 @@ def test_slots_of_a_dead_replica_expire(client, api_key, stub):
     assert r.zcard(running_key) == 0
 
 
-def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits):
+def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits, monkeypatch):
     limits(MAX_RUNNING=1, MAX_WAITING=1)
 
+    scripts_of = admission._scripts
+
     async def scenario():
-        order = []
+        order, released = [], []
+        holder_in, waiter_parked = asyncio.Event(), asyncio.Event()
+
+        class WaiterWatched:
+            """A client's admission scripts, telling when a waiter was told to wait on."""
+
+            def __init__(self, scripts):
+                self.scripts = scripts
+
+            def __getattr__(self, name):
+                return getattr(self.scripts, name)
+
+            async def promote(self, **kwargs):
+                promoted = await self.scripts.promote(**kwargs)
+                if not promoted:
+                    waiter_parked.set()
+                return promoted
+
+        monkeypatch.setattr(admission, "_scripts", lambda client: WaiterWatched(scripts_of(client)))
 
         async def holder():
             async with admission.admission_slot(api_key.pk):
                 order.append("holder in")
-                await asyncio.sleep(0.2)
+                holder_in.set()
+                # Released once the waiter waits for the release's message.
+                await waiter_parked.wait()
                 # Not after the block: the waiter may be in before the release's reply is.
                 order.append("holder done")
+                released.append(time.monotonic())
 
         async def waiter():
-            await asyncio.sleep(0.05)
-            started = time.monotonic()
+            await holder_in.wait()
             async with admission.admission_slot(api_key.pk):
                 order.append("waiter in")
-                return time.monotonic() - started
+                return time.monotonic()
 
-        _, waited = await asyncio.gather(holder(), waiter())
-        return order, waited
+        _, waiter_in = await asyncio.gather(holder(), waiter())
+        return order, waiter_in - released[0]
 
     order, waited = async_to_sync(scenario)()
     assert order == ["holder in", "holder done", "waiter in"]

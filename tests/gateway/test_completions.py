@@ -253,17 +253,30 @@ def test_client_leaving_during_the_budget_hold_gets_the_hold_released(
     gateway_url, api_secret, stub, model, api_key, monkeypatch
 ):
     import asyncio
+    import threading
 
+    from api import completions_app
     from metering import gateway
 
-    hold = gateway.reserve
+    hold, watch = gateway.reserve, completions_app._cancel_when_gone
+    client_gone = threading.Event()
 
-    async def slow_hold(**kwargs):
-        await asyncio.sleep(0.5)
+    async def watched(request, reply, receive):
+        await watch(request, reply, receive)
+        if reply.client_gone:
+            client_gone.set()  # the request has been cancelled
+
+    async def hold_once_the_client_left(**kwargs):
+        deadline = time.monotonic() + 10
+        while not client_gone.is_set():
+            assert time.monotonic() < deadline, "the gateway never saw the client leave"
+            await asyncio.sleep(0.005)
         return await hold(**kwargs)
 
-    monkeypatch.setattr(gateway, "reserve", slow_hold)
+    monkeypatch.setattr(completions_app, "_cancel_when_gone", watched)
+    monkeypatch.setattr(gateway, "reserve", hold_once_the_client_left)
     post_and_leave(gateway_url, api_secret, after=0.2)
+    assert client_gone.is_set()
     # The hold the request was making when its client left is made, then released at once
     # (not left reserved until the sweep), and the upstream was never called.
     window = key_day_window(api_key)
