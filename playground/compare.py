@@ -28,7 +28,7 @@ from django.db import IntegrityError, transaction
 
 from accounts.models import User
 from acs_client.client import AcsClient
-from acs_portal.celery import task_send
+from acs_portal.celery import task_send_on_commit
 
 from . import figures, scoring
 from .models import Run, RunComparison, RunStatus
@@ -36,6 +36,7 @@ from .services.keys import worker_secret
 from .services.scores import (
     ScoreUnavailable,
     run_token_ids,
+    scoring_fail_unsent,
     scoring_outcome,
     scorings_fail_stuck,
 )
@@ -135,7 +136,7 @@ def comparison_queue(*, user: User, run_a: Run, run_b: Run) -> RunComparison:
         try:
             with transaction.atomic():
                 comparison = RunComparison.objects.create(user=user, run_a=run_a, run_b=run_b)
-                transaction.on_commit(lambda: task_send(COMPARISON_TASK, str(comparison.pk)))
+                _comparison_send_on_commit(comparison)
         except IntegrityError:
             comparison = comparison_for_runs(run_a=run_a, run_b=run_b)
         return comparison
@@ -144,9 +145,17 @@ def comparison_queue(*, user: User, run_a: Run, run_b: Run) -> RunComparison:
             status=RunStatus.QUEUED, error_code="", error_message="", finished_at=None
         )
         if requeued:
-            transaction.on_commit(lambda: task_send(COMPARISON_TASK, str(comparison.pk)))
+            _comparison_send_on_commit(comparison)
     comparison.refresh_from_db()
     return comparison
+
+
+def _comparison_send_on_commit(comparison: RunComparison) -> None:
+    task_send_on_commit(
+        COMPARISON_TASK,
+        str(comparison.pk),
+        unsent=lambda error: scoring_fail_unsent(scoring=comparison, error=error),
+    )
 
 
 def comparison_execute(*, comparison_id) -> RunComparison | None:

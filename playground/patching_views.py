@@ -8,6 +8,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
+from acs_portal.celery import TaskQueueUnreachable
 
 from . import patching
 from .patching_forms import PatchingForm
@@ -43,28 +44,42 @@ def patching_page(request):
     return _page(request, None)
 
 
+def _form_errors(request, form):
+    """The form with its errors: for htmx only the form, swapped over the old one; otherwise
+    the whole page with status 400."""
+    if request.htmx:
+        response = render(request, "playground/patching.html#patching_form", {"form": form})
+        return reswap(retarget(response, "#patching-form"), "outerHTML")
+    return _page(request, form, status=400)
+
+
 @approved_required
 @require_POST
 def patching_submit(request):
     _, capabilities = models_and_capabilities(request)
     form = PatchingForm(request.POST, capabilities=capabilities)
     if not form.is_valid():
-        if request.htmx:
-            response = render(request, "playground/patching.html#patching_form", {"form": form})
-            return reswap(retarget(response, "#patching-form"), "outerHTML")
-        return _page(request, form, status=400)
+        return _form_errors(request, form)
     data = form.cleaned_data
-    group = patching.patching_grid_create(
-        user=request.user,
-        model=capabilities.id,
-        clean=data["clean_tokens"],
-        corrupted=data["corrupted_tokens"],
-        target=data["target"],
-        target_id=data["target_id"],
-        layers=data["layer_list"],
-        positions=data["position_list"],
-        submit_token=data["submit_token"],
-    )
+    try:
+        group = patching.patching_grid_create(
+            user=request.user,
+            model=capabilities.id,
+            clean=data["clean_tokens"],
+            corrupted=data["corrupted_tokens"],
+            target=data["target"],
+            target_id=data["target_id"],
+            layers=data["layer_list"],
+            positions=data["position_list"],
+            submit_token=data["submit_token"],
+        )
+    except TaskQueueUnreachable as error:
+        # The form as typed, to be sent again (base.html has htmx swap a 503 that names its
+        # target).
+        form.add_error(None, str(error))
+        response = _form_errors(request, form)
+        response.status_code = 503
+        return response
     if not request.htmx:
         return redirect("playground:patching_detail", group=group)
     response = render(request, GRID_PARTIAL, {"grid": _grid(request, group)})

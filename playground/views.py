@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from django.conf import settings
+from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
@@ -20,6 +21,7 @@ from django_htmx.http import reswap, retarget, trigger_client_event
 from accounts.access import approved_required
 from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
+from acs_portal.celery import TaskQueueUnreachable
 from api.selectors import model_cards
 
 from . import compare, figures, scrub, selectors, streams
@@ -141,19 +143,28 @@ def _form_error(request, *, form, context_name: str, fragment: str, target: str)
     return render(request, "playground/page.html", context, status=400)
 
 
+def _queue_unreachable(request, error: TaskQueueUnreachable, **form_error):
+    """`_form_error` with the queue's `error` above the form's fields, status 503: what was
+    typed stays, to be sent again (base.html has htmx swap a 503 that names its target)."""
+    form_error["form"].add_error(None, str(error))
+    response = _form_error(request, **form_error)
+    response.status_code = 503
+    return response
+
+
 @approved_required
 @require_POST
 def run_submit(request):
     models, capabilities = models_and_capabilities(request)
     form = CompletionForm(request.POST, models=models, capabilities=capabilities, user=request.user)
+    shown = {
+        "form": form,
+        "context_name": "form",
+        "fragment": "completion_form",
+        "target": "#completion-form",
+    }
     if not form.is_valid():
-        return _form_error(
-            request,
-            form=form,
-            context_name="form",
-            fragment="completion_form",
-            target="#completion-form",
-        )
+        return _form_error(request, **shown)
     data = form.cleaned_data
     vector = data.get("steer_vector")
     steering = {}
@@ -163,12 +174,15 @@ def run_submit(request):
             "scale": data["steer_scale"],
             "meta": {"vector_name": vector.name, "layers": data["steer_layer_list"]},
         }
-    run = run_create(
-        user=request.user,
-        request=form.to_request(),
-        submit_token=data["submit_token"],
-        **steering,
-    )
+    try:
+        run = run_create(
+            user=request.user,
+            request=form.to_request(),
+            submit_token=data["submit_token"],
+            **steering,
+        )
+    except TaskQueueUnreachable as error:
+        return _queue_unreachable(request, error, **shown)
     return with_new_submit_token(request, _run_created(request, run), form)
 
 
@@ -193,7 +207,13 @@ def _run_created(request, run: Run):
 @require_POST
 def run_rerun(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    return _run_created(request, run_create(user=request.user, request=run.request))
+    try:
+        rerun = run_create(user=request.user, request=run.request)
+    except TaskQueueUnreachable as error:
+        # Back on the run's page (its Re-run button is a plain form), saying why.
+        messages.error(request, str(error))
+        return render(request, "playground/run_detail.html", run_context(run), status=503)
+    return _run_created(request, rerun)
 
 
 @approved_required
@@ -505,21 +525,28 @@ def vector_contrast_create(request):
     if capabilities.activations_reason:
         raise PermissionDenied(capabilities.activations_reason)
     form = ContrastVectorForm(request.POST, capabilities=capabilities)
+    shown = {
+        "form": form,
+        "context_name": "contrast_form",
+        "fragment": "vectors",
+        "target": "#vectors",
+    }
     if not form.is_valid():
-        return _form_error(
-            request, form=form, context_name="contrast_form", fragment="vectors", target="#vectors"
-        )
+        return _form_error(request, **shown)
     data = form.cleaned_data
-    group = contrast_runs_create(
-        user=request.user,
-        model=capabilities.id,
-        name=data["name"],
-        layer=data["layer"],
-        method=data["method"],
-        positive=data["positive"],
-        negative=data["negative"],
-        submit_token=data["submit_token"],
-    )
+    try:
+        group = contrast_runs_create(
+            user=request.user,
+            model=capabilities.id,
+            name=data["name"],
+            layer=data["layer"],
+            method=data["method"],
+            positive=data["positive"],
+            negative=data["negative"],
+            submit_token=data["submit_token"],
+        )
+    except TaskQueueUnreachable as error:
+        return _queue_unreachable(request, error, **shown)
     return with_new_submit_token(request, _group_response(request, group), form)
 
 
@@ -564,28 +591,31 @@ def vector_download(request, vector_id):
 def steering_submit(request):
     _, capabilities = models_and_capabilities(request)
     form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
+    shown = {
+        "form": form,
+        "context_name": "steering_form",
+        "fragment": "steering_form",
+        "target": "#steering-box",
+    }
     if not form.is_valid():
-        return _form_error(
-            request,
-            form=form,
-            context_name="steering_form",
-            fragment="steering_form",
-            target="#steering-box",
-        )
+        return _form_error(request, **shown)
     data = form.cleaned_data
     scales = data["scale_list"]
-    group = steering_runs_create(
-        user=request.user,
-        base_request=form.base_request(),
-        vector=data["vector"],
-        layers=data["layer_list"],
-        scales=scales,
-        entered_scales=data["entered_scales"],
-        scale_unit=data["scale_unit"],
-        kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
-        target_token=data.get("target_token") or "",
-        submit_token=data["submit_token"],
-    )
+    try:
+        group = steering_runs_create(
+            user=request.user,
+            base_request=form.base_request(),
+            vector=data["vector"],
+            layers=data["layer_list"],
+            scales=scales,
+            entered_scales=data["entered_scales"],
+            scale_unit=data["scale_unit"],
+            kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
+            target_token=data.get("target_token") or "",
+            submit_token=data["submit_token"],
+        )
+    except TaskQueueUnreachable as error:
+        return _queue_unreachable(request, error, **shown)
     return with_new_submit_token(request, _group_response(request, group), form)
 
 
@@ -729,7 +759,14 @@ def run_compare_score(request):
     reason = compare.scoring_unavailable_reason(run_a, run_b)
     if reason:
         return HttpResponse(reason, status=400, content_type="text/plain; charset=utf-8")
-    compare.comparison_queue(user=request.user, run_a=run_a, run_b=run_b)
+    try:
+        compare.comparison_queue(user=request.user, run_a=run_a, run_b=run_b)
+    except TaskQueueUnreachable:
+        # The comparison failed with the queue's message, which its panel shows; named as
+        # its own target for htmx, which swaps a 503 only then (base.html).
+        response = _compare_response(request, run_a, run_b)
+        response.status_code = 503
+        return retarget(response, "#comparison") if request.htmx else response
     if request.htmx:
         return _compare_response(request, run_a, run_b)
     return redirect(f"{reverse('playground:compare')}?a={run_a.pk}&b={run_b.pk}")

@@ -11,6 +11,7 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from accounts.htmx import varies_on_htmx, wants_fragment, with_messages
+from acs_portal.celery import TaskQueueUnreachable
 from api.jobs import selectors
 from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
 from api.selectors import model_cards
@@ -122,12 +123,20 @@ def _job_submit(request, *, kind: str, form_class, activations: bool = False):
     form = form_class(request.POST, request.FILES, models=models, capabilities=capabilities)
     if not form.is_valid():
         return _form_errors(request, **{f"{prefix}_form": form})
-    job_submission_create(
-        user=request.user,
-        kind=kind,
-        request=form.to_request(),
-        submit_token=form.cleaned_data["submit_token"],
-    )
+    try:
+        job_submission_create(
+            user=request.user,
+            kind=kind,
+            request=form.to_request(),
+            submit_token=form.cleaned_data["submit_token"],
+        )
+    except TaskQueueUnreachable as error:
+        # The form as typed, to be sent again (base.html has htmx swap a 503 that names its
+        # target).
+        form.add_error(None, str(error))
+        response = _form_errors(request, **{f"{prefix}_form": form})
+        response.status_code = 503
+        return response
     return _submitted(request)
 
 

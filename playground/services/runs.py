@@ -10,7 +10,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
-from acs_portal.celery import task_send
+from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus, SteeringVector
@@ -67,8 +67,28 @@ def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token
             meta=meta or {},
             submit_token=submit_token,
         )
-        transaction.on_commit(lambda: task_send(RUN_EXECUTE_TASK, str(run.id)))
+        task_send_on_commit(
+            RUN_EXECUTE_TASK,
+            str(run.id),
+            unsent=lambda error: runs_fail_unsent(run=run, error=error),
+        )
     return run
+
+
+def runs_fail_unsent(*, run: Run, error: TaskQueueUnreachable) -> None:
+    """Fail `run`, and the runs of its group still queued, as never sent: the task queue
+    could not be reached for it, and the sends of the group's other runs, later hooks of the
+    same commit, are not run after that. No stream is ended: a run never sent has none, and
+    its page reads the status. Their submit token is cleared, so that the same form posted
+    again (once the queue is back) queues anew instead of finding these."""
+    unsent = Q(pk=run.pk) if run.group is None else Q(group=run.group)
+    Run.objects.filter(unsent, status=RunStatus.QUEUED).update(
+        status=RunStatus.FAILED,
+        error_code=error.code,
+        error_message=str(error),
+        submit_token=None,
+        finished_at=timezone.now(),
+    )
 
 
 def submitted_once(*, user: User, submit_token: uuid.UUID | None, create, existing):

@@ -9,7 +9,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
-from acs_portal.celery import task_send
+from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
 from ..models import Run, RunKind, RunStatus, SteeringScore
@@ -65,7 +65,11 @@ def steering_score_queue(*, group) -> SteeringScore | None:
     try:
         with transaction.atomic():
             score = SteeringScore.objects.create(group=group, user_id=runs[0].user_id)
-            transaction.on_commit(lambda: task_send(STEERING_SCORE_TASK, str(score.pk)))
+            task_send_on_commit(
+                STEERING_SCORE_TASK,
+                str(score.pk),
+                unsent=lambda error: scoring_fail_unsent(scoring=score, error=error),
+            )
     except IntegrityError:
         return SteeringScore.objects.get(group=group)
     return score
@@ -242,6 +246,17 @@ def scorings_fail_stuck(model, *, message: str, now=None) -> int:
         status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
     ).update(
         status=RunStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now
+    )
+
+
+def scoring_fail_unsent(*, scoring, error: TaskQueueUnreachable) -> None:
+    """Fail a queued scoring (SteeringScore, RunComparison) whose task the queue could not
+    take (see `task_send_on_commit`), so that its page stops waiting for it."""
+    type(scoring).objects.filter(pk=scoring.pk, status=RunStatus.QUEUED).update(
+        status=RunStatus.FAILED,
+        error_code=error.code,
+        error_message=str(error),
+        finished_at=timezone.now(),
     )
 
 

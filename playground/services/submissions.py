@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsApiError, AcsClient
-from acs_portal.celery import task_send
+from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
 
 from ..models import JobKind, JobSubmission, JobSubmissionStatus
 from .keys import playground_key_get_or_create, worker_secret
@@ -40,11 +40,30 @@ def job_submission_create(
             submission = JobSubmission.objects.create(
                 user=user, kind=kind, request=request, submit_token=submit_token
             )
-            transaction.on_commit(lambda: task_send(JOB_SUBMISSION_SEND_TASK, str(submission.id)))
+            task_send_on_commit(
+                JOB_SUBMISSION_SEND_TASK,
+                str(submission.id),
+                unsent=lambda error: job_submission_refuse_unsent(
+                    submission=submission, error=error
+                ),
+            )
     except IntegrityError:
         if (submission := existing()) is None:
             raise
     return submission
+
+
+def job_submission_refuse_unsent(*, submission: JobSubmission, error: TaskQueueUnreachable):
+    """Refuse a queued submission whose task the queue could not take (see
+    `task_send_on_commit`). Its submit token is cleared, so that the same form posted again
+    (once the queue is back) submits anew instead of finding this one."""
+    JobSubmission.objects.filter(pk=submission.pk, status=JobSubmissionStatus.QUEUED).update(
+        status=JobSubmissionStatus.REFUSED,
+        error_code=error.code,
+        error_message=str(error),
+        submit_token=None,
+        sent_at=timezone.now(),
+    )
 
 
 class SubmissionRetry(Exception):
