@@ -15,6 +15,12 @@ the same weights, the shipped Q4_1 GGUF file and an F16 one requantised from it 
 (cached beside the engine's cache), alternating with the auto dtype's repetitions, and prints
 its single-stream decode and time to first token beside the engine's, with the CPU features
 each side used.
+
+With `--peer vllm` it also runs vLLM (`make .venv-vllm/.installed`) on the engine's weights,
+started as docs/deploy.md §5 says (tests/vllm_lens.py) twice: as vLLM-Lens (the plugin loaded;
+it forces eager mode) and as plain vLLM (VLLM_PLUGINS empty: no plugin, and vLLM compiles its
+graphs, the first time for about ten minutes, later from ~/.cache/vllm). Both run every measure
+beside the auto dtype's engine, alternating with its repetitions.
 """
 
 import argparse
@@ -22,6 +28,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -30,13 +37,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from acs_client.protocol import in_vllm_xargs  # noqa: E402
 from engine.loader import GGUF_FILE, default_cache_dir, gguf_directory  # noqa: E402
+from tests import vllm_lens  # noqa: E402
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -53,6 +63,11 @@ PROMPTS = [
 BENCH_PYTHON = REPO_ROOT / ".venv-bench" / "bin" / "python"
 PEER_SCRIPT = REPO_ROOT / "bench" / "llama_cpp_peer.py"
 CPU_FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+# What vLLM's log says of its engine: version, eager mode, compilation, its worker's cores.
+VLLM_CONFIG = re.compile(
+    r"LLM engine \((v[^)]+)\) with config: .*?enforce_eager=(\w+).*?'mode': <CompilationMode\.(\w+)"
+)
+VLLM_CORES = re.compile(r"core ids=(\[[\d, ]*\])")
 
 
 def start_engine(dtype: str, code: Path = REPO_ROOT) -> tuple[subprocess.Popen, httpx.Client]:
@@ -193,6 +208,73 @@ class LlamaCppRunner:
         stop(self.process)
 
 
+class VllmRunner:
+    """vLLM on the engine's weights (tests/vllm_lens.py), with the vLLM-Lens plugin or, when
+    `plugin` is false, without it (VLLM_PLUGINS empty), loaded and warmed up; refuses to run
+    if a capture request gets activations without the plugin or none with it."""
+
+    def __init__(self, plugin: bool):
+        log = REPO_ROOT / ".run" / "vllm-lens" / f"bench-{'lens' if plugin else 'plain'}.log"
+        log.unlink(missing_ok=True)
+        with mock.patch.dict(os.environ, {} if plugin else {"VLLM_PLUGINS": ""}):
+            self.server = vllm_lens.start(log)
+        self.client = httpx.Client(
+            base_url=self.server.url, headers=self.server.headers(), timeout=600
+        )
+        try:
+            vllm_lens.wait_ready(self.server)
+            captured = self._captures()
+            if captured != plugin:
+                raise RuntimeError(f"vLLM (plugin={plugin}) captured: {captured}; log {log}")
+            self.features = self._features(log.read_text(), captured)
+            aggregate_throughput(self.client, 2)  # warm-up
+        except Exception:
+            self.close()
+            raise
+
+    def _captures(self) -> bool:
+        """Whether a capture request's answer has activations."""
+        body = {
+            "model": MODEL,
+            "prompt": PROMPTS[0],
+            "max_tokens": 1,
+            "output_residual_stream": [0],
+        }
+        response = self.client.post("/v1/completions", json=in_vllm_xargs(body))
+        return "activations" in response.raise_for_status().json()
+
+    @staticmethod
+    def _features(log: str, captured: bool) -> str:
+        version, eager, compilation = VLLM_CONFIG.search(log).groups()
+        cores = VLLM_CORES.search(log)
+        return (
+            f"vLLM {version}, bfloat16, enforce_eager={eager}, compilation {compilation},"
+            f" worker on cores {cores[1] if cores else '?'},"
+            f" capture {'answers' if captured else 'gets no'} activations"
+        )
+
+    def measure_once(self) -> dict:
+        return measure_once(self.client)
+
+    def close(self) -> None:
+        self.client.close()
+        vllm_lens.stop(self.server)
+
+
+def peer_runners(peer: str) -> dict[str, Callable[[], object]]:
+    """The runners of `--peer` (name -> a function that starts it)."""
+    if peer == "llama.cpp":
+        return {
+            name: functools.partial(LlamaCppRunner, model) for name, model in peer_models().items()
+        }
+    if not vllm_lens.VLLM_PYTHON.exists():
+        raise SystemExit("--peer vllm needs .venv-vllm: run `make .venv-vllm/.installed` first")
+    return {
+        "vLLM-Lens": functools.partial(VllmRunner, plugin=True),
+        "plain vLLM": functools.partial(VllmRunner, plugin=False),
+    }
+
+
 def peer_models() -> dict[str, Path]:
     """The GGUF files llama.cpp runs: the shipped Q4_1 and an F16 requantised from it."""
     if not BENCH_PYTHON.exists():
@@ -236,29 +318,26 @@ def measure(runners: dict[str, Callable[[], object]], label: str, repetitions: i
 DTYPES = ("auto", "bfloat16", "float32")
 
 
-def rows(medians: dict) -> list[tuple[str, str]]:
-    """(measure, cell) rows of one engine's medians in one dtype."""
-    table = [("single-stream decode (tok/s)", f"{medians['decode']:.1f}")]
-    for level in CONCURRENCY_LEVELS:
-        ratio = medians[level] / medians[1]
-        table.append(
-            (f"aggregate, {level} concurrent (tok/s)", f"{medians[level]:.1f} ({ratio:.1f}x)")
-        )
-    table.append(
-        (
-            f"time to first token, {TTFT_PROMPT_TOKENS}-token prompt (ms)",
-            f"{medians['ttft'] * 1000:.0f}",
-        )
-    )
-    return table
+MEASURES = {
+    "decode": "single-stream decode (tok/s)",
+    **{level: f"aggregate, {level} concurrent (tok/s)" for level in CONCURRENCY_LEVELS},
+    "ttft": f"time to first token, {TTFT_PROMPT_TOKENS}-token prompt (ms)",
+}
 
 
-def speed_ups(new: dict, old: dict) -> list[str]:
-    """This code's speed-up over the baseline, per row of `rows` (a shorter time is faster)."""
-    cells = [f"{new['decode'] / old['decode']:.2f}x"]
-    cells += [f"{new[level] / old[level]:.2f}x" for level in CONCURRENCY_LEVELS]
-    cells.append(f"{old['ttft'] / new['ttft']:.2f}x")
-    return cells
+def cell(medians: dict, key) -> str:
+    """One runner's median of the measure `key` of MEASURES, as the tables print it."""
+    if key == "ttft":
+        return f"{medians[key] * 1000:.0f}"
+    if key == "decode":
+        return f"{medians[key]:.1f}"
+    return f"{medians[key]:.1f} ({medians[key] / medians[1]:.1f}x)"
+
+
+def speed_up(new: dict, old: dict, key) -> str:
+    """The speed-up of `new` over `old` in the measure `key` (a shorter time is faster)."""
+    ratio = old[key] / new[key] if key == "ttft" else new[key] / old[key]
+    return f"{ratio:.2f}x"
 
 
 @contextlib.contextmanager
@@ -289,36 +368,32 @@ def print_table(medians: dict[str, dict[str, dict]], baseline: str | None, repet
             columns.append(dtype)
     print("| measure | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
-    for index, (measure_name, _) in enumerate(rows(next(iter(medians.values()))["new"])):
+    for key, measure_name in MEASURES.items():
         cells = []
         for dtype in medians:
+            new = medians[dtype]["new"]
             if baseline:
-                old, new = medians[dtype]["baseline"], medians[dtype]["new"]
-                cells += [rows(old)[index][1], rows(new)[index][1], speed_ups(new, old)[index]]
+                old = medians[dtype]["baseline"]
+                cells += [cell(old, key), cell(new, key), speed_up(new, old, key)]
             else:
-                cells.append(rows(medians[dtype]["new"])[index][1])
+                cells.append(cell(new, key))
         print(f"| {measure_name} | " + " | ".join(cells) + " |")
 
 
 def print_peer_table(auto: dict[str, dict], baseline: str | None) -> None:
-    """Single-stream decode and time to first token of the auto dtype's engines and the peer's
-    models, measured in the same alternation."""
+    """The measures every one took (llama.cpp: single-stream decode and time to first token)
+    of the auto dtype's engines and the peers, measured in the same alternation."""
     names = [name for name in auto if name not in ("baseline", "new")]
     engines = (["baseline"] if baseline else []) + ["new"]
     labels = {"baseline": f"auto {baseline}", "new": "auto this code"}
     columns = [labels[name] for name in engines] + names + [f"this code / {names[0]}"]
     print("\n| measure | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))
-    decode = [f"{auto[name]['decode']:.1f}" for name in [*engines, *names]]
-    decode.append(f"{auto['new']['decode'] / auto[names[0]]['decode']:.2f}x")
-    print("| single-stream decode (tok/s) | " + " | ".join(decode) + " |")
-    ttft = [f"{auto[name]['ttft'] * 1000:.0f}" for name in [*engines, *names]]
-    ttft.append(f"{auto[names[0]]['ttft'] / auto['new']['ttft']:.2f}x")
-    print(
-        f"| time to first token, {TTFT_PROMPT_TOKENS}-token prompt (ms) | "
-        + " | ".join(ttft)
-        + " |"
-    )
+    for key, measure_name in MEASURES.items():
+        if all(key in medians for medians in auto.values()):
+            cells = [cell(auto[name], key) for name in [*engines, *names]]
+            cells.append(speed_up(auto["new"], auto[names[0]], key))
+            print(f"| {measure_name} | " + " | ".join(cells) + " |")
 
 
 def print_features(features: dict[str, dict[str, str]]) -> None:
@@ -335,7 +410,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", metavar="REF", help="also run the engine at this git ref")
     parser.add_argument(
-        "--peer", choices=["llama.cpp"], help="also run llama.cpp on the same weights"
+        "--peer", choices=["llama.cpp", "vllm"], help="also run this peer on the same weights"
     )
     parser.add_argument("--repetitions", type=int, default=REPETITIONS)
     parser.add_argument(
@@ -345,7 +420,7 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= set(DTYPES):
         parser.error(f"--dtypes: each of {', '.join(DTYPES)}")
-    peers = peer_models() if args.peer else {}
+    peers = peer_runners(args.peer) if args.peer else {}
     with contextlib.ExitStack() as stack:
         codes = {"new": REPO_ROOT}
         if args.baseline is not None:
@@ -356,9 +431,7 @@ def main() -> None:
                 name: functools.partial(EngineRunner, dtype, code) for name, code in codes.items()
             }
             if dtype == "auto":
-                runners |= {
-                    name: functools.partial(LlamaCppRunner, model) for name, model in peers.items()
-                }
+                runners |= peers
             medians[dtype], features[dtype] = measure(runners, dtype, args.repetitions)
     print_table(medians, args.baseline, args.repetitions)
     if peers and "auto" in medians:
