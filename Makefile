@@ -4,6 +4,7 @@ VENV := .venv
 ENGINE_VENV := .venv-engine
 PY := $(VENV)/bin/python
 ENGINE_PY := $(ENGINE_VENV)/bin/python
+VLLM_VENV := .venv-vllm
 BENCH_VENV := .venv-bench
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_test
 # The web suite's second pytest-xdist worker (WEB_WORKERS) takes the Redis database below (14).
@@ -12,13 +13,16 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 SMOKE_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_smoke
 # The smoke runs beside the browser suite (`make test`), so it has a Redis database of its own.
 SMOKE_REDIS_URL ?= redis://127.0.0.1:6379/13
+# tests/vllm, a database and Redis database of its own.
+VLLM_TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/acs_vllm_test
+VLLM_TEST_REDIS_URL ?= redis://127.0.0.1:6379/12
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Some machines set PYTHONDONTWRITEBYTECODE=1, and then every process compiles again each
 # module it imports (5 s of each engine start). What make starts writes the bytecode of what
 # it imports, once: a tenth of what compiling both virtualenvs whole at install took (24 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-web test-engine test-browser test-deploy lint format bench bench-venv services client-wheel
+.PHONY: run test test-web test-engine test-vllm test-browser test-deploy lint format bench bench-venv services client-wheel
 
 # uv (pinned in requirements-installer.txt, installed with pip) installs both virtualenvs from
 # the places pip is configured to use (scripts/uv-pip-install): a seventh of pip's time.
@@ -41,6 +45,16 @@ $(ENGINE_VENV)/.installed: requirements-engine.txt requirements-engine-nodeps.tx
 	test -x $(ENGINE_PY) || "$$(scripts/python-for-engine)" -m venv $(ENGINE_VENV)
 	$(INSTALL) $(ENGINE_PY) -r requirements-engine.txt
 	$(INSTALL) $(ENGINE_PY) --no-deps -r requirements-engine-nodeps.txt
+	touch $@
+
+# vLLM (the CPU build) with the vLLM-Lens plugin, the production upstream, for tests/vllm and
+# `bench/engine.py --peer vllm` (docs/deploy.md §5 starts it). Both requirement files say why
+# they are installed without resolving.
+$(VLLM_VENV)/.installed: requirements-vllm.txt requirements-vllm-plugin.txt $(VENV)/bin/uv
+	test -x $(VLLM_VENV)/bin/python || "$$(scripts/python-for-engine)" -m venv $(VLLM_VENV)
+	$(INSTALL) $(VLLM_VENV)/bin/python --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python \
+		-r requirements-vllm-plugin.txt
 	touch $@
 
 # llama.cpp for `bench/engine.py --peer llama.cpp`, in a venv of its own, compiled here (minutes
@@ -88,7 +102,16 @@ test-web: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(VENV)/bin/pytest $(WEB_WORKERS)
 
 test-engine: $(ENGINE_VENV)/.installed
-	$(ENGINE_PY) -m pytest tests/engine -q
+	$(ENGINE_PY) -m pytest tests/engine -q --ignore=tests/engine/test_vllm_fidelity.py
+
+# The production upstream for real: the gateway in front of vLLM with the vLLM-Lens plugin,
+# answering as in front of the embedded engine (tests/vllm), and vLLM-Lens's numbers against
+# the float32 model (the engine suite's fidelity cases). On the server `make test` started
+# (scripts/vllm-lens), else on one of their own (two to three minutes to start).
+test-vllm: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
+	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) scripts/ensure-test-db
+	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) REDIS_URL=$(VLLM_TEST_REDIS_URL) $(VENV)/bin/pytest tests/vllm
+	$(ENGINE_PY) -m pytest tests/engine/test_vllm_fidelity.py -q
 
 test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	scripts/ensure-chromium
@@ -101,11 +124,16 @@ test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 test-deploy: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(SMOKE_DATABASE_URL) REDIS_URL=$(SMOKE_REDIS_URL) scripts/production-smoke
 
-# The production smoke (mostly waiting: release commands, then beat's first sweep a minute
-# after it starts) runs beside the browser suite; each one's output is printed whole when it
-# ends (--output-sync). The engine and web suites keep the machine to themselves: the fault
-# suite's bounds on waits beside a maximal request are timings.
-test: lint test-engine test-web
+# vLLM-Lens starts first, in the background, so that its start-up overlaps the engine and web
+# suites; it is stopped (also on failure) once its suite ran, before the browser suite. The
+# production smoke (mostly waiting: release commands, then beat's first sweep a minute after
+# it starts) runs beside the browser suite; each one's output is printed whole when it ends
+# (--output-sync). The engine and web suites keep the machine's cores to themselves but for
+# that start-up: the fault suite's bounds on waits beside a maximal request are timings.
+test: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
+	scripts/vllm-lens start
+	trap 'scripts/vllm-lens stop' EXIT; \
+	$(MAKE) --no-print-directory lint test-engine test-web test-vllm && scripts/vllm-lens stop && \
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-browser test-deploy
 
 bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services

@@ -1,8 +1,11 @@
 """The wire format of POST /v1/completions, shared by the gateway (`api.schemas`) and the
 embedded engine (`engine.protocol`): vLLM's completions protocol plus the ACS activation
-fields, as strict pydantic models (JSON types must match, unknown fields are errors), the
-limits both sides enforce, and where a validation error points. Needs pydantic.
+fields (at the top level publicly, inside `vllm_xargs` upstream), as strict pydantic models
+(JSON types must match, unknown fields are errors), the limits both sides enforce, and where
+a validation error points. Needs pydantic.
 """
+
+import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +21,12 @@ NON_STREAMING_MAX_TOKENS = 15_600
 # from their shapes before any is decompressed: 32 MiB of bfloat16, four times what an 8 MiB
 # body of incompressible vectors can carry.
 STEERING_MAX_VALUES = 16 * 1024 * 1024
+# The most a steering vector may add to one value of the residual stream: |value| × |scale|,
+# or |scale| alone with norm_match (the vector is then the hidden state's norm long). Far
+# beyond any model's activations (SmolLM2's largest is ~2e4), and far below what overflows:
+# an infinite residual value makes NaN logits, and on vLLM-Lens NaN keys and values that stay
+# in its KV cache and fail every later request until it restarts.
+STEERING_MAX_MAGNITUDE = 1e6
 # Full-vocabulary prompt logprobs (prompt_logprobs=-1) are ~3 MB of JSON per position: at
 # most this many prompt tokens (× n), and fewer with a residual-stream capture.
 FULL_VOCAB_MAX_PROMPT_TOKENS = 256
@@ -55,11 +64,10 @@ class SteeringFields(Strict):
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionFields(Strict):
-    """The body of POST /v1/completions as the gateway takes it (`model` and `max_tokens`
-    optional); the engine narrows those two, the gateway the codec object of each steering
-    vector. Redefined fields keep their place, so errors are reported in this order on both
-    sides."""
+class SamplingFields(Strict):
+    """The body of POST /v1/completions without the activation fields: what the gateway and
+    the upstreams (vLLM, the embedded engine) take alike. Redefined fields keep their place,
+    so errors are reported in this order on every side."""
 
     model: str | None = None
     prompt: Prompt
@@ -81,16 +89,57 @@ class CompletionFields(Strict):
     stream_options: StreamOptions | None = None
     add_special_tokens: bool = True
     ignore_eos: bool = False
-    output_residual_stream: bool | list[int] | None = None
-    apply_steering_vectors: list[SteeringFields] | None = Field(
-        default=None, max_length=MAX_STEERING_VECTORS
-    )
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionFields(SamplingFields):
+    """The body of POST /v1/completions as the gateway takes it (`model` and `max_tokens`
+    optional): the activation fields at the top level, as the cheatsheet has them; the
+    gateway narrows the codec object of each steering vector."""
+
+    output_residual_stream: bool | list[int] | None = None
+    apply_steering_vectors: list[SteeringFields] | None = Field(
+        default=None, max_length=MAX_STEERING_VECTORS
+    )
+
+
+# The upstream dialect, vLLM-Lens's: vLLM passes per-request extra arguments to its plugins
+# only inside `vllm_xargs` (strings, numbers and lists of those) and ignores unknown top-level
+# fields without an error, so capture and steering travel there, the vectors as one JSON
+# string. The gateway sends this; the embedded engine takes exactly this.
+XARGS_CAPTURE = "output_residual_stream"
+XARGS_STEERING = "apply_steering_vectors"
+# Marks the gateway's capture probes of its upstreams (vLLM ignores it; logs and test
+# upstreams can tell them from users' requests).
+PROBE_HEADER = "x-acs-probe"
+
+
+def in_vllm_xargs(body: dict) -> dict:
+    """A completion body with the activation fields at the top level (as the gateway takes
+    it) in the upstream dialect: `output_residual_stream` (true or a list of layers) and
+    `apply_steering_vectors` (a list of plain dicts) moved into `vllm_xargs`."""
+    capture, steering = body.get(XARGS_CAPTURE), body.get(XARGS_STEERING)
+    upstream = {k: v for k, v in body.items() if k not in (XARGS_CAPTURE, XARGS_STEERING)}
+    xargs = {}
+    if capture is not None and capture is not False:
+        xargs[XARGS_CAPTURE] = capture
+    if steering:
+        xargs[XARGS_STEERING] = json.dumps(steering, separators=(",", ":"))
+    if xargs:
+        upstream["vllm_xargs"] = xargs
+    return upstream
+
+
+class VllmXargs(Strict):
+    """`vllm_xargs` as the embedded engine takes it: only the two keys vLLM-Lens reads."""
+
+    output_residual_stream: bool | list[int] | None = None
+    apply_steering_vectors: str | None = None
 
 
 def check_steering_shape(

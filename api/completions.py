@@ -20,7 +20,7 @@ from metering.budgets import BudgetExceeded
 from metering.models import UsageRecord
 from metering.sql import DatabaseBusy
 
-from . import upstream
+from . import dialect, upstream
 from .admission import admission_slot
 from .errors import ApiError, metering_refusal, sse_error_frame, unexpected_error
 from .validation import ValidCompletion, validate_completion
@@ -132,11 +132,15 @@ class _Request:
 
     def finish_in_background(self, *, status: int, error_code: str = "", urgent: bool = False):
         """Start settling and metering, in work that outlives the request's own task;
-        returns a future done once they are written."""
+        returns a future done once they are written. A capture the upstream did not deliver
+        costs nothing: neither its tokens nor its activation request."""
+        if error_code == "capture_incomplete":
+            self.prompt_tokens = self.completion_tokens = 0
         return gateway.meter(
             hold=self.reservation,
             record=self.record(status=status, error_code=error_code),
             urgent=urgent,
+            activations_refunded=error_code == "capture_incomplete",
         )
 
     async def finish(self, *, status: int, error_code: str = "") -> None:
@@ -238,7 +242,7 @@ async def _run(state: "_Request") -> "CompletionResult":
             state.upstream_started = time.perf_counter()
             reply = await upstream.send_completion(
                 state.valid.urls,
-                state.valid.upstream_payload(max_tokens=max_tokens),
+                dialect.upstream_body(state.valid, max_tokens=max_tokens),
                 tenant=upstream.tenant_of(state.key.user_id),
             )
             state.upstream_ms = reply.upstream_ms
@@ -247,6 +251,8 @@ async def _run(state: "_Request") -> "CompletionResult":
         if usage is not None:
             state.prompt_tokens, state.completion_tokens = usage
         body, content = reply.body, reply.content
+        if dialect.public_answer(body, state.valid):
+            content = None
         if body.get("model") != state.valid.model.name:
             body["model"] = state.valid.model.name
             content = None
@@ -329,13 +335,14 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
         )
         rename = state.valid.model.upstream_model_name != state.valid.model.name
         steered = bool(state.valid.request.apply_steering_vectors)
+        state.prompt_tokens = state.valid.prompt_tokens
         async with contextlib.AsyncExitStack() as stack:
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             frames = await stack.enter_async_context(
                 upstream.open_stream(
                     state.valid.urls,
-                    state.valid.upstream_payload(max_tokens=max_tokens),
+                    dialect.upstream_body(state.valid, max_tokens=max_tokens),
                     tenant=upstream.tenant_of(state.key.user_id),
                 )
             )
@@ -367,16 +374,16 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
                     if state.ttft_ms is None:
                         state.ttft_ms = state.elapsed_ms()
                     state.completion_tokens += _count_chunk_tokens(frame)
-                    state.prompt_tokens = state.valid.prompt_tokens
                 if rename:
                     frame["model"] = state.valid.model.name
                     raw = json.dumps(frame, separators=(",", ":")).encode()
                 yield b"data: " + raw + b"\n\n"
     except (asyncio.CancelledError, GeneratorExit):
-        # The client went away: settle what was generated so far.
+        # The client went away: settle what was generated so far (the prompt was counted
+        # when the hold was made: its prefill may have run).
         status, error_code = 499, "client_disconnected"
-        if state.reservation is not None and state.prompt_tokens == 0:
-            state.prompt_tokens = state.valid.prompt_tokens
+        if state.reservation is None:
+            state.prompt_tokens = 0
         raise
     except Exception as failure:
         if isinstance(failure, ApiError):
@@ -387,6 +394,13 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
         # Recorded with the error's status even once the 200 went out (the client then reads
         # the error in the stream's last frame): the usage record says how the request ended.
         status, error_code = error.status, error.code
+        # Billed as the same request without streaming is: the usage the upstream reported
+        # beside its error, else the prompt once the upstream took the request (its prefill
+        # ran), else nothing.
+        if (usage := _usage_tokens({"usage": error.usage})) is not None:
+            state.prompt_tokens, state.completion_tokens = usage
+        elif not opened:
+            state.prompt_tokens = 0
         if opened:
             yield sse_error_frame(error)
         else:

@@ -9,9 +9,13 @@ from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTO
 from acs_portal.redis import redis_sync
 from metering.sql import run_db
 
+from . import dialect
 from .errors import ApiError
 from .models import LanguageModel, ModelStatus
-from .upstream import FAILURE_WINDOW_MS, circuit_keys
+from .upstream import FAILURE_WINDOW_MS, capture_probe, circuit_keys
+
+# The token the capture probe sends: any id of any vocabulary.
+PROBE_TOKEN = 0
 
 # The registry changes rarely (staff edit it in the admin), so each process reads it at most
 # once per this many seconds instead of once per request.
@@ -46,10 +50,21 @@ async def _fresh_registry() -> dict:
         loop = asyncio.get_running_loop()
         reload = _reloads.get(loop)
         if reload is None or reload.done():
-            reload = _reloads[loop] = asyncio.ensure_future(run_db(_load_registry))
+            reload = _reloads[loop] = asyncio.ensure_future(_reload())
         # A request cancelled while it waits must not cancel the others' reload.
         await asyncio.shield(reload)
     return _registry
+
+
+async def _reload() -> None:
+    await run_db(_load_registry)
+    # Each activation upstream is probed as soon as the registry serves it, so that the
+    # first activation request finds the answer ready (later loads find it cached).
+    for model in _registry["by_name"].values():
+        if model.supports_activations and model.status == ModelStatus.LIVE:
+            background_probe = asyncio.ensure_future(activation_upstreams_probed(model))
+            _background_probes.add(background_probe)
+            background_probe.add_done_callback(_background_probes.discard)
 
 
 async def model_get(name: str | None) -> LanguageModel:
@@ -64,6 +79,70 @@ async def model_get(name: str | None) -> LanguageModel:
             else "Name a model; GET /v1/models lists them.",
         )
     return model
+
+
+# How long a capture probe's answer about an activation upstream is kept: a plugin found stays
+# found for minutes; one found missing is asked again soon, so an upstream restarted with the
+# plugin serves activation requests within this delay.
+PROBE_FOUND_TTL_S = 600.0
+PROBE_MISSING_TTL_S = 30.0
+# url -> (True: captures, False: answers without a capture, checked at (time.monotonic()))
+_probes: dict[str, tuple[bool, float]] = {}
+_probes_running: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_background_probes: set[asyncio.Future] = set()
+
+
+async def activation_upstreams_probed(model: LanguageModel) -> list[bool | None]:
+    """Each activation upstream's capture probe answer (see `activation_upstreams_check`)."""
+    urls = model.urls_for(activation=True)
+    return list(await asyncio.gather(*(_capture_probed(url, model) for url in urls)))
+
+
+async def activation_upstreams_check(model: LanguageModel) -> None:
+    """Refuse (503 activation_engine_unconfigured) an activation request to `model` when every
+    one of its activation upstreams answered a capture probe without a capture: it lacks the
+    vLLM-Lens plugin, and would answer without the capture, or unsteered, with a 200. Each
+    URL is probed when the registry first serves it and again after the probe's TTL; an
+    upstream that did not answer the probe is not held against it (the request then meets
+    the same error as any other)."""
+    found = await activation_upstreams_probed(model)
+    if found and all(answer is False for answer in found):
+        raise ApiError(
+            "activation_engine_unconfigured",
+            f"The activation upstream of '{model.name}' answers without captures (it does "
+            "not run the vLLM-Lens plugin), so it can neither capture nor steer; use another "
+            "model.",
+        )
+
+
+async def _capture_probed(url: str, model: LanguageModel) -> bool | None:
+    answer, checked_at = _probes.get(url, (None, -1e9))
+    ttl = PROBE_FOUND_TTL_S if answer else PROBE_MISSING_TTL_S
+    if time.monotonic() - checked_at < ttl:
+        return answer
+    running = _probes_running.setdefault(asyncio.get_running_loop(), {})
+    probe = running.get(url)
+    if probe is None or probe.done():
+        probe = running[url] = asyncio.ensure_future(_probe(url, model))
+    return await asyncio.shield(probe)
+
+
+async def _probe(url: str, model: LanguageModel) -> bool | None:
+    body = dialect.capture_body(model, tokens=[PROBE_TOKEN], layers=[0], max_tokens=1)
+    answer = await capture_probe(url, body)
+    if answer is not None:
+        _probes[url] = (answer, time.monotonic())
+    return answer
+
+
+def probes_clear() -> None:
+    """Forget every capture probe's answer (tests that change what an upstream runs)."""
+    _probes.clear()
+    _probes_running.clear()
 
 
 async def model_list() -> list[LanguageModel]:

@@ -27,13 +27,12 @@ answer to a long request is not a sick upstream.
 Every completion names the account it is for in `X-Acs-Tenant` (an opaque id, no secret):
 the embedded engine shares its capacity between tenants (vLLM ignores the header).
 
-For other callers (a harvest worker capturing one prompt, completion jobs):
+For other callers (a harvest worker capturing one prompt):
 
-    body = await upstream_completion(model, payload, tenant=tenant_of(user_id))
+    reply = await send_completion(model.urls_for(activation=True), body, tenant=tenant_of(u))
 
-sends a non-streaming completion body (`payload` as the upstream takes it, `model` a
-`LanguageModel`; capture/steering payloads go to the activation upstreams) and returns the
-decoded response dict, or raises `ApiError`. Tests point models at stub servers.
+sends a non-streaming completion body as the upstream takes it (`api.dialect` writes it) and
+returns the reply, or raises `ApiError`. Tests point models at stub servers.
 """
 
 import asyncio
@@ -52,6 +51,7 @@ import httpx
 import orjson
 from django.conf import settings
 
+from acs_client.protocol import PROBE_HEADER
 from acs_portal.redis import redis_async
 
 from .clients import http_client, upstream_session
@@ -73,8 +73,10 @@ TOKENIZE_TIMEOUT_S = 30.0
 _NOT_UPSTREAM_FAILURES = frozenset(
     {"wrapper_saturated", "modal_cold_boot", "capture_preempted", "vllm_oom"}
 )
-_CONTEXT_WORDS = re.compile(r"context|maximum model length|too long", re.IGNORECASE)
+_CONTEXT_WORDS = re.compile(r"context|maximum model length|max_model_len|too long", re.IGNORECASE)
 _OOM_WORDS = re.compile(r"out of memory|\boom\b", re.IGNORECASE)
+# What vLLM answers (400) when its output holds NaN or infinity: the JSON encoder refused it.
+_NON_FINITE_WORDS = re.compile(r"Out of range float values are not JSON compliant")
 
 
 def circuit_keys(url: str) -> list[str]:
@@ -262,6 +264,8 @@ def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
             retry_after=retry_after,
             usage=_usage_beside_error(content),
         )
+    if _NON_FINITE_WORDS.search(message or ""):
+        return _unwell_output()
     if status in (400, 422):
         if upstream_code in ("context_length_exceeded", "vllm_context_length") or (
             upstream_code != "bad_json" and _CONTEXT_WORDS.search(message or "")
@@ -290,15 +294,32 @@ def map_upstream_error(status: int, content: bytes, headers) -> ApiError:
     )
 
 
+def _unwell_output() -> ApiError:
+    """vLLM's answer when its output held NaN or infinity, which JSON cannot carry. The
+    gateway refuses any steering that could overflow, so an upstream that answers this is
+    unwell: a KV cache left NaN by an earlier request fails every later one until vLLM
+    restarts (measured with vLLM-Lens 1.3.0). It counts against the upstream's circuit."""
+    return ApiError(
+        "upstream_server_error",
+        "The upstream's output held NaN or infinite values for this request: it is unwell "
+        "(its operator should restart it).",
+        should_retry=False,
+    )
+
+
 def map_stream_error(payload: dict) -> ApiError:
-    """The contract's error for an `{"error": ...}` frame an upstream sent mid-stream."""
+    """The contract's error for an `{"error": ...}` frame an upstream sent mid-stream, with
+    the `usage` the upstream reports beside it (the work it did, billed)."""
     error = payload.get("error") if isinstance(payload.get("error"), dict) else {}
     code, message = error.get("code") or "", error.get("message") or "The upstream failed."
+    usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else None
+    if _NON_FINITE_WORDS.search(message):
+        return _unwell_output()
     if _passed_through(code):
-        return ApiError(code, message)
+        return ApiError(code, message, usage=usage)
     if _OOM_WORDS.search(message) or code == "oom":
-        return ApiError("vllm_oom", message)
-    return ApiError("upstream_server_error", message, should_retry=False)
+        return ApiError("vllm_oom", message, usage=usage)
+    return ApiError("upstream_server_error", message, should_retry=False, usage=usage)
 
 
 def _passed_through(upstream_code: str) -> bool:
@@ -482,8 +503,11 @@ async def _read(target: Target, response: aiohttp.ClientResponse) -> bytes:
 
 
 def counts_against_upstream(status: int, content: bytes, error: ApiError) -> bool:
-    """Whether an upstream's error answer (`error`, as mapped) feeds its circuit breaker: only
-    a 5xx that is neither "busy" nor marked as caused by the request."""
+    """Whether an upstream's error answer (`error`, as mapped) feeds its circuit breaker: a
+    5xx that is neither "busy" nor marked as caused by the request, and output it could not
+    encode (`_unwell_output`)."""
+    if _NON_FINITE_WORDS.search(_error_fields(content)[1]):
+        return True
     if status < 500 or error.code in _NOT_UPSTREAM_FAILURES:
         return False
     return _error_type(content) != "invalid_request_error"
@@ -520,16 +544,28 @@ async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> Ups
     return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
 
 
-async def upstream_completion(model, payload: dict, *, tenant: str) -> dict:
-    """Send one non-streaming completion body for `tenant` to `model`'s upstream (the
-    activation upstream for capture or steering) and return the response dict; raises
-    ApiError."""
-    activation = bool(payload.get("output_residual_stream")) or bool(
-        payload.get("apply_steering_vectors")
-    )
-    payload = {**payload, "model": model.upstream_model_name}
-    urls = model.urls_for(activation=activation)
-    return (await send_completion(urls, payload, tenant=tenant)).body
+PROBE_TIMEOUT_S = 60.0
+
+
+async def capture_probe(url: str, body: dict) -> bool | None:
+    """Whether the upstream at `url` answers the capture `body` (`api.dialect.capture_body`
+    of one token and layer) with a capture: False when it answers without one (plain vLLM,
+    which ignores `vllm_xargs` it has no plugin for), None when it does not answer. Asks
+    that URL alone, outside the round robin and the circuit breaker: no user's request."""
+    try:
+        response = await http_client().post(
+            _endpoint(url, "/v1/completions"),
+            json=body,
+            headers={**_auth_headers(), PROBE_HEADER: "capture"},
+            timeout=PROBE_TIMEOUT_S,
+        )
+        answer = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(answer, dict):
+        return None
+    activations = answer.get("activations")
+    return isinstance(activations, dict) and isinstance(activations.get("residual_stream"), dict)
 
 
 async def upstream_tokenize(

@@ -1,7 +1,10 @@
 """Everything checked about a completion body before any upstream work."""
 
+import asyncio
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from acs_client import codec
 from acs_client.protocol import (
@@ -10,6 +13,7 @@ from acs_client.protocol import (
     MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
+    STEERING_MAX_MAGNITUDE,
     STEERING_MAX_VALUES,
     check_steering_shape,
 )
@@ -22,7 +26,7 @@ from .schemas import (
     CompletionRequest,
     parse_body,
 )
-from .selectors import model_get
+from .selectors import activation_upstreams_check, model_get
 from .tokenizer import count_prompt_tokens
 
 SUPPORTED_CODEC = {"dtype": "int16", "compression": "zstd", "original_dtype": "torch.bfloat16"}
@@ -48,14 +52,6 @@ class ValidCompletion:
     def urls(self) -> list[str]:
         return self.model.urls_for(activation=self.activation)
 
-    def upstream_payload(self, *, max_tokens: int) -> dict:
-        payload = {**self.payload, "model": self.model.upstream_model_name}
-        payload["max_tokens"] = max_tokens
-        if self.request.stream:
-            # The gateway always needs the final usage to settle the budget.
-            payload["stream_options"] = {"include_usage": True}
-        return payload
-
 
 def _invalid(message: str) -> ApiError:
     return ApiError("invalid_request", message)
@@ -72,6 +68,12 @@ async def validate_completion(payload: object) -> ValidCompletion:
         raise _invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.")
     if request.max_tokens is None and (len(prompts) > 1 or request.n > 1):
         raise _invalid("Set 'max_tokens' explicitly when sending a prompt list or n > 1.")
+    if request.n > 1 and request.temperature == 0:
+        # vLLM refuses it; the engine would return n copies of one completion.
+        raise _invalid(
+            f"n = {request.n} with temperature 0 (greedy sampling) would return {request.n} "
+            "copies of one completion; send n: 1, or a temperature above 0."
+        )
     max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
     completions = len(prompts) * request.n
     if completions * max_tokens > OUTPUT_WORK_CAP:
@@ -111,7 +113,8 @@ async def validate_completion(payload: object) -> ValidCompletion:
                 f"model's context of {model.max_model_len} tokens.",
             )
     if request.apply_steering_vectors:
-        _check_steering(request.apply_steering_vectors, model, max(counts) + max_tokens)
+        await _check_steering(request.apply_steering_vectors, model, max(counts) + max_tokens)
+        _check_steering_positions(request.apply_steering_vectors, min(counts), max_tokens)
     prompt_tokens = sum(counts)
     if request.prompt_logprobs == -1:
         limit = (
@@ -134,6 +137,8 @@ async def validate_completion(payload: object) -> ValidCompletion:
                 f"tokens exceeds the capture limit of {CAPTURE_MAX_VALUES} values; capture "
                 "fewer layers or send a shorter prompt.",
             )
+    if request.is_activation_request:
+        await activation_upstreams_check(model)
     return ValidCompletion(
         request=request,
         payload=payload,
@@ -183,23 +188,51 @@ def _check_capture(request, prompts, layers, model) -> None:
     _check_layers("output_residual_stream", layers, model)
 
 
-def _check_steering(vectors, model: LanguageModel, sequence_tokens: int) -> None:
+async def _check_steering(vectors, model: LanguageModel, sequence_tokens: int) -> None:
     """Every steering vector's full shape, positions and data size, from the codec object and
-    the zstd frame header without decompressing anything (the engine decodes, within the same
-    bounds). `sequence_tokens`: the longest prompt's tokens + max_tokens."""
-    values = sum(
-        _check_steering_vector(index, vector, model, sequence_tokens)
+    the zstd frame header before anything is decompressed; then its values, decoded within
+    those bounds in a worker thread (up to STEERING_MAX_VALUES of them). `sequence_tokens`:
+    the longest prompt's tokens + max_tokens."""
+    shapes = [
+        _steering_shape(index, vector, model, sequence_tokens)
         for index, vector in enumerate(vectors)
-    )
+    ]
+    values = sum(math.prod(shape) for shape in shapes)
     if values > STEERING_MAX_VALUES:
         raise _invalid(
             f"'apply_steering_vectors' hold {values} values together; at most "
             f"{STEERING_MAX_VALUES} are allowed."
         )
+    await asyncio.to_thread(_check_steering_values, vectors, shapes)
 
 
-def _check_steering_vector(index: int, vector, model: LanguageModel, sequence_tokens: int) -> int:
-    """Check one steering vector; return its number of values."""
+def _check_steering_positions(vectors, prompt_tokens: int, max_tokens: int) -> None:
+    """Steering by position as every upstream does it alike: vLLM-Lens (1.3.0) counts every
+    generated token as position 0, so it can steer prompt positions only, and a vector at
+    position 0 would also be added to every generated token but the first.
+    `prompt_tokens`: the shortest prompt's."""
+    for index, vector in enumerate(vectors):
+        positions = vector.position_indices or []
+        field = f"apply_steering_vectors.{index}.position_indices"
+        beyond = next((p for p in positions if p >= prompt_tokens), None)
+        if beyond is not None:
+            raise ApiError(
+                "position_steering_unavailable",
+                f"Position {beyond} in '{field}' is a generated token's; steering by position "
+                f"reaches the prompt's positions only (0–{prompt_tokens - 1}). Leave out "
+                "position_indices to steer every position.",
+            )
+        if 0 in positions and max_tokens > 1:
+            raise ApiError(
+                "position_steering_unavailable",
+                f"'{field}' steers position 0, which the upstream would also steer at every "
+                "generated token; steer position 0 with max_tokens 1 only, or leave out "
+                "position_indices.",
+            )
+
+
+def _steering_shape(index: int, vector, model: LanguageModel, sequence_tokens: int):
+    """One steering vector's shape, checked with its layers, codec fields and frame size."""
     field = f"apply_steering_vectors.{index}"
     _check_layers(f"{field}.layer_indices", vector.layer_indices, model)
     tensor = vector.activations
@@ -221,4 +254,27 @@ def _check_steering_vector(index: int, vector, model: LanguageModel, sequence_to
         codec.check_frame_size(codec.b64decode_data(tensor.data), shape)
     except ValueError as error:
         raise _invalid(f"'{field}.activations.data': {error}.") from None
-    return math.prod(shape)
+    return shape
+
+
+def _check_steering_values(vectors, shapes) -> None:
+    for index, (vector, shape) in enumerate(zip(vectors, shapes, strict=True)):
+        field = f"apply_steering_vectors.{index}"
+        try:
+            values = codec.decode(vector.activations.model_dump(), max_values=math.prod(shape))
+        except ValueError as error:
+            raise _invalid(f"'{field}.activations.data': {error}.") from None
+        _check_magnitude(field, values, vector)
+
+
+def _check_magnitude(field: str, values, vector) -> None:
+    """Refuse a vector that could overflow the residual stream (STEERING_MAX_MAGNITUDE)."""
+    if not np.isfinite(values).all():
+        raise _invalid(f"'{field}.activations' holds NaN or infinite values.")
+    largest = abs(vector.scale) * (1.0 if vector.norm_match else float(np.abs(values).max()))
+    if largest > STEERING_MAX_MAGNITUDE:
+        what = "scale (with norm_match)" if vector.norm_match else "values × scale"
+        raise _invalid(
+            f"'{field}': its {what} reach {largest:.3g}; at most {STEERING_MAX_MAGNITUDE:g} "
+            "is allowed. Steering that large overflows the residual stream."
+        )

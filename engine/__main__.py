@@ -1,4 +1,5 @@
 """`python -m engine serve [--host 127.0.0.1] [--port 8001]`: run the embedded model server.
+`python -m engine weights`: print where the model's weights are (vLLM serves the same files).
 
 It refuses to listen beyond loopback unless ACS_ENGINE_TOKEN is set (`config.bind_refusal`)."""
 
@@ -8,6 +9,7 @@ import logging
 import uvicorn
 
 from engine.config import EngineConfig, bind_refusal
+from engine.loader import weights_directory
 from engine.server import create_app
 
 
@@ -18,7 +20,15 @@ def main() -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8001)
     serve.add_argument("--log-level", default="info")
+    commands.add_parser(
+        "weights",
+        help="print the directory of the model's weights and tokenizer (bfloat16 safetensors, "
+        "config.json, tokenizer.json: what vLLM loads), converting them first if missing",
+    )
     args = parser.parse_args()
+    if args.command == "weights":
+        print(weights_directory())
+        return
     config = EngineConfig()
     if (refusal := bind_refusal(args.host, config)) is not None:
         parser.error(refusal)

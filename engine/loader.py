@@ -117,12 +117,19 @@ def _measured_cpu_dtype() -> torch.dtype:
     return dtype
 
 
-def load_model(cache_dir: Path | None = None) -> LoadedModel:
-    """Load the model (on `engine_device()`, in `compute_dtype()`, eval mode), building the
-    cache first if it is missing."""
+def weights_directory(cache_dir: Path | None = None) -> Path:
+    """The cache directory of the model in Hugging Face's layout (config.json, bfloat16
+    safetensors, tokenizer.json), built first if it is missing."""
     cache_dir = cache_dir or default_cache_dir()
     if not (cache_dir / "config.json").exists():
         build_cache(cache_dir)
+    return cache_dir
+
+
+def load_model(cache_dir: Path | None = None) -> LoadedModel:
+    """Load the model (on `engine_device()`, in `compute_dtype()`, eval mode), building the
+    cache first if it is missing."""
+    cache_dir = weights_directory(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(cache_dir)
     device = engine_device()
     model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=compute_dtype(device))

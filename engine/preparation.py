@@ -18,6 +18,7 @@ from acs_client.protocol import (
     MAX_STOP_STRINGS,
     OUTPUT_WORK_CAP,
     STEERING_MAX_VALUES,
+    XARGS_STEERING,
     check_steering_shape,
 )
 from engine.loader import MODEL_ID, LoadedModel
@@ -175,7 +176,8 @@ def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int)
 
 
 def capture_layer_list(request: CompletionRequest, prompt_count: int, n_layers: int):
-    """The layers to capture, in request order, or None when there is no capture."""
+    """The layers to capture, in ascending order as vLLM-Lens returns them, or None when there
+    is no capture."""
     wanted = request.output_residual_stream
     if wanted is None or wanted is False:
         return None
@@ -188,7 +190,7 @@ def capture_layer_list(request: CompletionRequest, prompt_count: int, n_layers: 
     check_layers(wanted, n_layers, "output_residual_stream")
     if len(set(wanted)) != len(wanted):
         raise RequestError("output_residual_stream lists a layer more than once")
-    return list(wanted)
+    return sorted(wanted)
 
 
 def check_layers(layers: list[int], n_layers: int, what: str) -> None:
@@ -220,8 +222,8 @@ def steering_additions(request: CompletionRequest, loaded: LoadedModel, sequence
     most STEERING_MAX_VALUES values. `sequence_tokens`: the longest prompt + max_tokens."""
     by_layer: dict[int, list[SteeringAddition]] = {}
     values = 0
-    for index, spec in enumerate(request.apply_steering_vectors or []):
-        what = f"apply_steering_vectors.{index}"
+    for index, spec in enumerate(request.steering_vectors()):
+        what = f"vllm_xargs.{XARGS_STEERING}.{index}"
         check_layers(spec.layer_indices, loaded.n_layers, what)
         if not math.isfinite(spec.scale):
             raise RequestError(f"{what}: scale must be a finite number")

@@ -1,8 +1,19 @@
 """Wire format of the engine's HTTP API: request models (unknown fields rejected) and errors."""
 
-from pydantic import Field, ValidationError
+import json
+from typing import Annotated
 
-from acs_client.protocol import CompletionFields, Strict, error_field
+from pydantic import Field, TypeAdapter, ValidationError
+
+from acs_client.protocol import (
+    MAX_STEERING_VECTORS,
+    XARGS_STEERING,
+    SamplingFields,
+    SteeringFields,
+    Strict,
+    VllmXargs,
+    error_field,
+)
 
 
 class RequestError(Exception):
@@ -25,12 +36,36 @@ class RequestError(Exception):
         return {"error": {"code": self.code, "message": self.message, "type": self.error_type}}
 
 
-class CompletionRequest(CompletionFields):
-    """The body of POST /v1/completions, as vLLM's OpenAI-compatible server takes it
-    (`model` required, `max_tokens` 16 by default)."""
+class CompletionRequest(SamplingFields):
+    """The body of POST /v1/completions, as vLLM's OpenAI-compatible server with the
+    vLLM-Lens plugin takes it (`model` required, `max_tokens` 16 by default, capture and
+    steering inside `vllm_xargs`)."""
 
     model: str
     max_tokens: int = Field(default=16, ge=1)
+    vllm_xargs: VllmXargs | None = None
+
+    @property
+    def output_residual_stream(self) -> bool | list[int] | None:
+        return self.vllm_xargs.output_residual_stream if self.vllm_xargs else None
+
+    def steering_vectors(self) -> list[SteeringFields]:
+        """The steering vectors, decoded from their JSON string (RequestError if bad)."""
+        text = self.vllm_xargs.apply_steering_vectors if self.vllm_xargs else None
+        if text is None:
+            return []
+        where = f"vllm_xargs.{XARGS_STEERING}"
+        try:
+            return _STEERING_LIST.validate_python(json.loads(text))
+        except json.JSONDecodeError as error:
+            raise RequestError(f"{where!r} is not a JSON string: {error}") from None
+        except ValidationError as error:
+            raise RequestError(_describe(error.errors()[0], prefix=where)) from None
+
+
+_STEERING_LIST = TypeAdapter(
+    Annotated[list[SteeringFields], Field(max_length=MAX_STEERING_VECTORS)]
+)
 
 
 class TokenizeRequest(Strict):
@@ -51,8 +86,8 @@ def parse_model(model_class: type[Strict], body: object):
         raise RequestError(_describe(error.errors()[0])) from None
 
 
-def _describe(error: dict) -> str:
-    field = error_field(error)
+def _describe(error: dict, prefix: str = "") -> str:
+    field = ".".join(part for part in (prefix, error_field(error)) if part)
     if error["type"] == "extra_forbidden":
         return f"unknown field {field!r}"
     if error["type"] == "missing":

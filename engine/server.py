@@ -364,7 +364,9 @@ async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.F
                 frame["choices"] = [delta_json(event)]
                 yield sse(frame)
             elif isinstance(event, RequestFailed):
-                yield sse(failure_error(event).body())
+                # With the usage so far, where known, as a non-streaming error body has it.
+                usage = {"usage": event.usage} if event.usage is not None else {}
+                yield sse({**failure_error(event).body(), **usage})
                 return
             elif isinstance(event, RequestDone):
                 if engine_request.prepared.include_usage:

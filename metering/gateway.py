@@ -16,7 +16,12 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from . import background, leases
-from .budgets import budget_holds_alive_steps, budget_reserve_steps, budget_settle_steps
+from .budgets import (
+    budget_activations_refund_steps,
+    budget_holds_alive_steps,
+    budget_reserve_steps,
+    budget_settle_steps,
+)
 from .models import UsageRecord
 from .sql import DatabaseBusy, run_steps_async
 from .usage import usage_record_written_steps, usage_records_steps
@@ -74,37 +79,44 @@ def _worst_case(prompt_tokens: int, max_tokens: int, completions: int) -> int:
     return prompt_tokens + completions * max_tokens
 
 
-def _settle_and_record_steps(settlement: dict | None, record: UsageRecord, *, retry: bool):
+def _settle_and_record_steps(hold, record: UsageRecord, *, activations_refunded: bool, retry: bool):
     if retry and (yield from usage_record_written_steps(record=record)):
         return
-    if settlement is not None:
-        yield from budget_settle_steps(**settlement)
+    if hold is not None:
+        settled = yield from budget_settle_steps(
+            reservation_id=hold.pk,
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+        )
+        if settled and activations_refunded and hold.activation_requests:
+            yield from budget_activations_refund_steps(
+                reservation=hold, count=hold.activation_requests
+            )
     yield from usage_records_steps(records=[record])
 
 
-def meter(*, hold, record: UsageRecord, urgent: bool):
+def meter(*, hold, record: UsageRecord, urgent: bool, activations_refunded: bool = False):
     """Settle `hold` (what `reserve` returned, or None) to the usage of the unsaved usage
     `record` and write the record. Returns a future done once both are written; `urgent`
-    asks the lease writer not to wait for a fuller batch."""
+    asks the lease writer not to wait for a fuller batch. `activations_refunded`: the
+    activation requests the hold counted are given back (the upstream did no capture)."""
     if isinstance(hold, leases.LeaseHold) or (hold is None and leases.active()):
+        # Activation requests are never held out of a lease: nothing to give back.
         return leases.current().meter(hold=hold, record=record, urgent=urgent)
-    settlement = None
-    if hold is not None:
-        settlement = {
-            "reservation_id": hold.pk,
-            "prompt_tokens": record.prompt_tokens,
-            "completion_tokens": record.completion_tokens,
-        }
-    return background.spawn(_settle_and_record(settlement, record))
+    return background.spawn(
+        _settle_and_record(hold, record, activations_refunded=activations_refunded)
+    )
 
 
-async def _settle_and_record(settlement: dict | None, record: UsageRecord) -> None:
+async def _settle_and_record(hold, record: UsageRecord, *, activations_refunded: bool) -> None:
     """Settle and write `record` in one transaction, retried while the database is out of
     reach. A retry first looks for the record: a broken attempt may have committed."""
     for attempt, pause in enumerate((*SETTLE_RETRY_S, None)):
         try:
             await run_steps_async(
-                lambda retry=attempt > 0: _settle_and_record_steps(settlement, record, retry=retry)
+                lambda retry=attempt > 0: _settle_and_record_steps(
+                    hold, record, activations_refunded=activations_refunded, retry=retry
+                )
             )
             return
         except (DatabaseBusy, OperationalError, psycopg.OperationalError) as error:

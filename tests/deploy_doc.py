@@ -76,11 +76,14 @@ def run_doc_block(
     _bash(_script(name, variables, skip), env={**(env or os.environ), **variables}, quiet=quiet)
 
 
-def start_doc_command(name: str, *, etc: Path, env: dict, log) -> subprocess.Popen:
-    """Start block `name` of docs/deploy.md, one command, as `run_doc_block` would run it but
-    without waiting, its output to the file `log`. The command replaces its shell (exec), so
-    that stopping the process stops it."""
-    variables = _variables(etc, {})
+def start_doc_command(
+    name: str, *, etc: Path, env: dict, log, new_session: bool = False, **given: str
+) -> subprocess.Popen:
+    """Start block `name` of docs/deploy.md, one command, as `run_doc_block` would run it
+    (with the `given` variables) but without waiting, its output to the file `log`. The
+    command replaces its shell (exec), so that stopping the process stops it; in a session
+    of its own if `new_session` (its process group then outlives its starter's)."""
+    variables = _variables(etc, given)
     command = _script(name, variables)
     if "\n" in command:
         raise DocCommandFailed(f"docs/deploy.md's block {name} is not one command:\n{command}")
@@ -90,6 +93,7 @@ def start_doc_command(name: str, *, etc: Path, env: dict, log) -> subprocess.Pop
         env={**env, **variables},
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=new_session,
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from acs_client.codec import decode_bfloat16_bits
-from api import upstream
+from api import dialect, upstream
 from api.errors import ApiError
 from api.schemas import CAPTURE_MAX_VALUES
 
@@ -84,25 +84,17 @@ async def capture_batch(
 async def capture_prompt(
     model, *, tokens: list[int], layers: list[int], index: int, tenant: str
 ) -> Capture:
-    body = await upstream.upstream_completion(
-        model,
-        {
-            "prompt": tokens,
-            "max_tokens": CAPTURE_MAX_TOKENS,
-            "temperature": 0,
-            "output_residual_stream": list(layers),
-        },
-        tenant=tenant,
-    )
+    body = dialect.capture_body(model, tokens=tokens, layers=layers, max_tokens=CAPTURE_MAX_TOKENS)
+    reply = await upstream.send_completion(model.urls_for(activation=True), body, tenant=tenant)
+    body = reply.body
     try:
         bits = decode_bfloat16_bits(body["activations"]["residual_stream"])
     except (KeyError, TypeError, ValueError) as error:
-        raise ApiError(
-            "capture_incomplete", f"The upstream sent no usable capture for prompt {index}."
+        raise dialect.incomplete(
+            f"The upstream sent no usable capture for prompt {index}."
         ) from error
-    if bits.shape[:2] != (len(layers), len(tokens)) or bits.shape[2] != model.hidden_size:
-        raise ApiError(
-            "capture_incomplete",
+    if bits.shape != (len(layers), len(tokens), model.hidden_size):
+        raise dialect.incomplete(
             f"The capture of prompt {index} has shape {list(bits.shape)}; expected "
             f"[{len(layers)}, {len(tokens)}, {model.hidden_size}].",
         )
@@ -114,7 +106,7 @@ async def capture_prompt(
         prompt_tokens, completion_tokens = len(tokens), CAPTURE_MAX_TOKENS
     return Capture(
         tokens=tokens,
-        bits=bits,
+        bits=dialect.rows_in_request_order(bits, layers),
         prompt_tokens=int(prompt_tokens or 0),
         completion_tokens=int(completion_tokens or 0),
     )

@@ -3,6 +3,7 @@ approved researcher with a key) uses it: typed results equal the raw JSON the ga
 errors carry the API's code and status, and the polling helpers wait and show progress."""
 
 import datetime as dt
+import json
 
 import httpx
 import numpy as np
@@ -97,12 +98,13 @@ def test_steering_vector_is_sent_as_the_codec_object_the_gateway_accepts(ada, st
     row = np.linspace(-1, 1, 8, dtype=np.float32)
     entry = steering_vector(row, layers=[1, 2], scale=2.5, positions=[0])
     ada.completions(model="stub-model", prompt="Hi", max_tokens=1, apply_steering_vectors=[entry])
-    [sent] = stub.requests[-1]["apply_steering_vectors"]
+    [sent] = json.loads(stub.requests[-1]["vllm_xargs"]["apply_steering_vectors"])
     assert (sent["layer_indices"], sent["scale"], sent["position_indices"]) == ([1, 2], 2.5, [0])
-    # Each layer gets the row, rounded to bfloat16 (the top 16 bits of the float32 value).
+    # Each layer gets the row, rounded to bfloat16 (the top 16 bits of the float32 value), at
+    # its one position: the gateway sends a 2-D vector with positions as the 3-D it means.
     rounded = (row.view(np.uint32) + 0x7FFF + ((row.view(np.uint32) >> 16) & 1)) >> 16
     expected = (rounded.astype(np.uint32) << 16).view(np.float32)
-    np.testing.assert_array_equal(decode(sent["activations"]), np.stack([expected, expected]))
+    np.testing.assert_array_equal(decode(sent["activations"]), np.stack([[expected], [expected]]))
 
 
 def test_a_steering_vector_of_the_wrong_hidden_size_is_refused_before_any_model_work(ada, stub):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from reference_model import ReferenceModel, cpu_description  # noqa: E402
 
+from acs_client.protocol import in_vllm_xargs  # noqa: E402
 from tests.servers import (  # noqa: E402
     engine_command,
     free_port,
@@ -131,7 +132,8 @@ def completer(client: httpx.Client):
     """`complete(**fields)` on `client`: see the `complete` fixture."""
 
     def _complete(**fields) -> dict:
-        response = client.post("/v1/completions", json={"model": MODEL, **fields})
+        # Fields as the gateway takes them, sent in the upstream dialect as it sends them.
+        response = client.post("/v1/completions", json=in_vllm_xargs({"model": MODEL, **fields}))
         assert response.status_code == 200, response.text
         return response.json()
 

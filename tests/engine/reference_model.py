@@ -82,7 +82,10 @@ class ReferenceModel:
         return self.tokenizer(prompt)["input_ids"]
 
     def ids_of(self, string: str) -> list[int]:
-        """The token ids that decode alone to `string` (usually one)."""
+        """The token ids that decode alone to `string` (usually one), or the id of
+        "token_id:N", as vLLM names tokens with `return_tokens_as_token_ids`."""
+        if string.startswith("token_id:"):
+            return [int(string.removeprefix("token_id:"))]
         return self._ids_of_string.get(string, [])
 
     def run(

@@ -32,12 +32,13 @@ def test_capture_matches_the_models_hidden_states(complete, reference):
         assert relative_error(residual[layer], hidden_states[layer + 1]) < 0.02, layer
 
 
-def test_capture_keeps_the_requested_layer_order(complete):
+def test_captured_layers_come_in_ascending_order_as_vllm_lens_sends_them(complete):
+    """The gateway puts them back in the request's order (api.dialect)."""
     everything, _ = capture(complete, True, max_tokens=1)
     chosen, _ = capture(complete, [29, 3], max_tokens=1)
     assert chosen.shape == (2, PROMPT_TOKENS, HIDDEN)
-    np.testing.assert_array_equal(chosen[0], everything[29])
-    np.testing.assert_array_equal(chosen[1], everything[3])
+    np.testing.assert_array_equal(chosen[0], everything[3])
+    np.testing.assert_array_equal(chosen[1], everything[29])
 
 
 def steering(vector: np.ndarray, layers: list[int], **options) -> list[dict]:

@@ -18,6 +18,7 @@ import torch
 from conftest import MODEL
 
 from acs_client.codec import decode, encode_vector
+from acs_client.protocol import in_vllm_xargs
 from engine import scheduler
 from engine.preparation import prepare_completion
 from engine.protocol import CompletionRequest, parse_model
@@ -87,7 +88,8 @@ def run_together(loaded, bodies: list[dict], max_active: int = 16) -> list[dict]
 
 
 def prepare(loaded, body: dict):
-    return prepare_completion(parse_model(CompletionRequest, {"model": MODEL, **body}), loaded)
+    parsed = parse_model(CompletionRequest, in_vllm_xargs({"model": MODEL, **body}))
+    return prepare_completion(parsed, loaded)
 
 
 def run_alone(loaded, body: dict) -> dict:

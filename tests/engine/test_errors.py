@@ -10,6 +10,7 @@ import zstandard
 from conftest import MODEL, engine_in_process
 
 from acs_client.codec import encode_vector
+from acs_client.protocol import in_vllm_xargs
 from tests.bombs import zero_bomb
 
 HIDDEN = 576
@@ -70,7 +71,7 @@ BAD_REQUESTS = [
     (
         steer(activations=codec((1, 1, HIDDEN)), position_indices=[10**6]),
         "invalid_request",
-        "Position 1000000 in 'apply_steering_vectors.0.position_indices' is outside",
+        "Position 1000000 in 'vllm_xargs.apply_steering_vectors.0.position_indices' is outside",
     ),
     (
         steer(activations=codec((1, 2, HIDDEN)), position_indices=[1, 1]),
@@ -96,7 +97,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("fields, code, message", BAD_REQUESTS)
 def test_bad_request_is_a_400_naming_the_problem(client, fields, code, message):
     body = {"model": MODEL, "prompt": "Hello", **fields}
-    response = client.post("/v1/completions", json=body)
+    response = client.post("/v1/completions", json=in_vllm_xargs(body))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == code
@@ -116,7 +117,7 @@ def test_zstd_frame_of_wrong_size_is_rejected(client):
     frame = zstandard.ZstdCompressor().compress(b"\x00" * 10)
     activations = {**codec((1, HIDDEN)), "data": base64.b64encode(frame).decode()}
     body = {"model": MODEL, "prompt": "Hello", **steer(activations=activations)}
-    response = client.post("/v1/completions", json=body)
+    response = client.post("/v1/completions", json=in_vllm_xargs(body))
     assert response.status_code == 400
     assert "needs 1152" in response.json()["error"]["message"]
 
@@ -202,9 +203,8 @@ def test_steering_decompression_bomb_is_a_400_without_a_memory_spike(
     pid = tiny_engine.pid
     reset_peak_rss(pid)
     peak_before = peak_rss_kb(pid)
-    response = tiny_engine.client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1, **bomb}
-    )
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1, **bomb}
+    response = tiny_engine.client.post("/v1/completions", json=in_vllm_xargs(body))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "invalid_request"
     assert "apply_steering_vectors.0" in response.json()["error"]["message"]
@@ -243,3 +243,26 @@ def test_health_and_completions_are_503_while_the_model_loads(tmp_path):
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "model_loading"
     assert refused.headers["retry-after"] == "1"
+
+
+RAW_DIALECT_REQUESTS = [
+    # vLLM ignores them at the top level; the engine, stricter, names them.
+    ({"output_residual_stream": True}, "unknown field 'output_residual_stream'"),
+    ({"apply_steering_vectors": []}, "unknown field 'apply_steering_vectors'"),
+    # Code travels as a pickled hook in vLLM-Lens's dialect: never taken here.
+    ({"vllm_xargs": {"apply_hooks": "[]"}}, "unknown field 'vllm_xargs.apply_hooks'"),
+    ({"vllm_xargs": {"apply_steering_vectors": "[{"}}, "is not a JSON string"),
+    (
+        {"vllm_xargs": {"apply_steering_vectors": '[{"layer_indices": [1]}]'}},
+        "missing required field 'vllm_xargs.apply_steering_vectors.0.activations'",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, message", RAW_DIALECT_REQUESTS)
+def test_the_engine_takes_capture_and_steering_only_in_vllm_xargs(client, fields, message):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1, **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert message in response.json()["error"]["message"]

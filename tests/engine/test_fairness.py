@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import MODEL
 
+from acs_client.protocol import in_vllm_xargs
 from engine.preparation import prepare_completion
 from engine.protocol import CompletionRequest, parse_model
 from engine.scheduler import EngineRequest, Overloaded, Scheduler
@@ -36,7 +37,7 @@ def loop():
 
 
 def submit(scheduler, loop, tenant: str, **body) -> EngineRequest:
-    parsed = parse_model(CompletionRequest, {"model": MODEL, **body})
+    parsed = parse_model(CompletionRequest, in_vllm_xargs({"model": MODEL, **body}))
     request = EngineRequest(prepare_completion(parsed, scheduler.loaded), loop, tenant=tenant)
     scheduler.submit(request)
     return request

@@ -6,6 +6,7 @@ import concurrent.futures
 
 from conftest import MODEL
 
+from acs_client.protocol import in_vllm_xargs
 from tests.overflow import overflowing_steering, sse_payloads, strict_json
 
 HIDDEN = 576
@@ -14,7 +15,10 @@ LAST_LAYER = 29
 
 
 def completion(**fields) -> dict:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 2, **fields}
+    """A body with the activation fields as the gateway takes them, in the upstream dialect."""
+    return in_vllm_xargs(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 2, **fields}
+    )
 
 
 def assert_non_finite_error(error: dict) -> None:

@@ -4,10 +4,13 @@ and the gateway benchmark. Its behaviour is switched through `StubUpstream.mode`
 import asyncio
 import json
 
+import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from acs_client.codec import encode_vector
+from acs_client.protocol import PROBE_HEADER, XARGS_CAPTURE
 from tests.servers import serve_in_thread, stop_server
 
 WORDS = ["[UNK]", "the", "capital", "of", "france", "is", "paris", "hello", "tok"]
@@ -27,7 +30,9 @@ class StubUpstream:
     between stream frames), `delay` (seconds before answering), `serve_tokenizer_json`,
     `stream_error_after` (send an error frame after that many frames), `healthy`, `gate` (a
     threading.Event completions wait for), `text` (each streamed token's text instead of
-    " tok"), `logprob` (report this logprob, e.g. NaN, for
+    " tok"), `plugin` (False: ignore `vllm_xargs`, as vLLM without vLLM-Lens; captures are
+    otherwise answered as vLLM-Lens does, `hidden_size` wide, default 8), `logprob` (report
+    this logprob, e.g. NaN, for
     every token, as Python's json writes it), `token` (refuse every request but /health
     without `Authorization: Bearer <token>` as the engine with ACS_ENGINE_TOKEN does: 401
     invalid_token)."""
@@ -41,6 +46,7 @@ class StubUpstream:
         self.in_flight = 0
         self.max_in_flight = 0
         self.paths: list[str] = []
+        self.probes = 0  # the gateway's capture probes (not in `requests`)
         self.server = None
         self.thread = None
         self.url = ""
@@ -78,6 +84,9 @@ class StubUpstream:
             payload = json.loads(body)
             count = self.count(payload["prompt"], payload.get("add_special_tokens", True))
             await _json(send, {"tokens": list(range(count)), "count": count})
+        elif path == "/v1/completions" and PROBE_HEADER.encode() in dict(scope["headers"]):
+            self.probes += 1
+            await self._completions(json.loads(body), send)
         elif path == "/v1/completions":
             headers = dict(scope["headers"])
             self.tenants.append(headers.get(b"x-acs-tenant", b"").decode())
@@ -105,6 +114,7 @@ class StubUpstream:
         self.requests.clear()
         self.tenants.clear()
         self.paths.clear()
+        self.probes = 0
         self.max_in_flight = 0
 
     async def _completions(self, payload, send):
@@ -131,6 +141,7 @@ class StubUpstream:
         }
         header = {"id": "cmpl-stub", "object": "text_completion", "created": 1, "model": "stub"}
         header["model"] = payload["model"]
+        capture = self._capture(payload, prompt_tokens + max_tokens - 1)
         if not payload.get("stream"):
             choices = []
             for i, prompt in enumerate(prompts):
@@ -149,7 +160,7 @@ class StubUpstream:
                             {"1": {"logprob": -1.0, "rank": 1, "decoded_token": "the"}}
                         ] * (self.count(prompt) - 1)
                     choices.append(choice)
-            await _json(send, {**header, "choices": choices, "usage": usage})
+            await _json(send, {**header, "choices": choices, "usage": usage, **capture})
             return
         await send(
             {
@@ -188,6 +199,17 @@ class StubUpstream:
         if (payload.get("stream_options") or {}).get("include_usage"):
             await _frame(send, {**header, "choices": [], "usage": usage})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    def _capture(self, payload: dict, tokens: int) -> dict:
+        """The `activations` of a capture asked in `vllm_xargs`, as vLLM-Lens sends them:
+        layers in ascending order, each layer's values all equal to its index. Without the
+        plugin (`plugin` False) vLLM ignores `vllm_xargs`: nothing."""
+        layers = (payload.get("vllm_xargs") or {}).get(XARGS_CAPTURE)
+        if layers is None or not self.mode.get("plugin", True):
+            return {}
+        values = np.ones((1, tokens, self.mode.get("hidden_size", 8)), np.float32)
+        rows = np.concatenate([values * layer for layer in sorted(layers)])
+        return {"activations": {"residual_stream": encode_vector(rows)}}
 
     def start(self) -> "StubUpstream":
         self.server, self.thread, self.url = serve_in_thread(self)

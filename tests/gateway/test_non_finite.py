@@ -1,7 +1,7 @@
-"""NaN and ±Infinity never reach a response body: steering that overflows the model (the
-embedded engine answers 400 non_finite_output) and an upstream that writes NaN anyway (as
-Python's json, and so a vLLM server, does) are both a 400 non_finite_output, or its in-band
-frame in a stream; the tokens the upstream computed are billed once."""
+"""NaN and ±Infinity never reach a response body: an upstream that writes NaN anyway (as
+Python's json does) is a 400 non_finite_output, or its in-band frame in a stream, the tokens
+the upstream computed billed once; steering that would overflow the model is refused before
+any upstream work."""
 
 import math
 
@@ -18,8 +18,6 @@ from .conftest import wait_settled
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STUB_BODY = {"model": "stub-model", "prompt": "hello", "max_tokens": 2, "logprobs": 1}
-# Greedy (", I'm glad to have"): a sampled end of text (1.4% at the third token, seen) ended the
-# completion before the steered position 4 was reached.
 ENGINE_BODY = {
     "model": "smollm2-135m",
     "prompt": "Hello there",
@@ -69,40 +67,19 @@ def test_non_finite_numbers_in_an_upstream_stream_end_it_with_an_error_frame(cli
     # The request log shows how the stream ended, not the 200 it opened with.
     assert (record.status_code, record.error_code) == (400, "non_finite_output")
     assert record.completion_tokens == 0  # the client received none
+    # Its prompt was prefilled: billed as the same request without streaming is.
+    assert record.prompt_tokens == 1
 
 
-def test_overflowing_steering_through_the_gateway_is_a_400_billed_for_its_work(
-    client, engine_model
-):
-    steering = overflowing_steering(576, position_indices=[4])
-    response = client.post(
-        "/v1/completions", json={**ENGINE_BODY, "apply_steering_vectors": steering}, timeout=120
-    )
+@pytest.mark.parametrize("stream", [False, True])
+def test_overflowing_steering_is_refused_before_the_engine_runs(client, engine_model, stream):
+    """Its logits would be NaN (the engine answers non_finite_output; vLLM-Lens keeps NaN in
+    its KV cache): the gateway refuses values × scale beyond 1e6, nothing billed."""
+    body = {**ENGINE_BODY, "stream": stream, "apply_steering_vectors": overflowing_steering(576)}
+    response = client.post("/v1/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     error = strict_json(response.text)["error"]
-    assert error["code"] == "non_finite_output"
-    assert "steering" in error["message"]
+    assert error["code"] == "invalid_request"
+    assert "overflows the residual stream" in error["message"]
     record = usage_record()
-    assert (record.status_code, record.error_code) == (400, "non_finite_output")
-    # Two prompt tokens, and the three tokens generated before the logits overflowed.
-    assert (record.prompt_tokens, record.completion_tokens) == (2, 3)
-
-
-def test_overflowing_steering_through_the_gateway_ends_a_stream_with_an_error_frame(
-    client, engine_model
-):
-    steering = overflowing_steering(576, position_indices=[4])
-    body = {**ENGINE_BODY, "stream": True, "apply_steering_vectors": steering}
-    response = client.post("/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200
-    payloads = sse_payloads(response.text)
-    assert "[DONE]" not in payloads
-    received = sum(
-        len(choice["logprobs"]["tokens"]) for frame in payloads[:-1] for choice in frame["choices"]
-    )
-    assert received == 3
-    assert payloads[-1]["error"]["code"] == "non_finite_output"
-    record = usage_record()
-    # The request log shows how the stream ended, not the 200 it opened with.
-    assert (record.status_code, record.error_code) == (400, "non_finite_output")
-    assert (record.prompt_tokens, record.completion_tokens) == (2, 3)
+    assert (record.status_code, record.prompt_tokens, record.completion_tokens) == (400, 0, 0)

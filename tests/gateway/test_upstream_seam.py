@@ -7,27 +7,31 @@ from asgiref.sync import async_to_sync
 
 from api import upstream
 from api.errors import ApiError
+from api.jobs.capture import capture_prompt
 from api.models import LanguageModel
 from api.selectors import registry_clear
-from api.upstream import upstream_completion, upstream_tokenize
+from api.upstream import send_completion, upstream_tokenize
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_upstream_completion_returns_the_body_with_the_served_model_name(stub, model):
+def test_a_harvest_capture_goes_to_the_upstream_under_the_served_model_name(stub, model):
     row = LanguageModel.objects.get(name=model)
     row.served_model_name = "served"
-    body = async_to_sync(upstream_completion)(row, {"prompt": "hello", "max_tokens": 2}, tenant="7")
-    assert body["choices"][0]["text"] == " tok tok"
+    capture = async_to_sync(capture_prompt)(row, tokens=[1, 2], layers=[2], index=0, tenant="7")
+    assert capture.bits.shape == (1, 2, 8)
     assert stub.requests[-1]["model"] == "served"
+    assert stub.requests[-1]["vllm_xargs"] == {"output_residual_stream": [2]}
     assert stub.tenants[-1] == "7"
 
 
-def test_upstream_completion_raises_the_contract_error(stub, model):
+def test_send_completion_raises_the_contract_error(stub, model):
     stub.mode.update({"status": 500, "error": {"code": "x", "message": "out of memory"}})
     with pytest.raises(ApiError) as raised:
-        async_to_sync(upstream_completion)(
-            LanguageModel.objects.get(name=model), {"prompt": "hello"}, tenant="7"
+        async_to_sync(send_completion)(
+            LanguageModel.objects.get(name=model).upstream_urls,
+            {"model": model, "prompt": "hello"},
+            tenant="7",
         )
     assert (raised.value.status, raised.value.code) == (502, "vllm_oom")
 

@@ -47,22 +47,26 @@ def assert_failed_once_and_billed_once(api_client, job: CompletionJob, code: str
     return status["error"]
 
 
-def test_a_job_whose_steering_overflows_fails_once_with_the_apis_error(
+def test_a_job_whose_steering_would_overflow_is_refused_at_submission(
     api_client, engine_model, redis_client
 ):
     body = {
         "model": "smollm2-135m",
         "prompt": "Hello there",
         "max_tokens": 6,
-        # Greedy, so no sampled end of text comes before the steered position 4.
-        "temperature": 0,
-        "apply_steering_vectors": overflowing_steering(576, position_indices=[4]),
+        "apply_steering_vectors": overflowing_steering(576),
     }
-    job = run_job(api_client, body)
-    error = assert_failed_once_and_billed_once(api_client, job, "non_finite_output")
-    assert "lower the scale" in error["message"]
-    record = UsageRecord.objects.get()
-    assert (record.prompt_tokens, record.completion_tokens) == (2, 3)
+    refused = api_client.post(
+        "/v1/completion-jobs",
+        data=json.dumps(body),
+        content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY="results-1",
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "invalid_request"
+    assert "overflows the residual stream" in refused.json()["error"]["message"]
+    assert not CompletionJob.objects.exists()
+    assert not UsageRecord.objects.exists()
 
 
 def test_a_job_whose_result_the_database_refuses_fails_once_billed_once(

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
+from acs_client.protocol import in_vllm_xargs
 from api.jobs import selectors
 from api.jobs.models import HarvestJob, HarvestJobStatus
 from api.jobs.services import harvests
@@ -99,16 +100,15 @@ def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
         tokens = httpx.post(f"{engine_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
         assert tensors[f"tokens_{index}"].dtype == np.int32
         assert tensors[f"tokens_{index}"].tolist() == tokens
+        body = {
+            "model": "smollm2-135m",
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "output_residual_stream": LAYERS,
+        }
         reply = httpx.post(
-            f"{engine_url}/v1/completions",
-            json={
-                "model": "smollm2-135m",
-                "prompt": prompt,
-                "max_tokens": 1,
-                "temperature": 0,
-                "output_residual_stream": LAYERS,
-            },
-            timeout=60,
+            f"{engine_url}/v1/completions", json=in_vllm_xargs(body), timeout=60
         ).json()
         expected = decode(reply["activations"]["residual_stream"])
         assert tensors[f"prompt_{index}"].shape == (len(LAYERS), len(tokens), 576)

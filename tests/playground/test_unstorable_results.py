@@ -42,7 +42,7 @@ def execute(user, request: dict):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_steered_run_whose_logits_overflow_fails_with_the_apis_message(
+def test_a_steered_run_that_would_overflow_fails_with_the_apis_message(
     approved_user, live_engine, stream
 ):
     request = {
@@ -50,14 +50,13 @@ def test_a_steered_run_whose_logits_overflow_fails_with_the_apis_message(
         "prompt": "Hello there",
         "max_tokens": 6,
         "stream": stream,
-        # Overflows from the third generated token on: a stream has published tokens by then.
-        "apply_steering_vectors": overflowing_steering(576, position_indices=[4]),
+        "apply_steering_vectors": overflowing_steering(576),
     }
     run = execute(approved_user, request)
     assert run.status == RunStatus.FAILED
-    assert run.error_code == "non_finite_output"
-    assert "lower the scale" in run.error_message
-    assert replay(run.id)[-1]["error"]["code"] == "non_finite_output"
+    assert run.error_code == "invalid_request"
+    assert "overflows the residual stream" in run.error_message
+    assert replay(run.id)[-1]["error"]["code"] == "invalid_request"
 
 
 def test_a_run_whose_result_the_database_refuses_fails_once_billed_once(approved_user, live_engine):

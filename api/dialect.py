@@ -1,0 +1,119 @@
+"""The upstream dialect: what the gateway sends an upstream for a valid public request, and
+the public answer it makes of the reply. Upstreams speak vLLM-Lens's dialect (the embedded
+engine takes exactly the same), and where vLLM-Lens and the engine behave differently the
+public behaviour is one:
+
+- capture and steering travel inside `vllm_xargs` (`acs_client.protocol.in_vllm_xargs`): vLLM
+  ignores them at the top level without an error;
+- capture layers are sent in ascending order, the order vLLM-Lens returns them in, and the
+  rows are put back in the request's order;
+- a 2-D vector with `position_indices` is sent as the 3-D vector it means (one row per
+  position): vLLM-Lens ignores the positions of a 2-D vector and adds it everywhere;
+- an answer without the capture the request asked for is 502 `capture_incomplete` (the
+  caller bills no activation request for it).
+
+Validation refuses what no upstream can do alike (`api.validation`: greedy n > 1, steering
+by position outside the prompt or at position 0 of a generating request, steering whose
+values times scale could overflow).
+"""
+
+import numpy as np
+
+from acs_client.codec import (
+    b64decode_data,
+    check_frame_size,
+    check_header,
+    decode_bfloat16_bits,
+    encode_bfloat16_bits,
+)
+from acs_client.protocol import in_vllm_xargs
+
+from .errors import ApiError
+
+
+def upstream_body(valid, *, max_tokens: int) -> dict:
+    """The body to send the upstream for `valid` (an `api.validation.ValidCompletion`),
+    generating at most `max_tokens` (the budget may have lowered it)."""
+    body = {**valid.payload, "model": valid.model.upstream_model_name, "max_tokens": max_tokens}
+    if valid.request.stream:
+        # The gateway always needs the final usage to settle the budget.
+        body["stream_options"] = {"include_usage": True}
+    if valid.capture_layers is not None:
+        body["output_residual_stream"] = sorted(valid.capture_layers)
+    steering = valid.payload.get("apply_steering_vectors")
+    if steering:
+        body["apply_steering_vectors"] = [_positioned(vector) for vector in steering]
+    return in_vllm_xargs(body)
+
+
+def capture_body(model, *, tokens: list[int], layers: list[int], max_tokens: int) -> dict:
+    """The upstream body of a greedy capture of `layers` over the token ids `tokens` (a
+    harvest prompt, the registry's probe)."""
+    body = {"model": model.upstream_model_name, "prompt": tokens, "max_tokens": max_tokens}
+    return in_vllm_xargs({**body, "temperature": 0, "output_residual_stream": sorted(layers)})
+
+
+def _positioned(vector: dict) -> dict:
+    """A steering vector as sent upstream: a 2-D one with positions becomes 3-D."""
+    positions = vector.get("position_indices")
+    if positions is None or len(vector["activations"]["shape"]) != 2:
+        return vector
+    rows = decode_bfloat16_bits(vector["activations"])
+    per_position = np.repeat(rows[:, np.newaxis, :], len(positions), axis=1)
+    return {**vector, "activations": encode_bfloat16_bits(per_position)}
+
+
+def public_answer(body: dict, valid) -> bool:
+    """Make the upstream's completion `body` the public answer to `valid`, in place: raise
+    ApiError `capture_incomplete` where it lacks the capture asked for; return whether
+    `body` changed (the upstream's bytes can be relayed as they are otherwise)."""
+    if valid.capture_layers is None:
+        return False
+    return _public_capture(body, valid.capture_layers, valid.model.hidden_size)
+
+
+def _public_capture(body: dict, layers: list[int], hidden_size: int) -> bool:
+    """Check the capture in `body` against the request's `layers` and the tokens the upstream
+    reports, and put its layers back in the request's order. Raises capture_incomplete."""
+    activations = body.get("activations")
+    capture = activations.get("residual_stream") if isinstance(activations, dict) else None
+    if capture is None:
+        raise incomplete(
+            "The upstream answered without the capture it was asked for; its operator should "
+            "check that it runs the vLLM-Lens plugin."
+        )
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0) - 1
+    expected = (len(layers), tokens, hidden_size)
+    try:
+        shape = check_header(capture)
+        check_frame_size(b64decode_data(capture.get("data")), shape)
+    except ValueError as error:
+        raise incomplete(f"The upstream sent no usable capture: {error}.") from None
+    if shape != expected:
+        raise incomplete(
+            f"The upstream's capture has shape {list(shape)}; the request needs "
+            f"{list(expected)} (layers, prompt + generated tokens - 1, hidden)."
+        )
+    changed = set(activations) != {"residual_stream"}
+    body["activations"] = {"residual_stream": capture}
+    if layers != sorted(layers):
+        body["activations"]["residual_stream"] = in_request_order(capture, layers)
+        changed = True
+    return changed
+
+
+def in_request_order(capture: dict, layers: list[int]) -> dict:
+    """A capture whose rows are `sorted(layers)` (as upstreams send them), its rows reordered
+    to `layers`."""
+    return encode_bfloat16_bits(rows_in_request_order(decode_bfloat16_bits(capture), layers))
+
+
+def rows_in_request_order(rows: np.ndarray, layers: list[int]) -> np.ndarray:
+    """Rows of `sorted(layers)`, in the order of `layers`."""
+    ascending = sorted(layers)
+    return rows[[ascending.index(layer) for layer in layers]]
+
+
+def incomplete(message: str) -> ApiError:
+    return ApiError("capture_incomplete", message)

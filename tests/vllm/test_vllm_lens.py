@@ -1,0 +1,318 @@
+"""The public API in front of a real vLLM-Lens answers as in front of the embedded engine.
+
+Every request goes through the gateway twice, to the `vllm` model (vLLM-Lens) and to the
+`engine` model, and the public answers are compared: status, shape and usage exactly; greedy
+tokens until the first near tie (both compute in bfloat16), logprobs and residual rows within
+twice the bfloat16 bounds of tests/tolerances.py (each answer lies within one bound of the
+float32 model: tests/engine/test_fidelity.py for the engine, test_vllm_fidelity.py for
+vLLM-Lens). Sampled requests are compared in shape and usage only.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from acs_client.codec import decode, encode_vector
+from acs_client.downloads import HarvestDownload
+from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
+from api.jobs.tasks import completion_job_run_task, harvest_job_run_task
+from metering import windows
+from metering.models import UsagePeriod
+from tests.gateway.conftest import wait_settled
+from tests.tolerances import TOLERANCES
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BOUND = TOLERANCES["bfloat16"]
+HIDDEN = 576
+RNG = np.random.default_rng(35)
+DIRECTION = RNG.normal(size=HIDDEN).astype(np.float32)
+DIRECTION /= np.linalg.norm(DIRECTION)
+
+
+def steering(rows: np.ndarray, layers: list[int], **fields) -> list[dict]:
+    return [{"activations": encode_vector(rows), "layer_indices": layers, **fields}]
+
+
+# The cheatsheet's examples (../shared/reference/api-cheatsheet.txt), for this model: its
+# hidden size is 576, its layers 0-29.
+CHEATSHEET = {
+    "first completion": {"prompt": "The capital of France is", "max_tokens": 8},
+    "sampler": {
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": ["\n"],
+    },
+    "many completions": {
+        "prompt": ["Once upon a time", "The capital of France is"],
+        "max_tokens": 16,
+        "n": 2,
+    },
+    "logprobs": {"prompt": "The capital of France is", "max_tokens": 1, "logprobs": 5},
+    "prompt logprobs": {
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "prompt_logprobs": 5,
+    },
+    "full-vocabulary prompt logprobs": {
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "prompt_logprobs": -1,
+    },
+    "echo": {"prompt": "Once upon a time", "max_tokens": 8, "echo": True},
+    "capture": {
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "temperature": 0,
+        "output_residual_stream": [15, 20],
+    },
+    "steering": {
+        "prompt": "I think that",
+        "max_tokens": 32,
+        "temperature": 0,
+        "apply_steering_vectors": steering(DIRECTION[None] * 8.0, [16]),
+    },
+}
+
+
+def answer_pair(client, models, body: dict) -> tuple[dict, dict]:
+    """The same body through the gateway to vLLM-Lens and to the engine: both 200. A greedy
+    body is sent with logprobs (1 unless it asks for more), which tell a near tie."""
+    if greedy(body) and body.get("logprobs") is None:
+        body = {**body, "logprobs": 1}
+    answers = []
+    for name in (models["vllm"], models["engine"]):
+        response = client.post("/v1/completions", json={"model": name, **body})
+        assert response.status_code == 200, (name, response.text)
+        answers.append(response.json())
+    return answers[0], answers[1]
+
+
+def greedy(body: dict) -> bool:
+    return body.get("temperature") == 0
+
+
+def assert_same_answer(vllm: dict, engine: dict, body: dict) -> None:
+    assert vllm["object"] == engine["object"] == "text_completion"
+    assert [c["index"] for c in vllm["choices"]] == [c["index"] for c in engine["choices"]]
+    assert vllm["usage"]["prompt_tokens"] == engine["usage"]["prompt_tokens"]
+    agreed = None
+    for got, expected in zip(vllm["choices"], engine["choices"], strict=True):
+        if body.get("echo"):
+            prompt = body["prompt"]
+            assert got["text"].startswith(prompt) and expected["text"].startswith(prompt)
+        assert_same_prompt_logprobs(got.get("prompt_logprobs"), expected.get("prompt_logprobs"))
+        if greedy(body):
+            agreed = assert_same_generation(got, expected)
+        elif body.get("logprobs") is not None:
+            assert_same_first_distribution(got["logprobs"], expected["logprobs"])
+    if greedy(body) and agreed == len(engine["choices"][0]["logprobs"]["tokens"]):
+        assert vllm["usage"]["completion_tokens"] == engine["usage"]["completion_tokens"]
+    if "output_residual_stream" in body:
+        assert_same_rows(vllm, engine, rows=vllm["usage"]["prompt_tokens"] + agreed)
+
+
+def assert_same_generation(got: dict, expected: dict) -> int:
+    """Greedy tokens equal until one of the two had a near tie there (both compute in
+    bfloat16); each reported logprob of the same token within twice the bound. Returns how
+    many generated tokens agree."""
+    ours, theirs = got["logprobs"], expected["logprobs"]
+    for step, (token, other) in enumerate(zip(ours["tokens"], theirs["tokens"], strict=False)):
+        top = theirs["top_logprobs"][step] or {other: theirs["token_logprobs"][step]}
+        if token != other:
+            margin = max(top.values()) - top.get(token, -1e9)
+            assert margin <= 2 * BOUND.greedy_margin, (step, token, other, top)
+            return step
+        difference = abs(ours["token_logprobs"][step] - theirs["token_logprobs"][step])
+        assert difference <= 2 * BOUND.logprob, (step, token, difference)
+    assert len(ours["tokens"]) == len(theirs["tokens"])
+    return len(ours["tokens"])
+
+
+def assert_same_first_distribution(ours: dict, theirs: dict) -> None:
+    """Sampled tokens differ, but the first one is drawn from the prompt's distribution: its
+    top logprobs agree."""
+    first, other = ours["top_logprobs"][0], theirs["top_logprobs"][0]
+    assert first.keys() & other.keys()
+    for token in first.keys() & other.keys():
+        assert abs(first[token] - other[token]) <= 2 * BOUND.logprob, token
+
+
+def assert_same_prompt_logprobs(got, expected) -> None:
+    """Entries of the same tokens agree. A byte-fallback token that decodes to part of a
+    character alone is "" on vLLM (or the character its previous tokens complete) and "\ufffd"
+    on the engine: the one known difference (docs/deploy.md §5)."""
+    if expected is None:
+        assert got is None
+        return
+    assert len(got) == len(expected) and got[0] is None and expected[0] is None
+    for ours, theirs in zip(got[1:], expected[1:], strict=True):
+        assert ours.keys() & theirs.keys()
+        for token in ours.keys() & theirs.keys():
+            assert abs(ours[token]["logprob"] - theirs[token]["logprob"]) <= 2 * BOUND.logprob
+            if not theirs[token]["decoded_token"].endswith("\ufffd"):
+                assert ours[token]["decoded_token"] == theirs[token]["decoded_token"]
+
+
+def assert_same_rows(vllm: dict, engine: dict, *, rows: int) -> None:
+    """The captures' first `rows` positions (those whose tokens agree) within twice the
+    bounds of a row and of a layer's median row."""
+    ours = decode(vllm["activations"]["residual_stream"])
+    theirs = decode(engine["activations"]["residual_stream"])
+    assert ours.shape == theirs.shape
+    ours, theirs = ours[:, :rows], theirs[:, :rows]
+    errors = np.linalg.norm(ours - theirs, axis=-1) / np.linalg.norm(theirs, axis=-1)
+    assert np.median(errors, axis=1).max() <= 2 * BOUND.row_median, np.median(errors, axis=1)
+    assert errors.max() <= 2 * BOUND.row_max, errors.max()
+
+
+@pytest.mark.parametrize("example", list(CHEATSHEET))
+def test_every_cheatsheet_example_gets_the_engines_answer(client, models, example):
+    body = CHEATSHEET[example]
+    literal = client.post("/v1/completions", json={"model": models["vllm"], **body})
+    assert literal.status_code == 200, literal.text
+    vllm, engine = answer_pair(client, models, body)
+    assert_same_answer(vllm, engine, body)
+
+
+def test_a_stream_gets_the_engines_frames(client, models):
+    body = {
+        "prompt": "Five reasons to learn Rust:\n1.",
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    streams = []
+    for name in (models["vllm"], models["engine"]):
+        with client.stream("POST", "/v1/completions", json={"model": name, **body}) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        frames = [json.loads(line[6:]) for line in lines[:-1]]
+        assert not any("error" in frame for frame in frames)
+        assert frames[-1]["choices"] == [] and frames[-1]["model"] == name
+        streams.append(frames)
+    ours, theirs = (frames[-1]["usage"] for frames in streams)
+    assert (ours["prompt_tokens"], ours["completion_tokens"]) == (
+        theirs["prompt_tokens"],
+        theirs["completion_tokens"],
+    )
+    text = ["".join(c["text"] for f in frames[:-1] for c in f["choices"]) for frames in streams]
+    assert text[0][:8] == text[1][:8]
+
+
+def test_a_capture_comes_back_in_the_requests_layer_order_and_counts_one_activation(
+    client, models, api_key
+):
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    vllm, engine = answer_pair(client, models, {**body, "output_residual_stream": [20, 7]})
+    assert_same_answer(vllm, engine, {**body, "output_residual_stream": [20, 7]})
+    ascending, _ = answer_pair(client, models, {**body, "output_residual_stream": [7, 20]})
+    rows, reordered = (decode(a["activations"]["residual_stream"]) for a in (vllm, ascending))
+    np.testing.assert_array_equal(rows, reordered[::-1])
+    assert rows.shape == (2, 5 + 3 - 1, HIDDEN)
+    wait_settled()
+    month = UsagePeriod.objects.get(key=api_key, period=windows.MONTH.name)
+    assert month.activation_requests == 4
+
+
+@pytest.mark.parametrize(
+    "vectors",
+    [
+        pytest.param(steering(DIRECTION[None] * 6.0, [10], scale=2.0), id="add"),
+        pytest.param(steering(DIRECTION[None], [12], scale=1.0, norm_match=True), id="norm_match"),
+        pytest.param(
+            steering(np.stack([DIRECTION, -DIRECTION])[None] * 20.0, [5], position_indices=[2, 4]),
+            id="3-D positions",
+        ),
+        pytest.param(
+            steering(DIRECTION[None] * 20.0, [5], position_indices=[2, 4]),
+            id="2-D positions",
+        ),
+    ],
+)
+def test_a_steered_run_gets_the_engines_answer(client, models, vectors):
+    body = {
+        "prompt": "My favourite recipe is for a cake that",
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 2,
+        "output_residual_stream": [5, 12, 29],
+        "apply_steering_vectors": vectors,
+    }
+    vllm, engine = answer_pair(client, models, body)
+    assert_same_answer(vllm, engine, body)
+    plain, _ = answer_pair(
+        client, models, {k: v for k, v in body.items() if k != "apply_steering_vectors"}
+    )
+    moved = decode(vllm["activations"]["residual_stream"]) - decode(
+        plain["activations"]["residual_stream"]
+    )
+    assert np.abs(moved).max() > 1.0, "the steering was applied"
+
+
+def test_steering_that_would_overflow_never_reaches_vllm_lens(client, models):
+    """An infinite residual value left NaN in vLLM-Lens's KV cache, and every later request
+    of anyone failed ("Out of range float values are not JSON compliant") until a restart:
+    the gateway refuses it, and vLLM-Lens serves the next request."""
+    overflow = steering(np.full((1, HIDDEN), 3e38, np.float32), [5], scale=1e30)
+    body = {"prompt": "Hello there", "max_tokens": 4, "apply_steering_vectors": overflow}
+    response = client.post("/v1/completions", json={"model": models["vllm"], **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+    plain = {"model": models["vllm"], "prompt": "Hello there", "max_tokens": 4}
+    assert client.post("/v1/completions", json=plain).status_code == 200
+
+
+def test_a_completion_job_run_by_the_worker_gets_the_engines_result(client, models, sent_tasks):
+    body = {"prompt": "Hello", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    results = []
+    for name in (models["vllm"], models["engine"]):
+        submitted = client.post(
+            "/v1/completion-jobs",
+            json={"model": name, **body},
+            headers={"Idempotency-Key": f"job-{name}"},
+        )
+        assert submitted.status_code in (200, 201, 202), submitted.text
+        job_id = submitted.json()["id"]
+        completion_job_run_task.apply(args=[job_id])
+        job = CompletionJob.objects.get(pk=job_id)
+        assert job.status == "succeeded", (job.error, job.result_body)
+        result = client.get(f"/v1/completion-jobs/{job_id}/result")
+        assert result.status_code == 200
+        results.append(result.json())
+    assert_same_answer(results[0], results[1], body)
+
+
+def test_a_harvest_run_by_the_worker_gets_the_engines_rows_in_the_requests_order(
+    client, models, sent_tasks, tmp_path, settings
+):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    prompts = ["The quick brown fox jumps over the lazy dog.", "Paris"]
+    harvested = []
+    for name in (models["vllm"], models["engine"]):
+        submitted = client.post(
+            "/v1/harvest", json={"model": name, "prompts": prompts, "layers": [15, 7]}
+        )
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["job_id"]
+        harvest_job_run_task.apply(args=[job_id])
+        job = HarvestJob.objects.get(pk=job_id)
+        assert job.status == HarvestJobStatus.DONE, job.error
+        download = HarvestDownload.open(settings.MEDIA_ROOT / job.storage_prefix)
+        assert download.manifest["layers"] == [15, 7]
+        harvested.append(download.captures())
+    for ours, theirs in zip(*harvested, strict=True):
+        assert ours.token_ids.tolist() == theirs.token_ids.tolist()
+        tokens = len(ours.token_ids)
+        assert ours.activations.shape == theirs.activations.shape == (2, tokens, HIDDEN)
+        for layer in (15, 7):
+            got, expected = ours.layer(layer), theirs.layer(layer)
+            errors = np.linalg.norm(got - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
+            assert np.median(errors) <= 2 * BOUND.row_median, (layer, np.median(errors))
+            assert errors.max() <= 2 * BOUND.row_max, (layer, errors.max())
