@@ -150,7 +150,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
-    "acs_portal.database_busy.DatabaseBusyMiddleware",
+    "acs_portal.database.DatabaseBusyMiddleware",
 ]
 
 ROOT_URLCONF = "acs_portal.urls"
@@ -312,6 +312,10 @@ PLAYGROUND_RUN_MAX_RETRIES = env_int("PLAYGROUND_RUN_MAX_RETRIES", 3, minimum=0)
 PLAYGROUND_RUN_MAX_RETRY_DELAY = env_int("PLAYGROUND_RUN_MAX_RETRY_DELAY", 30, minimum=0)
 # A run queued or running longer than this (the API's 14-minute limit, plus margin) is failed.
 PLAYGROUND_RUN_STUCK_SECONDS = env_int("PLAYGROUND_RUN_STUCK_SECONDS", 15 * 60, minimum=1)
+# Runs of one group (a patching grid's cells, a sweep's scales) sent to the workers at a
+# time; the next is sent as one finishes. The Celery queue is first in, first out: a grid of
+# 512 cells sent at once made another user's run wait for all of them.
+PLAYGROUND_GROUP_RUNS_IN_FLIGHT = env_int("PLAYGROUND_GROUP_RUNS_IN_FLIGHT", 4, minimum=1)
 CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
     "task": "playground.tasks.runs_sweep_task",
     "schedule": 60.0,

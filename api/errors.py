@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from django.http import JsonResponse
 from redis import RedisError
 
-from acs_portal.database_busy import pool_exhausted
+from acs_portal.database import pool_exhausted
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
 

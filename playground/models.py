@@ -31,7 +31,8 @@ class Run(models.Model):
     `request` is the body exactly as sent. Runs of one steering comparison, sweep or contrast
     pair share a `group`; `scale` is the steering scale of that run (None when unsteered).
     Status moves queued → running → succeeded | failed; a worker claims a run with a
-    conditional update, so only one worker ever runs it.
+    conditional update, so only one worker ever runs it. A group's runs go to the workers a
+    few at a time (`sent_at`), so that a big grid or sweep shares them with everyone else.
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -57,6 +58,9 @@ class Run(models.Model):
     error_message = models.TextField(blank=True)
     request_id = models.CharField(max_length=64, blank=True)
     queued_at = models.DateTimeField(default=timezone.now)
+    # When its task went to the workers: at once for a run of its own, in turn for the runs
+    # of a group (`services.runs.group_runs_dispatch`). None while it waits for its turn.
+    sent_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -6,7 +6,7 @@ from django.conf import settings
 from . import compare, patching
 from .models import RunKind, RunStatus
 from .services.run_execution import RunRetry, run_execute
-from .services.runs import runs_fail_stuck
+from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
 from .services.submissions import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
 
@@ -55,9 +55,11 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
     queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
-    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), and resume patching
-    grids stalled between their captures and their patched runs. Returns how many it failed."""
+    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), resume patching
+    grids stalled between their captures and their patched runs, and send the next runs of
+    groups whose dispatch stalled. Returns how many it failed."""
     patching.patching_grids_resume_stalled()
+    groups_dispatch_stalled()
     return (
         runs_fail_stuck()
         + steering_scores_fail_stuck()

@@ -11,13 +11,14 @@ from django.db.models import F
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
+from acs_portal.database import written_through_reconnects
 from api.errors import result_unstorable
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus
 from ..run_tokens import run_tokens
 from .keys import worker_secret
-from .runs import run_fail
+from .runs import group_runs_dispatch, run_fail
 from .scores import STEERING_KINDS, steering_score_queue
 from .vectors import steering_vector_from_contrast
 
@@ -100,6 +101,8 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
         return run_fail(
             run=run, code=error.code, message=error.message, request_id=result["request_id"]
         )
+    if run.group is not None:
+        group_runs_dispatch(group=run.group)
     if run.kind == RunKind.CONTRAST:
         steering_vector_from_contrast(group=run.group)
     if run.kind in STEERING_KINDS:
@@ -109,7 +112,11 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
 
 def _run_requeue(run: Run) -> None:
     streams.reset(run.id)
-    Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(status=RunStatus.QUEUED)
+    written_through_reconnects(
+        lambda: Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(
+            status=RunStatus.QUEUED
+        )
+    )
 
 
 def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
@@ -128,8 +135,11 @@ def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
                     run.id, {"type": "token", "choice": choice.get("index", 0), "text": text}
                 )
                 if not progress["tokens"]:
-                    Run.objects.filter(pk=run.pk).update(
-                        first_token_at=arrived, api_ttft_ms=(time.perf_counter() - sent) * 1000
+                    ttft_ms = (time.perf_counter() - sent) * 1000
+                    written_through_reconnects(
+                        lambda arrived=arrived, ttft_ms=ttft_ms: Run.objects.filter(
+                            pk=run.pk
+                        ).update(first_token_at=arrived, api_ttft_ms=ttft_ms)
                     )
                 progress["tokens"] += 1
         return {
@@ -183,8 +193,8 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
     # Tokenized after the answer, off the path to the first token.
     tokens = run_tokens(run.request, response)
     now = timezone.now()
-    with transaction.atomic():
-        Run.objects.filter(pk=run.pk).update(
+    written_through_reconnects(
+        lambda: Run.objects.filter(pk=run.pk).update(
             status=RunStatus.SUCCEEDED,
             response=response,
             tokens=tokens,
@@ -194,6 +204,7 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
             upstream_ms=timing.get("upstream"),
             finished_at=now,
         )
+    )
     streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
     run.refresh_from_db()
     return run

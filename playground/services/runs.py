@@ -4,13 +4,15 @@ runs that can no longer finish. Their execution is `run_execution`'s."""
 import datetime as dt
 import uuid
 
+import kombu.exceptions
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
-from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
+from acs_portal.celery import TaskQueueUnreachable, task_send, task_send_on_commit
+from acs_portal.database import written_through_reconnects
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus, SteeringVector
@@ -66,13 +68,56 @@ def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token
             request=request,
             meta=meta or {},
             submit_token=submit_token,
+            sent_at=timezone.now() if group is None else None,
         )
-        task_send_on_commit(
-            RUN_EXECUTE_TASK,
-            str(run.id),
-            unsent=lambda error: runs_fail_unsent(run=run, error=error),
-        )
+        if group is None:
+            task_send_on_commit(
+                RUN_EXECUTE_TASK,
+                str(run.id),
+                unsent=lambda error: runs_fail_unsent(run=run, error=error),
+            )
+        else:
+            transaction.on_commit(lambda: group_runs_dispatch(group=group))
     return run
+
+
+def group_runs_dispatch(*, group) -> int:
+    """Send the next queued runs of `group` to the workers, in the order they were queued,
+    so that at most PLAYGROUND_GROUP_RUNS_IN_FLIGHT of them are sent and unfinished: each
+    group's share of the first-in-first-out queue. Called when a group's runs are queued and
+    whenever one finishes; the sweep calls it for groups that stalled. If the broker cannot
+    be reached, the group's queued runs fail as never sent and TaskQueueUnreachable is
+    raised. Returns how many runs it sent."""
+    with transaction.atomic():
+        # The group's first run, locked: dispatches of one group happen one after another.
+        first = Run.objects.select_for_update().filter(group=group).order_by("queued_at", "id")
+        if first.first() is None:
+            return 0
+        active = Run.objects.filter(group=group, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        free = settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT - active.exclude(sent_at=None).count()
+        waiting = active.filter(status=RunStatus.QUEUED, sent_at=None).order_by("queued_at", "id")
+        ids = [str(run_id) for run_id in waiting.values_list("pk", flat=True)[: max(free, 0)]]
+        Run.objects.filter(pk__in=ids).update(sent_at=timezone.now())
+    for run_id in ids:
+        try:
+            task_send(RUN_EXECUTE_TASK, run_id)
+        except kombu.exceptions.OperationalError as cause:
+            error = TaskQueueUnreachable()
+            runs_fail_unsent(run=Run.objects.get(pk=run_id), error=error)
+            raise error from cause
+    return len(ids)
+
+
+def groups_dispatch_stalled() -> int:
+    """`group_runs_dispatch` for every group with runs waiting for their turn (a worker that
+    died between a run's end and the next dispatch leaves one so). Run by the sweep."""
+    groups = (
+        Run.objects.filter(status=RunStatus.QUEUED, sent_at=None)
+        .exclude(group=None)
+        .values_list("group", flat=True)
+        .distinct()
+    )
+    return sum(group_runs_dispatch(group=group) for group in groups)
 
 
 def runs_fail_unsent(*, run: Run, error: TaskQueueUnreachable) -> None:
@@ -113,30 +158,37 @@ def submitted_once(*, user: User, submit_token: uuid.UUID | None, create, existi
 
 
 def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
-    """Mark the run failed with a message a person can read, and end its stream."""
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.FAILED,
-        error_code=code,
-        error_message=message,
-        request_id=request_id,
-        finished_at=timezone.now(),
+    """Mark the run failed with a message a person can read (through a connection
+    PostgreSQL ended, or a database back within a minute), end its stream, and send its
+    group's next run."""
+    written_through_reconnects(
+        lambda: Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.FAILED,
+            error_code=code,
+            error_message=message,
+            request_id=request_id,
+            finished_at=timezone.now(),
+        )
     )
     streams.publish(
         run.id,
         {"type": "end", "status": RunStatus.FAILED, "error": {"code": code, "message": message}},
     )
     run.refresh_from_db()
+    if run.group is not None:
+        group_runs_dispatch(group=run.group)
     return run
 
 
 def runs_fail_stuck(*, now=None) -> int:
     """Fail runs that can no longer finish: running past the API's 14-minute request limit
-    (their worker died; a redelivered task cannot claim a running run) or still queued after
-    as long (no worker took them). Returns how many were failed. Run by beat every minute."""
+    (their worker died; a redelivered task cannot claim a running run) or still queued as
+    long after they were sent (no worker took them; a group's runs waiting for their turn are
+    not sent yet). Returns how many were failed. Run by beat every minute."""
     cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
     stuck = Run.objects.filter(
         Q(status=RunStatus.RUNNING, started_at__lt=cutoff)
-        | Q(status=RunStatus.QUEUED, queued_at__lt=cutoff)
+        | Q(status=RunStatus.QUEUED, sent_at__lt=cutoff)
     )
     failed = 0
     for run in stuck:

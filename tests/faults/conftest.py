@@ -30,6 +30,8 @@ from django.utils import timezone
 
 from accounts.models import User
 from accounts.services.keys import api_key_create
+from acs_portal.celery import app as celery_app
+from acs_portal.redis import redis_sync_reset
 from api.models import LanguageModel
 from metering import windows
 from metering.models import BudgetLease, UsagePeriod
@@ -312,6 +314,15 @@ def models(system, transactional_db):
         what="the gateway to give its budget leases back",
     )
     connections.close_all()
+
+
+@pytest.fixture
+def playground_sends_to_system(system, monkeypatch):
+    """run_create enqueues on the system's broker."""
+    monkeypatch.setattr(
+        celery_app, "send_task", lambda name, args, countdown=None: system.send_task(name, *args)
+    )
+    redis_sync_reset()
 
 
 @pytest.fixture

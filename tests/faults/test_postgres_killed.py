@@ -10,6 +10,8 @@ import httpx
 
 from api.jobs.models import CompletionJob
 from metering.models import UsageRecord
+from playground.models import Run
+from playground.services.runs import run_create
 
 from .conftest import STUB_MODEL, make_account, wait_for
 
@@ -192,3 +194,107 @@ def test_worker_recovers_at_its_next_task_after_its_db_connections_are_killed(
         recovery=f"{recovered_after:.1f} s from the kill to the job's success",
     )
     http.close()
+
+
+# A job or run whose database connection dies mid-task finishes within this (issue 36.2).
+MID_TASK_BOUND_S = 60.0
+# The stub answers after this long: long enough to kill the worker's connections meanwhile.
+UPSTREAM_DELAY_S = 2.0
+
+
+def test_a_completion_job_whose_connections_die_mid_task_finishes_once_billed_once(
+    system, account, fault_table
+):
+    """Every connection is killed while the job's completion is at the upstream: the
+    gateway bills it, and the worker, whose connection died under it, stores the result on
+    a new one, once; it used to raise, leave the job running for its 16-minute lease, then
+    run (and bill) it again."""
+    http = httpx.Client(
+        base_url=system.web_url, headers={"Authorization": f"Bearer {account.secret}"}, timeout=60
+    )
+    system.stub.mode["delay"] = UPSTREAM_DELAY_S
+    try:
+        job_id = _completion_job(http)
+        wait_for(
+            lambda: CompletionJob.objects.filter(pk=job_id, status="running").exists(),
+            timeout=30,
+            what="the worker to claim the job",
+            interval=0.02,
+        )
+        killed = system.terminate_db_backends()
+        killed_at = time.monotonic()
+        job = wait_for(
+            lambda: CompletionJob.objects.filter(pk=job_id, finished_at__isnull=False).first(),
+            timeout=MID_TASK_BOUND_S,
+            what="the job to finish",
+            interval=0.05,
+        )
+    finally:
+        system.stub.mode.pop("delay", None)
+    finished_after = time.monotonic() - killed_at
+    assert job.status == "succeeded", job.result_body
+    assert job.attempts == 1
+    usage = job.result_body["usage"]
+    records = wait_for(
+        lambda: list(UsageRecord.objects.filter(key=account.key)),
+        timeout=30,
+        what="the job's usage record",
+    )
+    assert len(records) == 1
+    assert (records[0].prompt_tokens, records[0].completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert account.used_tokens() == usage["total_tokens"]
+    fault_table.add(
+        fault=f"PostgreSQL: all {killed} connections terminated during a completion job",
+        client_saw="the job `succeeded` at its first attempt",
+        metered=f"{records[0].prompt_tokens + records[0].completion_tokens} (1 usage record)",
+        produced=f"{usage['total_tokens']} in the stored result",
+        recovery=f"{finished_after:.1f} s from the kill to the stored result",
+    )
+    http.close()
+
+
+def test_a_playground_run_whose_connections_die_mid_task_finishes_once_billed_once(
+    system, account, fault_table, playground_sends_to_system
+):
+    """As the job above, for a playground run (its worker calls the gateway over HTTP): it
+    used to stay running until the sweep failed it as `worker_lost` 15 minutes later."""
+    system.stub.mode["delay"] = UPSTREAM_DELAY_S
+    try:
+        run = run_create(
+            user=account.user,
+            request={"model": STUB_MODEL, "prompt": "the capital of france is", "max_tokens": 3},
+        )
+        wait_for(
+            lambda: Run.objects.filter(pk=run.pk, status="running").exists(),
+            timeout=30,
+            what="the worker to claim the run",
+            interval=0.02,
+        )
+        killed = system.terminate_db_backends()
+        killed_at = time.monotonic()
+        finished = wait_for(
+            lambda: Run.objects.filter(pk=run.pk, finished_at__isnull=False).first(),
+            timeout=MID_TASK_BOUND_S,
+            what="the run to finish",
+            interval=0.05,
+        )
+    finally:
+        system.stub.mode.pop("delay", None)
+    finished_after = time.monotonic() - killed_at
+    assert finished.status == "succeeded", (finished.error_code, finished.error_message)
+    assert finished.attempts == 1
+    records = list(UsageRecord.objects.filter(user=account.user))
+    assert len(records) == 1
+    assert (
+        records[0].prompt_tokens + records[0].completion_tokens == (finished.usage["total_tokens"])
+    )
+    fault_table.add(
+        fault=f"PostgreSQL: all {killed} connections terminated during a playground run",
+        client_saw="the run `succeeded` at its first attempt",
+        metered=f"{finished.usage['total_tokens']} (1 usage record)",
+        produced=f"{finished.usage['total_tokens']} in the stored run",
+        recovery=f"{finished_after:.1f} s from the kill to the stored run",
+    )

@@ -7,12 +7,9 @@ import time
 import uuid
 
 import httpx
-import pytest
 import redis
 
 from accounts.services.keys import api_key_revoke
-from acs_portal.celery import app as celery_app
-from acs_portal.redis import redis_sync_reset
 from api.auth import GENERATION_KEY, access_generation_bump
 from metering.models import UsageRecord
 from playground.models import Run
@@ -38,15 +35,6 @@ def _restart_redis(system) -> float:
     system.redis.start()
     system.redis.wait_ready()
     return time.monotonic()
-
-
-@pytest.fixture
-def playground_sends_to_system(system, monkeypatch):
-    """run_create enqueues on the system's broker."""
-    monkeypatch.setattr(
-        celery_app, "send_task", lambda name, args, countdown=None: system.send_task(name, *args)
-    )
-    redis_sync_reset()
 
 
 def test_redis_restart_keeps_holds_and_admission_and_playground_recover(

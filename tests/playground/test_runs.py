@@ -1,14 +1,17 @@
 """The run state machine: queued → running → succeeded | failed, claimed once, retried only
 on transient errors; the managed playground key."""
 
+import datetime as dt
 import threading
+import uuid
 
 import httpx
 import numpy as np
 import pytest
 from cryptography.fernet import Fernet
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
+from django.utils import timezone
 
 from accounts.models import ApiKey, AuditLog
 from accounts.services.auth import api_key_authenticate
@@ -19,7 +22,13 @@ from playground import tasks
 from playground.models import Run, RunKind, RunStatus
 from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import RunRetry, run_claim, run_execute
-from playground.services.runs import run_create
+from playground.services.runs import (
+    group_runs_dispatch,
+    run_create,
+    run_enqueue,
+    run_fail,
+    runs_fail_stuck,
+)
 from playground.services.vectors import contrast_runs_create, steering_vector_from_contrast
 
 from .conftest import recorded, replay
@@ -299,7 +308,7 @@ def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
     dead = Run.objects.create(
         user=approved_user, request=request, status=RunStatus.RUNNING, started_at=old
     )
-    lost = Run.objects.create(user=approved_user, request=request, queued_at=old)
+    lost = Run.objects.create(user=approved_user, request=request, queued_at=old, sent_at=old)
     alive = Run.objects.create(
         user=approved_user, request=request, status=RunStatus.RUNNING, started_at=now
     )
@@ -334,3 +343,45 @@ def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_mes
     assert run.request_id
     end = list(replay(run.id))[-1]
     assert end["error"] == {"code": "key_revoked", "message": run.error_message}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_groups_runs_go_to_the_workers_a_few_at_a_time(
+    approved_user, no_enqueue, redis_client, settings
+):
+    """A grid or sweep queues all its runs, but sends PLAYGROUND_GROUP_RUNS_IN_FLIGHT of them
+    to the first-in-first-out queue at a time, the next as one ends (succeeded or failed):
+    another user's run queued meanwhile waits behind those few, not the whole grid."""
+    settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT = 3
+    request = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1}
+    group = uuid.uuid4()
+    with transaction.atomic():
+        runs = [
+            run_enqueue(
+                user=approved_user,
+                request=request,
+                kind=RunKind.SWEEP,
+                group=group,
+                scale=float(scale),
+                vector=None,
+                meta={},
+                submit_token=None,
+            )
+            for scale in range(8)
+        ]
+    assert no_enqueue == [str(run.pk) for run in runs[:3]]
+    other = run_create(user=approved_user, request=request)
+    assert no_enqueue[-1] == str(other.pk)
+    run_fail(run=runs[0], code="x", message="failed")
+    assert no_enqueue[-1] == str(runs[3].pk)
+    Run.objects.filter(pk=runs[1].pk).update(status=RunStatus.SUCCEEDED)
+    assert group_runs_dispatch(group=group) == 1
+    assert no_enqueue[-1] == str(runs[4].pk)
+    assert group_runs_dispatch(group=group) == 0
+    # Runs waiting for their turn are not stuck: the sweep fails the four sent and never
+    # taken (the group's three and the other run), whose ends send the group's last three.
+    later = timezone.now() + dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS + 1)
+    assert runs_fail_stuck(now=later) == 4
+    assert no_enqueue[-3:] == [str(run.pk) for run in runs[5:]]
+    waiting = Run.objects.filter(pk__in=[run.pk for run in runs[5:]], status=RunStatus.QUEUED)
+    assert waiting.exclude(sent_at=None).count() == 3

@@ -12,9 +12,11 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from acs_portal.celery import task_send
+from acs_portal.database import written_through_reconnects
 from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, result_unstorable
+from metering.models import UsageRecord
 
 from ..models import CompletionJob, CompletionJobStatus
 from .idempotency import IdempotencyKeyReused, request_fingerprint
@@ -79,7 +81,16 @@ def completion_job_execute(*, job_id, now=None) -> None:
     )
     if job is None:
         return
-    request_id = f"job-{job.pk.hex[:12]}-{uuid.uuid4().hex[:12]}"
+    billed = _attempt_billed(job)
+    if billed is not None:
+        # An earlier attempt's completion ran and was billed, and its result was lost with
+        # its worker: running it again would bill it twice.
+        error = result_unstorable(
+            RuntimeError("the worker that ran it stopped before storing it"), request_id=billed
+        )
+        _completion_job_stored(job, status=error.status, body=error.body(), headers={})
+        return
+    request_id = f"{_request_id_prefix(job)}{uuid.uuid4().hex[:12]}"
     try:
         result = async_to_sync(completion_run)(
             key=key_recheck(job.key_id),
@@ -101,20 +112,47 @@ def completion_job_execute(*, job_id, now=None) -> None:
         status, body, headers = error.status, error.body(), error.headers()
     retry_after = headers.get("Retry-After")
     if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
-        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
-            status=CompletionJobStatus.QUEUED,
-            lease_expires_at=timezone.now()
-            + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+        written_through_reconnects(
+            lambda: CompletionJob.objects.filter(
+                pk=job.pk, status=CompletionJobStatus.RUNNING
+            ).update(
+                status=CompletionJobStatus.QUEUED,
+                lease_expires_at=timezone.now()
+                + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+            )
         )
         task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
     try:
-        _completion_job_finish(job, status=status, body=body, headers=headers)
+        _completion_job_stored(job, status=status, body=body, headers=headers)
     except DataError as refused:
         # Run again, the job would be billed again and refused again: it fails, once.
         logger.warning("completion job %s: result not stored: %s", job.pk, refused)
         error = result_unstorable(refused, request_id=request_id)
-        _completion_job_finish(job, status=error.status, body=error.body(), headers=error.headers())
+        _completion_job_stored(job, status=error.status, body=error.body(), headers=error.headers())
+
+
+def _request_id_prefix(job: CompletionJob) -> str:
+    """What the request ids of every attempt of `job` start with (its usage records')."""
+    return f"job-{job.pk.hex[:12]}-"
+
+
+def _attempt_billed(job: CompletionJob) -> str | None:
+    """The request id of an earlier attempt of `job` that was answered and billed, if any."""
+    if job.attempts <= 1:
+        return None
+    billed = UsageRecord.objects.filter(
+        key_id=job.key_id, request_id__startswith=_request_id_prefix(job), status_code__lt=400
+    )
+    return billed.values_list("request_id", flat=True).first()
+
+
+def _completion_job_stored(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
+    """`_completion_job_finish`, through a connection PostgreSQL ended or a database that is
+    back within a minute: the work it stores ran, and was billed, once."""
+    written_through_reconnects(
+        lambda: _completion_job_finish(job, status=status, body=body, headers=headers)
+    )
 
 
 def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
