@@ -96,6 +96,10 @@ class Run(models.Model):
 
     @property
     def prompt_preview(self) -> str:
+        """The prompt(s) as text, several joined by " | ". Runs that send token ids (a
+        patching grid's) keep the text they were made from in `meta["prompt_text"]`."""
+        if "prompt_text" in self.meta:
+            return self.meta["prompt_text"]
         prompt = self.request.get("prompt", "")
         return " | ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
 

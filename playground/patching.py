@@ -1,23 +1,28 @@
 """Activation patching (causal tracing): which layer and position of a clean prompt carry what
-makes the model predict a target token, measured by patching them one at a time into a
-corrupted prompt of the same token length.
+makes the model predict a target, measured by patching them one at a time into a corrupted
+prompt of the same token length.
 
 A grid is one group of runs through the workers, sent with the user's playground key like
 every run (so budgets apply and each cell is a run with its own page):
 
 1. two capture runs (`RunKind.PATCHING_CAPTURE`): the clean and the corrupted prompt, each
-   followed by the target token (token ids, teacher-forced), capturing the residual stream at
-   the chosen layers; `prompt_logprobs: 0` gives the target's logprob after the prompt from
-   the full distribution, however unlikely the target is;
-2. once both have succeeded (`patched_runs_create`), one run per layer × position
-   (`RunKind.PATCHED`): the corrupted prompt + target, steered at that layer and position
-   alone with clean row − corrupted row (scale 1, no norm_match). Capture layer L and steering
-   at layer L are both the output of decoder block L, so the patched block's output there is
-   the clean one (up to bfloat16 rounding of the sent vector), and everything after it follows.
+   followed by the target's tokens (token ids, teacher-forced), capturing the residual
+   stream at the chosen layers;
+2. once both have succeeded (`patched_runs_create`), the scoring runs (`RunKind.PATCHED`),
+   each sending the prompt followed by each target (the target, and the corrupted target for
+   the logit difference) with `prompt_logprobs: 0` (see `patching_metrics`):
+   - the clean prompt, unpatched: the clean baseline;
+   - `PATCHING_REPEATS` copies of the corrupted prompt, unpatched, spread among the cells: the
+     corrupted baseline (their mean) and the noise floor (their range);
+   - one cell per layer × position: the corrupted prompt steered at that layer and position
+     alone with clean row − corrupted row (scale 1, no norm_match). Capture layer L and
+     steering at layer L are both the output of decoder block L, so the patched block's
+     output there is the clean one (up to bfloat16 rounding of the sent vector), and
+     everything after it follows.
 
-The normalised effect of a cell is (patched − corrupted) / (clean − corrupted) of the target's
-logprob: 1 where patching that one layer and position restores the clean prediction, 0 where
-it changes nothing.
+The normalised effect of a cell is (patched − corrupted) / (clean − corrupted) of the chosen
+metric: 1 where patching that one layer and position restores the clean value, 0 where it
+changes nothing.
 """
 
 import datetime as dt
@@ -34,15 +39,15 @@ from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
 
-from . import figures, selectors
+from . import figures
 from .models import Run, RunKind, RunStatus
 from .services.runs import run_create, submitted_once
 
 logger = logging.getLogger(__name__)
 
-# |clean − corrupted| below this many nats leaves nothing to restore: no normalised effect.
-MIN_LOGPROB_GAP = 1e-3
 CANCELLED_CODE = "cancelled"
+# Unpatched corrupted requests sent among a grid's cells, for its baseline and noise floor.
+PATCHING_REPEATS = 3
 # A capture's worker queues the patched runs as soon as the second capture succeeds; a grid
 # whose captures both succeeded this long ago with no patched run lost that worker.
 STALLED_AFTER = dt.timedelta(seconds=60)
@@ -52,14 +57,31 @@ BUILD_FAILED_MESSAGE = (
 )
 
 
+@dataclass(frozen=True)
+class PatchingTarget:
+    """A target continuation: its text as entered and its tokens (no special tokens)."""
+
+    text: str
+    tokens: PromptTokens
+
+
+def spec_targets(spec: dict) -> list[list[int]]:
+    """The token ids of the grid's targets: the target, then the corrupted target when the
+    grid has one (grids made before targets of several tokens stored `target_id`)."""
+    targets = [spec.get("target_ids") or [spec["target_id"]]]
+    if spec.get("corrupted_target_ids"):
+        targets.append(spec["corrupted_target_ids"])
+    return targets
+
+
 # ---------------------------------------------------------------------------------------
 # Writes
 
 
-def _capture_request(*, model: str, prompt_ids: list[int], target_id: int, layers) -> dict:
+def _capture_request(*, model: str, prompt_ids: list[int], target_ids: list[int], layers) -> dict:
     return {
         "model": model,
-        "prompt": [*prompt_ids, target_id],
+        "prompt": [*prompt_ids, *target_ids],
         "max_tokens": 1,
         "temperature": 0,
         "prompt_logprobs": 0,
@@ -67,44 +89,82 @@ def _capture_request(*, model: str, prompt_ids: list[int], target_id: int, layer
     }
 
 
+def _score_request(*, model: str, prompt_ids: list[int], targets: list[list[int]]) -> dict:
+    """The prompt followed by each target, as token ids, scored (see `patching_metrics`)."""
+    return {
+        "model": model,
+        "prompt": [[*prompt_ids, *target] for target in targets],
+        "max_tokens": 1,
+        "temperature": 0,
+        "prompt_logprobs": 0,
+    }
+
+
+def _prompt_text(prompt: str, targets: list[str]) -> str:
+    """What a run's token-id prompts were made from, as the history lists prompts."""
+    return " | ".join(prompt + target for target in targets)
+
+
 def patching_grid_create(
     *,
     user: User,
     model: str,
+    clean_prompt: str,
+    corrupted_prompt: str,
     clean: PromptTokens,
     corrupted: PromptTokens,
-    target: str,
-    target_id: int,
+    target: PatchingTarget,
+    corrupted_target: PatchingTarget | None,
+    metric: str,
     layers: list[int],
     positions: list[int],
     submit_token: uuid.UUID | None = None,
 ) -> uuid.UUID:
-    """Queue the clean and corrupted captures of a patching grid; its patched runs follow
-    when both have succeeded (`patched_runs_create`). Returns the grid's group id (that of
-    the first grid, when `submit_token` was submitted before)."""
+    """Queue the clean and corrupted captures of a patching grid; its scoring runs follow
+    when both have succeeded (`patched_runs_create`). `metric` (see METRICS) is the one the
+    grid shows first; the logit difference needs `corrupted_target`. Returns the grid's
+    group id (that of the first grid, when `submit_token` was submitted before)."""
     spec = {
+        "clean_prompt": clean_prompt,
+        "corrupted_prompt": corrupted_prompt,
         "clean_ids": clean.ids,
         "clean_strings": clean.strings,
         "corrupted_ids": corrupted.ids,
         "corrupted_strings": corrupted.strings,
-        "target": target,
-        "target_id": target_id,
+        "target": target.text,
+        "target_ids": target.tokens.ids,
+        "target_strings": target.tokens.strings,
+        "corrupted_target": corrupted_target.text if corrupted_target else "",
+        "corrupted_target_ids": corrupted_target.tokens.ids if corrupted_target else [],
+        "corrupted_target_strings": corrupted_target.tokens.strings if corrupted_target else [],
+        "metric": metric,
         "layers": layers,
         "positions": positions,
+        "repeats": PATCHING_REPEATS,
     }
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
         with transaction.atomic():
-            for role, tokens in (("clean", clean), ("corrupted", corrupted)):
+            for role, prompt, tokens in (
+                ("clean", clean_prompt, clean),
+                ("corrupted", corrupted_prompt, corrupted),
+            ):
                 run_create(
                     user=user,
                     kind=RunKind.PATCHING_CAPTURE,
                     group=group,
                     request=_capture_request(
-                        model=model, prompt_ids=tokens.ids, target_id=target_id, layers=layers
+                        model=model,
+                        prompt_ids=tokens.ids,
+                        target_ids=target.tokens.ids,
+                        layers=layers,
                     ),
-                    meta={"role": role, "patching": spec},
+                    meta={
+                        "role": role,
+                        "patching": spec,
+                        "prompt_text": _prompt_text(prompt, [target.text]),
+                    },
                     submit_token=submit_token if role == "clean" else None,
                 )
         return group
@@ -121,10 +181,23 @@ def _captures_locked(group) -> dict[str, Run]:
     return {run.meta["role"]: run for run in runs.order_by("queued_at")}
 
 
+def _queue_order(cells: list, repeats: int) -> list[tuple[str, object]]:
+    """The cells with the repeats spread evenly among them, the first repeat before every
+    cell and the last after them, so that they share the cells' batches: ("cell", cell) and
+    ("repeat", index) in the order the runs are sent."""
+    slots = [round(index * len(cells) / max(repeats - 1, 1)) for index in range(repeats)]
+    order = []
+    for position in range(len(cells) + 1):
+        order += [("repeat", index) for index, slot in enumerate(slots) if slot == position]
+        if position < len(cells):
+            order.append(("cell", cells[position]))
+    return order
+
+
 def patched_runs_create(*, group) -> int:
-    """Queue one patched run per layer × position once both captures of the grid have
-    succeeded; idempotent (both captures' workers call it), and nothing for a cancelled grid.
-    Returns how many runs it queued."""
+    """Queue the scoring runs (the clean baseline, the repeats and one run per layer ×
+    position) once both captures of the grid have succeeded; idempotent (both captures'
+    workers call it), and nothing for a cancelled grid. Returns how many runs it queued."""
     with transaction.atomic():
         captures = _captures_locked(group)
         clean, corrupted = captures.get("clean"), captures.get("corrupted")
@@ -135,35 +208,49 @@ def patched_runs_create(*, group) -> int:
         if Run.objects.filter(group=group, kind=RunKind.PATCHED).exists():
             return 0
         spec = clean.meta["patching"]
+        model = corrupted.request["model"]
+        targets = spec_targets(spec)
+        target_texts = [spec["target"], spec["corrupted_target"]][: len(targets)]
         clean_rows = figures.activations(clean.request, clean.response).tensor
         corrupted_rows = figures.activations(corrupted.request, corrupted.response).tensor
-        base = {
-            key: value
-            for key, value in corrupted.request.items()
-            if key != "output_residual_stream"
-        }
-        for row, layer in enumerate(spec["layers"]):
-            for position in spec["positions"]:
-                difference = clean_rows[row, position] - corrupted_rows[row, position]
-                request = dict(base)
-                request["apply_steering_vectors"] = [
-                    {
-                        "activations": encode_vector(difference[None, :].astype(np.float32)),
-                        "layer_indices": [layer],
-                        "position_indices": [position],
-                        "scale": 1.0,
-                        "norm_match": False,
-                    }
-                ]
-                run_create(
-                    user=clean.user,
-                    kind=RunKind.PATCHED,
-                    group=group,
-                    scale=1.0,
-                    request=request,
-                    meta={"layer": layer, "position": position},
-                )
-    return len(spec["layers"]) * len(spec["positions"])
+        unpatched = _score_request(model=model, prompt_ids=spec["corrupted_ids"], targets=targets)
+        corrupted_text = _prompt_text(spec["corrupted_prompt"], target_texts)
+
+        def create(request: dict, meta: dict, prompt_text: str = corrupted_text) -> None:
+            run_create(
+                user=clean.user,
+                kind=RunKind.PATCHED,
+                group=group,
+                scale=1.0 if "apply_steering_vectors" in request else None,
+                request=request,
+                meta={**meta, "prompt_text": prompt_text},
+            )
+
+        create(
+            _score_request(model=model, prompt_ids=spec["clean_ids"], targets=targets),
+            {"role": "clean"},
+            _prompt_text(spec["clean_prompt"], target_texts),
+        )
+        cells = [(layer, position) for layer in spec["layers"] for position in spec["positions"]]
+        for what, item in _queue_order(cells, PATCHING_REPEATS):
+            if what == "repeat":
+                create(dict(unpatched), {"role": "repeat", "repeat": item})
+                continue
+            layer, position = item
+            row = spec["layers"].index(layer)
+            difference = clean_rows[row, position] - corrupted_rows[row, position]
+            request = dict(unpatched)
+            request["apply_steering_vectors"] = [
+                {
+                    "activations": encode_vector(difference[None, :].astype(np.float32)),
+                    "layer_indices": [layer],
+                    "position_indices": [position],
+                    "scale": 1.0,
+                    "norm_match": False,
+                }
+            ]
+            create(request, {"role": "cell", "layer": layer, "position": position})
+    return 1 + PATCHING_REPEATS + len(cells)
 
 
 def patched_runs_create_or_fail(*, group) -> int:
@@ -220,187 +307,3 @@ def patching_grid_cancel(*, user: User, group) -> int:
             error_message="Cancelled with its patching grid before it was sent.",
             finished_at=now,
         )
-
-
-# ---------------------------------------------------------------------------------------
-# Reads: the grid as the page shows it
-
-
-def target_logprob(run: Run, target_id: int) -> float | None:
-    """The target's logprob after the prompt in a finished run (the last prompt_logprobs
-    entry: the target is the prompt's last token), None unless the run succeeded."""
-    if run.status != RunStatus.SUCCEEDED:
-        return None
-    entry = run.response["choices"][0]["prompt_logprobs"][-1]
-    return entry[str(target_id)]["logprob"]
-
-
-def normalised_effect(patched: float | None, clean: float | None, corrupted: float | None):
-    """(patched − corrupted) / (clean − corrupted), None where a value is missing or clean and
-    corrupted are too close for the ratio to mean anything."""
-    if patched is None or clean is None or corrupted is None:
-        return None
-    if abs(clean - corrupted) < MIN_LOGPROB_GAP:
-        return None
-    return (patched - corrupted) / (clean - corrupted)
-
-
-# Diverging colours, light at the ends so the dark number on every cell stays readable:
-# blue for −1 (patching moves the logprob further from the clean one), white for 0, red for 1.
-EFFECT_COLOURS = ((-1.0, (103, 169, 207)), (0.0, (255, 255, 255)), (1.0, (239, 138, 98)))
-
-
-def effect_colour(effect: float | None) -> str:
-    """The cell's background: the effect clipped to [−1, 1] on EFFECT_COLOURS; grey when
-    there is none."""
-    if effect is None:
-        return "#e5e5e5"
-    value = max(-1.0, min(1.0, effect))
-    (low, low_rgb), (high, high_rgb) = EFFECT_COLOURS[:2] if value < 0 else EFFECT_COLOURS[1:]
-    share = (value - low) / (high - low)
-    rgb = [round(a + (b - a) * share) for a, b in zip(low_rgb, high_rgb, strict=True)]
-    return "#" + "".join(f"{channel:02x}" for channel in rgb)
-
-
-@dataclass
-class PatchingGrid:
-    group: uuid.UUID
-    spec: dict
-    clean: Run
-    corrupted: Run
-    cells: dict  # (layer, position) -> Run
-    clean_logprob: float | None
-    corrupted_logprob: float | None
-    cancelled: bool
-
-    @property
-    def build_error(self) -> str | None:
-        return self.clean.meta.get("build_error")
-
-    @property
-    def target_shown(self) -> str:
-        return figures.visible_token(self.spec["target"])
-
-    @property
-    def labels(self) -> list[dict]:
-        """Each patched position: its index and its clean and corrupted tokens."""
-        spec = self.spec
-        shown = []
-        for position in spec["positions"]:
-            clean, corrupted = (
-                figures.visible_token(strings[position]) if strings else None
-                for strings in (spec["clean_strings"], spec["corrupted_strings"])
-            )
-            shown.append(
-                {
-                    "position": position,
-                    "clean": clean,
-                    "corrupted": corrupted if corrupted != clean else None,
-                }
-            )
-        return shown
-
-    @property
-    def total(self) -> int:
-        return 2 + len(self.spec["layers"]) * len(self.spec["positions"])
-
-    @property
-    def done(self) -> int:
-        captures = sum(run.is_finished for run in (self.clean, self.corrupted))
-        return captures + sum(run.is_finished for run in self.cells.values())
-
-    @property
-    def capture_failed(self) -> bool:
-        return any(run.status == RunStatus.FAILED for run in (self.clean, self.corrupted))
-
-    @property
-    def finished(self) -> bool:
-        if self.build_error:
-            return True
-        if self.capture_failed or (self.cancelled and not self.cells):
-            return self.clean.is_finished and self.corrupted.is_finished
-        return bool(self.cells) and all(run.is_finished for run in self.cells.values())
-
-    @property
-    def cancellable(self) -> bool:
-        return not self.finished and not self.cancelled
-
-    def rows(self) -> list[dict]:
-        """One row per layer, each with one cell per position: its run, the target's
-        logprob, the normalised effect and the cell's colour."""
-        target_id = self.spec["target_id"]
-        rows = []
-        for layer in self.spec["layers"]:
-            cells = []
-            for position in self.spec["positions"]:
-                run = self.cells.get((layer, position))
-                logprob = target_logprob(run, target_id) if run else None
-                effect = normalised_effect(logprob, self.clean_logprob, self.corrupted_logprob)
-                cells.append(
-                    {
-                        "position": position,
-                        "run": run,
-                        "logprob": logprob,
-                        "effect": effect,
-                        "colour": effect_colour(effect),
-                    }
-                )
-            rows.append({"layer": layer, "cells": cells})
-        return rows
-
-    def numbers(self) -> dict:
-        """What the page shows, as JSON: the logprobs and effects of every cell."""
-        return {
-            "target": self.spec["target"],
-            "target_id": self.spec["target_id"],
-            "clean_ids": self.spec["clean_ids"],
-            "corrupted_ids": self.spec["corrupted_ids"],
-            "layers": self.spec["layers"],
-            "positions": self.spec["positions"],
-            "clean_logprob": self.clean_logprob,
-            "corrupted_logprob": self.corrupted_logprob,
-            "cells": [
-                {
-                    "layer": row["layer"],
-                    "position": cell["position"],
-                    "run": str(cell["run"].pk) if cell["run"] else None,
-                    "logprob": cell["logprob"],
-                    "effect": cell["effect"],
-                }
-                for row in self.rows()
-                for cell in row["cells"]
-            ],
-        }
-
-
-def patching_grid_for_user(*, user: User, group) -> PatchingGrid | None:
-    """The user's grid `group`, or None when there is none (another user's included)."""
-    runs = list(Run.objects.filter(user=user, group=group, kind__in=selectors.PATCHING_KINDS))
-    captures = {run.meta["role"]: run for run in runs if run.kind == RunKind.PATCHING_CAPTURE}
-    if set(captures) != {"clean", "corrupted"}:
-        return None
-    clean, corrupted = captures["clean"], captures["corrupted"]
-    target_id = clean.meta["patching"]["target_id"]
-    return PatchingGrid(
-        group=clean.group,
-        spec=clean.meta["patching"],
-        clean=clean,
-        corrupted=corrupted,
-        cells={
-            (run.meta["layer"], run.meta["position"]): run
-            for run in runs
-            if run.kind == RunKind.PATCHED
-        },
-        clean_logprob=target_logprob(clean, target_id),
-        corrupted_logprob=target_logprob(corrupted, target_id),
-        cancelled=bool(clean.meta.get("cancelled")),
-    )
-
-
-def latest_patching_group(*, user: User):
-    """The group of the user's latest patching grid, if any."""
-    return (
-        Run.objects.filter(user=user, kind=RunKind.PATCHING_CAPTURE)
-        .values_list("group", flat=True)
-        .first()
-    )

@@ -1,6 +1,7 @@
 """The activation patching form: prompts tokenized as the gateway counts them (the path
-`run_tokens` uses for Run.tokens), checked to be of the same length, a one-token target, and
-the layers and positions to patch."""
+`run_tokens` uses for Run.tokens), checked to be of the same length, the target (and, for
+the logit difference, the corrupted target) of a few tokens, the metric shown first, and the
+layers and positions to patch."""
 
 from asgiref.sync import async_to_sync
 from django import forms
@@ -11,12 +12,16 @@ from api.tokenizer import PromptTokens, prompt_tokens
 
 from . import figures
 from .forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
+from .patching import PatchingTarget
+from .patching_metrics import METRICS
 
 # Each cell is one request through the workers; a grid larger than this is refused (a
 # 30-layer model and a 16-token prompt make 480 cells).
 MAX_PATCHING_CELLS = 512
 MAX_PATCHING_PROMPT_TOKENS = 64
 MAX_PATCHING_PROMPT_CHARS = 1000
+# A target's tokens are appended to every prompt of the grid and scored teacher-forced.
+MAX_TARGET_TOKENS = 8
 
 
 async def _tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
@@ -37,8 +42,9 @@ def _shown(tokens: PromptTokens) -> str:
 
 
 class PatchingForm(SubmitOnceForm):
-    """A clean and a corrupted prompt of the same token length, a one-token target, and the
-    layers and positions to patch (empty: all)."""
+    """A clean and a corrupted prompt of the same token length, the target (and the
+    corrupted target for the logit difference), the metric shown first, and the layers and
+    positions to patch (empty: all)."""
 
     prefix = "patch"
 
@@ -57,11 +63,28 @@ class PatchingForm(SubmitOnceForm):
         help_text="Same number of tokens as the clean prompt; usually a few words changed.",
     )
     target = forms.CharField(
-        label="Target token",
+        label="Target",
         strip=False,
         max_length=100,
-        help_text="One token, with its leading space if it has one (e.g. “ Paris”); its "
-        "logprob after the prompt is what patching restores.",
+        help_text=f"What the clean prompt should make likely, with its leading space (e.g. "
+        f"“ Paris”); up to {MAX_TARGET_TOKENS} tokens, scored as the sum of their logprobs "
+        "(each after the prompt and the target tokens before it).",
+    )
+    corrupted_target = forms.CharField(
+        label="Corrupted target",
+        required=False,
+        strip=False,
+        max_length=100,
+        help_text="What the corrupted prompt makes likely instead (e.g. “ Rome”); needed for "
+        "the logit difference.",
+    )
+    metric = forms.ChoiceField(
+        choices=list(METRICS.items()),
+        initial="logprob",
+        help_text="Shown first; the grid page switches between the metrics its requests "
+        "scored. Logit difference: log p(target) − log p(corrupted target) after the prompt "
+        "(for one-token targets, logit(target) − logit(corrupted target) at the last "
+        "position: the two share the normaliser).",
     )
     layers = forms.CharField(
         required=False,
@@ -90,15 +113,16 @@ class PatchingForm(SubmitOnceForm):
             raise forms.ValidationError(reason)
         if not all(data.get(name) for name in ("clean_prompt", "corrupted_prompt", "target")):
             return data
-        try:
-            clean, corrupted, target = tokenize(
-                self.capabilities.id,
-                [
-                    (data["clean_prompt"], True),
-                    (data["corrupted_prompt"], True),
-                    (data["target"], False),
-                ],
+        if data.get("metric") == "logit_diff" and not data.get("corrupted_target"):
+            self.add_error(
+                "corrupted_target",
+                "The logit difference compares the target with the corrupted target: give it.",
             )
+            return data
+        texts = [(data["clean_prompt"], True), (data["corrupted_prompt"], True)]
+        texts += [(data[name], False) for name in ("target", "corrupted_target") if data.get(name)]
+        try:
+            clean, corrupted, *targets = tokenize(self.capabilities.id, texts)
         except ApiError as error:
             raise forms.ValidationError(
                 f"The prompts could not be tokenized ({error.code}: {error.message})."
@@ -115,15 +139,22 @@ class PatchingForm(SubmitOnceForm):
                 "clean_prompt",
                 f"The prompts are {len(clean.ids)} tokens; at most {MAX_PATCHING_PROMPT_TOKENS}.",
             )
-        if len(target.ids) != 1:
-            self.add_error(
-                "target",
-                f"The target must be one token; it is {len(target.ids)}: {_shown(target)}.",
-            )
+        for name, tokens in zip(("target", "corrupted_target"), targets, strict=False):
+            if len(tokens.ids) > MAX_TARGET_TOKENS:
+                self.add_error(
+                    name,
+                    f"At most {MAX_TARGET_TOKENS} tokens; this is {len(tokens.ids)}: "
+                    f"{_shown(tokens)}.",
+                )
+        if len(targets) > 1 and targets[0].ids == targets[1].ids:
+            self.add_error("corrupted_target", "The corrupted target must differ from the target.")
         if self.errors:
             return data
         data["clean_tokens"], data["corrupted_tokens"] = clean, corrupted
-        data["target_id"] = target.ids[0]
+        data["targets"] = [
+            PatchingTarget(text=data[name], tokens=tokens)
+            for name, tokens in zip(("target", "corrupted_target"), targets, strict=False)
+        ]
         data["layer_list"] = self._indices("layers", self.capabilities.n_layers, "layer")
         data["position_list"] = self._indices("positions", len(clean.ids), "position")
         if self.errors:

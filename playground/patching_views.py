@@ -1,7 +1,8 @@
 """The activation patching pages (see `patching`): the form with the user's latest grid, a
-grid's permalink (its htmx partial while it runs) and cancelling a grid."""
+grid's permalink (its htmx partial while it runs; `?metric=` picks the metric shown), its
+downloads, and cancelling a grid."""
 
-from django.http import Http404
+from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
@@ -10,27 +11,48 @@ from django_htmx.http import reswap, retarget
 from accounts.access import approved_required
 from acs_portal.celery import TaskQueueUnreachable
 
-from . import patching
+from . import exports, patching
 from .patching_forms import PatchingForm
+from .patching_grid import PatchingGrid, latest_patching_group, patching_grid_for_user
 from .views import models_and_capabilities, with_new_submit_token
 
 GRID_PARTIAL = "playground/patching_grid.html#grid_panel"
 
 
-def _grid(request, group) -> patching.PatchingGrid:
-    grid = patching.patching_grid_for_user(user=request.user, group=group)
+class BadMetric(Exception):
+    """A `metric` the grid's requests did not score."""
+
+
+def _grid(request, group) -> PatchingGrid:
+    """The user's grid showing the `metric` of the query (its own when absent); 404 for
+    another user's grid, BadMetric for a metric it has not."""
+    metric = request.GET.get("metric", "")
+    grid = patching_grid_for_user(user=request.user, group=group, metric=metric)
     if grid is None:
         raise Http404("No such patching grid.")
+    if metric and metric not in grid.metrics:
+        raise BadMetric(
+            f"metric must be one of {', '.join(grid.metrics)} for this grid"
+            + ("" if len(grid.metrics) > 1 else " (it has no corrupted target)")
+            + "."
+        )
     return grid
+
+
+def _bad_metric(error: BadMetric) -> HttpResponse:
+    return HttpResponse(str(error), status=400, content_type="text/plain; charset=utf-8")
 
 
 def _page(request, form, status=200):
     _, capabilities = models_and_capabilities(request)
-    group = patching.latest_patching_group(user=request.user)
+    group = latest_patching_group(user=request.user)
     context = {
         "form": form or PatchingForm(capabilities=capabilities),
         "capabilities": capabilities,
-        "grid": patching.patching_grid_for_user(user=request.user, group=group) if group else None,
+        "grid": patching_grid_for_user(user=request.user, group=group) if group else None,
+        "repeats": patching.PATCHING_REPEATS,
+        # The captures, the clean baseline and the repeats.
+        "extra_requests": 3 + patching.PATCHING_REPEATS,
     }
     return render(request, "playground/patching.html", context, status=status)
 
@@ -61,14 +83,18 @@ def patching_submit(request):
     if not form.is_valid():
         return _form_errors(request, form)
     data = form.cleaned_data
+    targets = data["targets"]
     try:
         group = patching.patching_grid_create(
             user=request.user,
             model=capabilities.id,
+            clean_prompt=data["clean_prompt"],
+            corrupted_prompt=data["corrupted_prompt"],
             clean=data["clean_tokens"],
             corrupted=data["corrupted_tokens"],
-            target=data["target"],
-            target_id=data["target_id"],
+            target=targets[0],
+            corrupted_target=targets[1] if len(targets) > 1 else None,
+            metric=data["metric"],
             layers=data["layer_list"],
             positions=data["position_list"],
             submit_token=data["submit_token"],
@@ -89,17 +115,37 @@ def patching_submit(request):
 @approved_required
 @require_GET
 def patching_detail(request, group):
-    context = {"grid": _grid(request, group)}
+    try:
+        context = {"grid": _grid(request, group)}
+    except BadMetric as error:
+        return _bad_metric(error)
     if request.htmx:
         return render(request, GRID_PARTIAL, context)
     return render(request, "playground/patching_grid.html", context)
 
 
 @approved_required
+@require_GET
+def patching_download(request, group, file_format):
+    """Every number of the grid: JSON (the baselines, noise floor, definitions and every
+    run's scores) or CSV (one row per scoring run)."""
+    try:
+        grid = _grid(request, group)
+    except BadMetric as error:
+        return _bad_metric(error)
+    document = grid.export()
+    return exports.download(
+        document, records=document["runs"], file_format=file_format, name=f"patching-{grid.group}"
+    )
+
+
+@approved_required
 @require_POST
 def patching_cancel(request, group):
-    _grid(request, group)
+    if patching_grid_for_user(user=request.user, group=group) is None:
+        raise Http404("No such patching grid.")
     patching.patching_grid_cancel(user=request.user, group=group)
     if request.htmx:
-        return render(request, GRID_PARTIAL, {"grid": _grid(request, group)})
+        grid = patching_grid_for_user(user=request.user, group=group)
+        return render(request, GRID_PARTIAL, {"grid": grid})
     return redirect("playground:patching_detail", group=group)

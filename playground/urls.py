@@ -36,4 +36,16 @@ urlpatterns = [
     path("patching/new/", patching_views.patching_submit, name="patching_submit"),
     path("patching/<uuid:group>/", patching_views.patching_detail, name="patching_detail"),
     path("patching/<uuid:group>/cancel/", patching_views.patching_cancel, name="patching_cancel"),
+    path(
+        "patching/<uuid:group>/grid.json",
+        patching_views.patching_download,
+        {"file_format": "json"},
+        name="patching_json",
+    ),
+    path(
+        "patching/<uuid:group>/grid.csv",
+        patching_views.patching_download,
+        {"file_format": "csv"},
+        name="patching_csv",
+    ),
 ]
