@@ -155,3 +155,20 @@ def test_another_users_runs_and_vectors_are_not_shown(user_client, approved_user
     assert "someone else" not in body and "theirs" not in body
     response = user_client.get(reverse(HISTORY), {"vector": theirs.pk})
     assert response.status_code == 400 and "someone else" not in response.content.decode()
+
+
+def test_a_steered_run_shows_its_scale_as_entered_with_its_unit(user_client, approved_user):
+    """A scale entered as 4 × the layer's typical norm is sent as 0.843 (the vector's norm
+    differs from the typical norm): the history says what was entered, as the run's page."""
+    Run.objects.create(
+        user=approved_user, kind=RunKind.SWEEP, status=RunStatus.SUCCEEDED, scale=0.843213,
+        meta={"scale_unit": "typical", "scale_entered": 4.0},
+        request={"model": "smollm2-135m", "prompt": "I feel"},
+    )  # fmt: skip
+    Run.objects.create(
+        user=approved_user, kind=RunKind.SWEEP, status=RunStatus.SUCCEEDED, scale=-12.5,
+        request={"model": "smollm2-135m", "prompt": "I think"},
+    )  # fmt: skip
+    body = user_client.get(reverse(HISTORY)).content.decode()
+    assert "Scale sweep (scale 4 × typical norm)" in body and "0.843" not in body
+    assert "Scale sweep (scale -12.5)" in body
