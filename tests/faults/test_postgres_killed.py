@@ -202,6 +202,17 @@ MID_TASK_BOUND_S = 60.0
 UPSTREAM_DELAY_S = 2.0
 
 
+def _wait_at_upstream(system, requests_before: int) -> None:
+    """Until the task's completion is at the stub upstream: the gateway has held its budget,
+    and answers once the stub does (UPSTREAM_DELAY_S later)."""
+    wait_for(
+        lambda: len(system.stub.requests) > requests_before,
+        timeout=30,
+        what="the task's completion to reach the upstream",
+        interval=0.02,
+    )
+
+
 def test_a_completion_job_whose_connections_die_mid_task_finishes_once_billed_once(
     system, account, fault_table
 ):
@@ -214,13 +225,9 @@ def test_a_completion_job_whose_connections_die_mid_task_finishes_once_billed_on
     )
     system.stub.mode["delay"] = UPSTREAM_DELAY_S
     try:
+        at_upstream = len(system.stub.requests)
         job_id = _completion_job(http)
-        wait_for(
-            lambda: CompletionJob.objects.filter(pk=job_id, status="running").exists(),
-            timeout=30,
-            what="the worker to claim the job",
-            interval=0.02,
-        )
+        _wait_at_upstream(system, at_upstream)
         killed = system.terminate_db_backends()
         killed_at = time.monotonic()
         job = wait_for(
@@ -263,16 +270,12 @@ def test_a_playground_run_whose_connections_die_mid_task_finishes_once_billed_on
     used to stay running until the sweep failed it as `worker_lost` 15 minutes later."""
     system.stub.mode["delay"] = UPSTREAM_DELAY_S
     try:
+        at_upstream = len(system.stub.requests)
         run = run_create(
             user=account.user,
             request={"model": STUB_MODEL, "prompt": "the capital of france is", "max_tokens": 3},
         )
-        wait_for(
-            lambda: Run.objects.filter(pk=run.pk, status="running").exists(),
-            timeout=30,
-            what="the worker to claim the run",
-            interval=0.02,
-        )
+        _wait_at_upstream(system, at_upstream)
         killed = system.terminate_db_backends()
         killed_at = time.monotonic()
         finished = wait_for(
