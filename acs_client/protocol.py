@@ -142,6 +142,37 @@ class VllmXargs(Strict):
     apply_steering_vectors: str | None = None
 
 
+class RuleBroken(ValueError):
+    """A request that breaks one of the limits both sides enforce; `field` is the request
+    field it is about (a form puts the message there)."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_output_work(*, sequences: int, max_tokens: int) -> None:
+    """prompt_count × n (`sequences`) × max_tokens within the output-work cap, the most
+    output one request may ask for; RuleBroken naming the product otherwise."""
+    if sequences * max_tokens > OUTPUT_WORK_CAP:
+        raise RuleBroken(
+            f"prompt_count × n × max_tokens = {sequences * max_tokens:,} exceeds the "
+            f"output-work cap of {OUTPUT_WORK_CAP:,}.",
+            field="max_tokens",
+        )
+
+
+def check_capture_request(*, prompts: int, n: int, stream: bool) -> None:
+    """A residual-stream capture covers one sequence, answered whole: one prompt, n = 1, no
+    streaming; RuleBroken naming the one that is not so."""
+    if prompts != 1:
+        raise RuleBroken("A capture needs exactly one prompt.", field="prompt")
+    if n != 1:
+        raise RuleBroken("A capture needs n = 1.", field="n")
+    if stream:
+        raise RuleBroken("A capture cannot be streamed; set stream: false.", field="stream")
+
+
 def check_steering_shape(
     *, field: str, shape, layer_indices, position_indices, hidden_size: int, sequence_tokens: int
 ) -> tuple[int, ...]:

@@ -12,9 +12,11 @@ from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
-    OUTPUT_WORK_CAP,
     STEERING_MAX_MAGNITUDE,
     STEERING_MAX_VALUES,
+    RuleBroken,
+    check_capture_request,
+    check_output_work,
     check_steering_shape,
 )
 
@@ -76,11 +78,10 @@ async def validate_completion(payload: object) -> ValidCompletion:
         )
     max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
     completions = len(prompts) * request.n
-    if completions * max_tokens > OUTPUT_WORK_CAP:
-        raise _invalid(
-            f"prompt_count × n × max_tokens = {completions * max_tokens} exceeds the "
-            f"output-work cap of {OUTPUT_WORK_CAP}."
-        )
+    try:
+        check_output_work(sequences=completions, max_tokens=max_tokens)
+    except RuleBroken as error:
+        raise _invalid(str(error)) from None
     if not request.stream and max_tokens > NON_STREAMING_MAX_TOKENS:
         raise ApiError(
             "deadline_infeasible",
@@ -179,12 +180,10 @@ def _check_layers(field: str, layers: list[int], model: LanguageModel) -> None:
 
 
 def _check_capture(request, prompts, layers, model) -> None:
-    if len(prompts) != 1:
-        raise _invalid("'output_residual_stream' needs exactly one prompt.")
-    if request.n != 1:
-        raise _invalid("'output_residual_stream' needs n = 1.")
-    if request.stream:
-        raise _invalid("'output_residual_stream' cannot be streamed; set stream: false.")
+    try:
+        check_capture_request(prompts=len(prompts), n=request.n, stream=request.stream)
+    except RuleBroken as error:
+        raise _invalid(f"'output_residual_stream': {error}") from None
     _check_layers("output_residual_stream", layers, model)
 
 

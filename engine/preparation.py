@@ -16,9 +16,11 @@ from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
     MAX_STOP_STRINGS,
-    OUTPUT_WORK_CAP,
     STEERING_MAX_VALUES,
     XARGS_STEERING,
+    RuleBroken,
+    check_capture_request,
+    check_output_work,
     check_steering_shape,
 )
 from engine.loader import MODEL_ID, LoadedModel
@@ -85,7 +87,12 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
     if request.stream_options is not None and not request.stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true")
     prompts = tokenize_prompts(request.prompt, request.add_special_tokens, loaded)
-    check_output_work(len(prompts) * request.n, request.max_tokens)
+    try:
+        check_output_work(sequences=len(prompts) * request.n, max_tokens=request.max_tokens)
+    except RuleBroken as error:
+        # A request's sequences are queued and run whatever their number (see the
+        # scheduler), so the output-work cap is what bounds one request's work.
+        raise RequestError(str(error)) from None
     check_lengths(prompts, request.max_tokens, loaded.max_model_len)
     capture_layers = capture_layer_list(request, len(prompts), loaded.n_layers)
     check_full_vocab_limit(request, prompts, capture_layers is not None)
@@ -155,16 +162,6 @@ def tokenize_prompts(prompt, add_special_tokens: bool, loaded: LoadedModel) -> l
     return tokenized
 
 
-def check_output_work(sequences: int, max_tokens: int) -> None:
-    """A request's sequences are queued and run whatever their number (see the scheduler), so
-    the output-work cap is what bounds one request's work."""
-    if sequences * max_tokens > OUTPUT_WORK_CAP:
-        raise RequestError(
-            f"{sequences} sequences (prompts x n) x max_tokens {max_tokens} = "
-            f"{sequences * max_tokens} exceeds the output-work cap of {OUTPUT_WORK_CAP}"
-        )
-
-
 def check_lengths(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> None:
     for index, ids in enumerate(prompts):
         if len(ids) + max_tokens > max_model_len:
@@ -181,8 +178,10 @@ def capture_layer_list(request: CompletionRequest, prompt_count: int, n_layers: 
     wanted = request.output_residual_stream
     if wanted is None or wanted is False:
         return None
-    if prompt_count != 1 or request.n != 1 or request.stream:
-        raise RequestError("output_residual_stream needs one prompt, n = 1 and no streaming")
+    try:
+        check_capture_request(prompts=prompt_count, n=request.n, stream=request.stream)
+    except RuleBroken as error:
+        raise RequestError(f"output_residual_stream: {error}") from None
     if wanted is True:
         return list(range(n_layers))
     if not wanted:

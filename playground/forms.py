@@ -14,6 +14,9 @@ from acs_client.protocol import (
     MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
+    RuleBroken,
+    check_capture_request,
+    check_output_work,
     quartile_layers,
 )
 from api.limits import MAX_BODY_BYTES
@@ -243,12 +246,8 @@ class CompletionForm(SubmitOnceForm):
         max_tokens = data.get("max_tokens")
         if (len(prompts) > 1 or n > 1) and max_tokens is None:
             self.add_error("max_tokens", "Set max_tokens when sending several prompts or n > 1.")
-        if max_tokens and len(prompts) * n * max_tokens > OUTPUT_WORK_CAP:
-            self.add_error(
-                "max_tokens",
-                f"prompts × n × max_tokens = {len(prompts) * n * max_tokens:,} is over the "
-                f"output-work cap of {OUTPUT_WORK_CAP:,}.",
-            )
+        if max_tokens:
+            self._rule(check_output_work, sequences=len(prompts) * n, max_tokens=max_tokens)
         if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
             self.add_error(
                 "max_tokens",
@@ -261,13 +260,24 @@ class CompletionForm(SubmitOnceForm):
             except forms.ValidationError as error:
                 self.add_error("capture_layers", error)
         if capture:
-            if len(prompts) != 1 or n != 1:
-                self.add_error("capture", "Capture needs exactly one prompt and n = 1.")
-            if data.get("stream"):
-                self.add_error("stream", "Capture cannot be streamed; turn streaming off.")
+            self._rule(
+                check_capture_request,
+                prompts=len(prompts),
+                n=n,
+                stream=bool(data.get("stream")),
+                fields={"prompt": "capture", "n": "capture"},
+            )
         if "steer_vector" in self.fields:
             self._clean_steering(data)
         return data
+
+    def _rule(self, check, *, fields: dict | None = None, **terms) -> None:
+        """`check(**terms)`, a rule the API enforces too (`acs_client.protocol`), its message
+        a field error: on the field it names, or on `fields[that field]`."""
+        try:
+            check(**terms)
+        except RuleBroken as error:
+            self.add_error((fields or {}).get(error.field, error.field), str(error))
 
     def _clean_steering(self, data: dict) -> None:
         """Check the steering fields; sets `steer_layer_list` when a vector is picked."""
