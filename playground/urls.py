@@ -13,6 +13,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/rerun/", views.run_rerun, name="run_rerun"),
     path("runs/<uuid:run_id>/edit/", views.run_edit, name="run_edit"),
     path("runs/<uuid:run_id>/figures/<slug:name>/", views.run_figure, name="run_figure"),
+    path("runs/<uuid:run_id>/request.json", views.run_request_download, name="run_request"),
     path(
         "runs/<uuid:run_id>/activations.safetensors",
         views.run_activations_download,

@@ -258,7 +258,10 @@ def _pretty_request(request: dict) -> str:
     for vector in shown.get("apply_steering_vectors") or []:
         data = (vector.get("activations") or {}).get("data")
         if isinstance(data, str) and len(data) > 80:
-            vector["activations"]["data"] = data[:60] + f"…({len(data):,} characters)"
+            vector["activations"]["data"] = (
+                data[:60]
+                + f"…({len(data):,} characters: the whole request is in the download below)"
+            )
     return json.dumps(shown, indent=2, ensure_ascii=False)
 
 
@@ -313,17 +316,20 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
 class ActivationPicks:
     """What the activation views show: the positions (`window`), the heatmap's colours, the
     position of the norm-by-layer plot (None: the last) and the rows (index into the captured
-    layers) of the cosine and PCA plots."""
+    layers) of the cosine and PCA plots. `window_error` says why the window cannot be drawn
+    (its end before its start): the views of a window (WINDOW_FIGURES) are then left out."""
 
     window: figures.PositionWindow = field(default_factory=figures.PositionWindow)
     colour: str = "linear"
     norm_position: int | None = None
     cosine_row: int = 0
     pca_row: int = 0
+    window_error: str = ""
 
     @classmethod
     def from_query(cls, request, capture: figures.Capture) -> "ActivationPicks":
-        """The picks of a query string, each checked (404 naming a bad one)."""
+        """The picks of a query string, each checked (404 naming a bad one that no picker
+        offers; an end before the start, which the pickers allow, is a `window_error`)."""
         count, layers = capture.tensor.shape[1], len(capture.layers)
         colour = request.GET.get("colour", "linear")
         if colour not in figures.NORM_COLOUR_SCALES:
@@ -337,9 +343,15 @@ class ActivationPicks:
 
         start = picked("start", count, 0)
         end = picked("end", count, count - 1)
+        window_error = ""
         if end < start:
-            raise Http404("end must not come before start.")
+            labels = capture.labels
+            window_error = (
+                f"From {labels[start]} to {labels[end]}: the end comes before the start. "
+                f"Pick an end at or after {labels[start]}."
+            )
         return cls(
+            window_error=window_error,
             window=figures.PositionWindow(start, end, exclude_first=first == "exclude"),
             colour=colour,
             norm_position=picked("norm_position", count, None),
@@ -366,6 +378,8 @@ def _activation_figure(name: str, capture: figures.Capture, picks: ActivationPic
 
 
 ACTIVATION_FIGURES = ("heatmap", "norm_by_layer", "cosine", "pca")
+# The activation views drawn over the window of positions.
+WINDOW_FIGURES = ("heatmap", "cosine", "pca")
 
 
 def _activations_context(run: Run, picks: ActivationPicks, capture=None) -> dict:
@@ -382,7 +396,12 @@ def _activations_context(run: Run, picks: ActivationPicks, capture=None) -> dict
         "norm_position": count - 1 if picks.norm_position is None else picks.norm_position,
         "window_rows": picks.window.rows(count),
         "colour_scales": figures.NORM_COLOUR_SCALES,
-        "figures": {name: _activation_figure(name, capture, picks) for name in ACTIVATION_FIGURES},
+        "figures": {
+            name: _activation_figure(name, capture, picks)
+            for name in ACTIVATION_FIGURES
+            if not (picks.window_error and name in WINDOW_FIGURES)
+        },
+        "window_error": picks.window_error,
         "tokens_known": any(row.token is not None for row in capture.rows),
     }
 
@@ -441,9 +460,15 @@ def run_figure(request, run_id, name):
             raise Http404("This run captured no activations.")
         capture = figures.activations(run.request, response, run.tokens)
         picks = ActivationPicks.from_query(request, capture)
+        # A window that cannot be drawn is a field error beside its pickers (400 unless htmx
+        # swaps it in: it swaps no 4xx).
+        status = 400 if picks.window_error and not request.htmx else 200
         if name == "activations":
             context = {"run": run, "activations": _activations_context(run, picks, capture)}
-            return render(request, "playground/run_detail.html#activations", context)
+            return render(request, "playground/run_detail.html#activations", context, status=status)
+        if picks.window_error and name in WINDOW_FIGURES:
+            context = {"figure": None, "figure_error": picks.window_error}
+            return render(request, "playground/_figure.html", context, status=status)
         return render(
             request,
             "playground/_figure.html",
@@ -454,6 +479,18 @@ def run_figure(request, run_id, name):
     return render(
         request, "playground/_figure.html", {"figure": figures.figure_entry(name, figure)}
     )
+
+
+@approved_required
+@require_GET
+def run_request_download(request, run_id):
+    """The run's request body exactly as it was sent, whole (the page shortens vectors)."""
+    run = selectors.run_for_user(user=request.user, run_id=run_id)
+    response = HttpResponse(
+        json.dumps(run.request, ensure_ascii=False, indent=2), content_type="application/json"
+    )
+    response["Content-Disposition"] = f'attachment; filename="run-{run.id}-request.json"'
+    return response
 
 
 @approved_required
