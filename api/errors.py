@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from django.http import JsonResponse
 from redis import RedisError
 
+from acs_client.responses import ErrorObject, ErrorResponse
 from acs_portal.database import pool_exhausted
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
@@ -234,7 +235,9 @@ class ApiError(Exception):
         return ERROR_CODES[self.code].type
 
     def body(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message, "type": self.error_type}}
+        """The envelope, built through its response model (`acs_client.responses`)."""
+        error = ErrorObject(code=self.code, message=self.message, type=self.error_type)
+        return ErrorResponse(error=error).model_dump()
 
     def headers(self) -> dict:
         headers = {}

@@ -4,8 +4,9 @@ out."""
 
 import functools
 
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponse
 
+from acs_client.responses import GatewayBody
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
 
@@ -58,9 +59,11 @@ def read_json_body(request):
     return decode_json(request.read(MAX_BODY_BYTES + 1))
 
 
-def json_response(request, body, status=200) -> JsonResponse:
-    """A JSON response carrying the request's X-Request-Id."""
-    response = JsonResponse(body, status=status)
+def json_response(request, body: GatewayBody, status=200) -> HttpResponse:
+    """`body`, a response model of `acs_client.responses`, as JSON with the request's
+    X-Request-Id. A model and never a dict: a view cannot answer a field its model (and so
+    the OpenAPI document) lacks."""
+    response = HttpResponse(body.model_dump_json(), status=status, content_type="application/json")
     response["X-Request-Id"] = request_id(request)
     return response
 

@@ -6,6 +6,7 @@ import time
 import weakref
 
 from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
+from acs_client.responses import ModelCapabilities, ModelCard
 from acs_portal.redis import redis_sync
 from metering.sql import run_db
 
@@ -150,32 +151,30 @@ async def model_list() -> list[LanguageModel]:
     return sorted(registry["by_name"].values(), key=lambda model: model.name)
 
 
-def model_card(model) -> dict:
+def model_card(model: LanguageModel) -> ModelCard:
     """A model as GET /v1/models lists it."""
-    return {
-        "id": model.name,
-        "object": "model",
-        "owned_by": "acs",
-        "default": model.is_default,
-        "status": model.status,
-        "capabilities": {
-            "max_model_len": model.max_model_len,
-            "max_logprobs": model.max_logprobs,
-            "full_vocab_max_prompt_tokens": FULL_VOCAB_MAX_PROMPT_TOKENS,
-            "activations": model.supports_activations,
-            "n_layers": model.n_layers,
-            "hidden_size": model.hidden_size,
-            "vocab_size": model.vocab_size,
-            "max_steering_vectors": MAX_STEERING_VECTORS if model.supports_activations else 0,
-        },
-    }
+    return ModelCard(
+        id=model.name,
+        default=model.is_default,
+        status=model.status,
+        capabilities=ModelCapabilities(
+            max_model_len=model.max_model_len,
+            max_logprobs=model.max_logprobs,
+            full_vocab_max_prompt_tokens=FULL_VOCAB_MAX_PROMPT_TOKENS,
+            activations=model.supports_activations,
+            n_layers=model.n_layers,
+            hidden_size=model.hidden_size,
+            vocab_size=model.vocab_size,
+            max_steering_vectors=MAX_STEERING_VECTORS if model.supports_activations else 0,
+        ),
+    )
 
 
 def model_cards() -> list[dict]:
-    """Every model as GET /v1/models lists it, read from the database (synchronous, for the
-    portal's and playground's forms: no API key, no HTTP round trip)."""
+    """Every model as GET /v1/models lists it (JSON-shaped dicts), read from the database
+    (synchronous, for the portal's and playground's forms: no API key, no HTTP round trip)."""
     return [
-        model_card(model)
+        model_card(model).model_dump(mode="json")
         for model in LanguageModel.objects.defer("tokenizer_json").order_by("name")
     ]
 

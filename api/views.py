@@ -1,9 +1,18 @@
 """The /v1 gateway views (async). Thin: authenticate, read the body, call one service."""
 
 from django.conf import settings
+from django.http import JsonResponse
 from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
+from acs_client.responses import (
+    BudgetWindow,
+    KeyUsage,
+    ModelList,
+    ModelStatus,
+    UpstreamHealth,
+    UsageKey,
+)
 from metering.selectors import budget_windows
 from metering.sql import run_db
 
@@ -38,9 +47,7 @@ async def chat_completions(request):
 @v1_view("GET")
 async def models(request):
     await authenticate(request)
-    return json_response(
-        request, {"object": "list", "data": [model_card(m) for m in await model_list()]}
-    )
+    return json_response(request, ModelList(data=[model_card(m) for m in await model_list()]))
 
 
 @v1_view("GET")
@@ -54,28 +61,21 @@ async def model_status(request, model_id):
     await authenticate(request)
     model = await model_get(model_id)
     health = await upstream.upstream_health(model.upstream_urls)
+    upstreams = [
+        UpstreamHealth(ok=state["ok"], model_loaded=state["model_loaded"])
+        for state in health["upstreams"]
+    ]
     return json_response(
         request,
-        {
-            "id": model.name,
-            "object": "model.status",
-            "status": model.status,
-            "warm": health["warm"],
-            "upstreams": [
-                {"ok": state["ok"], "model_loaded": state["model_loaded"]}
-                for state in health["upstreams"]
-            ],
-        },
+        ModelStatus(id=model.name, status=model.status, warm=health["warm"], upstreams=upstreams),
     )
 
 
-def _usage_body(key) -> dict:
-    windows = budget_windows(key=key)
-    return {
-        "object": "usage",
-        "key": {"prefix": key.prefix, "name": key.name},
-        "windows": [{**window, "resets_at": window["resets_at"].isoformat()} for window in windows],
-    }
+def _usage_body(key) -> KeyUsage:
+    return KeyUsage(
+        key=UsageKey(prefix=key.prefix, name=key.name),
+        windows=[BudgetWindow(**window) for window in budget_windows(key=key)],
+    )
 
 
 @v1_view("GET")
@@ -86,7 +86,7 @@ async def usage(request):
 
 @v1_view("GET")
 async def openapi(request):
-    return json_response(request, openapi_document())
+    return JsonResponse(openapi_document())
 
 
 def docs(request):

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from acs_client import responses
 from acs_client.protocol import quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate, owner_recheck
@@ -38,10 +39,6 @@ RESULT_POLL_SECONDS = 2
 MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
 
-def _timestamp(value):
-    return int(value.timestamp()) if value is not None else None
-
-
 def _not_found(what: str, job_id) -> ApiError:
     return ApiError("not_found", f"No {what} with id '{job_id}'.")
 
@@ -50,16 +47,15 @@ def _not_found(what: str, job_id) -> ApiError:
 # Completion jobs
 
 
-def completion_job_body(job: CompletionJob) -> dict:
-    return {
-        "id": str(job.pk),
-        "object": "completion_job",
-        "status": job.status,
-        "created_at": _timestamp(job.created_at),
-        "started_at": _timestamp(job.started_at),
-        "finished_at": _timestamp(job.finished_at),
-        "error": job.error,
-    }
+def completion_job_body(job: CompletionJob) -> responses.CompletionJob:
+    return responses.CompletionJob(
+        id=str(job.pk),
+        status=job.status,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        error=job.error,
+    )
 
 
 def _idempotency_key(request, *, required: bool) -> str:
@@ -194,37 +190,37 @@ def _site_url(path: str) -> str:
     return settings.SITE_URL.rstrip("/") + path
 
 
-def harvest_job_body(job: HarvestJob, *, key_id: int) -> dict:
+def harvest_job_body(job: HarvestJob, *, key_id: int) -> responses.HarvestJob:
     """The job as the API shows it to key `key_id` (its download links work for that key)."""
-    body = {
-        "job_id": str(job.pk),
-        "object": "harvest_job",
-        "status": job.status,
-        "model": job.model,
-        "layers": job.layers,
-        "n_prompts": job.n_prompts,
-        "progress": {"prompts_done": job.prompts_done, "n_prompts": job.n_prompts},
-        "created_at": _timestamp(job.created_at),
-        "completed_at": _timestamp(job.completed_at),
-        "error": job.error,
-    }
-    if job.status == HarvestJobStatus.EXPIRED:
-        body["message"] = _expiry_message()
     links = selectors.harvest_download_links(job=job, key_id=key_id)
-    if links is not None:
-        body["result"] = {
-            "manifest_url": _site_url(links["manifest_url"]),
-            "shard_urls": [_site_url(url) for url in links["shard_urls"]],
-            "stats_url": _site_url(links["stats_url"]),
-            "urls_expire_at": _timestamp(links["urls_expire_at"]),
-        }
-    return body
+    return responses.HarvestJob(
+        job_id=str(job.pk),
+        status=job.status,
+        model=job.model,
+        layers=job.layers,
+        n_prompts=job.n_prompts,
+        progress=responses.HarvestProgress(prompts_done=job.prompts_done, n_prompts=job.n_prompts),
+        created_at=job.created_at,
+        completed_at=job.completed_at,
+        error=job.error,
+        message=_expiry_message() if job.status == HarvestJobStatus.EXPIRED else None,
+        result=None if links is None else _harvest_files(links),
+    )
+
+
+def _harvest_files(links: dict) -> responses.HarvestFiles:
+    return responses.HarvestFiles(
+        manifest_url=_site_url(links["manifest_url"]),
+        shard_urls=[_site_url(url) for url in links["shard_urls"]],
+        stats_url=_site_url(links["stats_url"]),
+        urls_expire_at=links["urls_expire_at"],
+    )
 
 
 @csrf_exempt
 @v1_view("POST")
 async def harvest_jobs(request):
-    """Submit prompts for residual-stream capture: 202 `{job_id, status, model, n_prompts}`.
+    """Submit prompts for residual-stream capture: 202 and the job, as GET shows it.
     With an Idempotency-Key (optional here), as completion jobs: 200 and the existing job
     for the same key and request, 409 idempotency_key_reused for another request."""
     key = await authenticate(request)
@@ -254,14 +250,7 @@ async def harvest_jobs(request):
         except HarvestLimitReached as limit:
             raise ApiError("harvest_jobs_limit", f"{limit} Retry when one ends.") from None
     return json_response(
-        request,
-        {
-            "job_id": str(job.pk),
-            "status": job.status,
-            "model": job.model,
-            "n_prompts": job.n_prompts,
-        },
-        status=202 if created else 200,
+        request, harvest_job_body(job, key_id=key.pk), status=202 if created else 200
     )
 
 

@@ -235,7 +235,7 @@ def test_the_beat_sweep_deletes_the_files_of_jobs_past_their_retention(
     body = api_client.get(f"/v1/harvest/{old.pk}").json()
     assert body["status"] == "expired"
     assert "deleted 7 days after it ended" in body["message"]
-    assert "result" not in body
+    assert body["result"] is None
     download = api_client.get(old_links["manifest_url"])
     assert download.status_code == 404
     assert "deleted" in download.json()["error"]["message"]
