@@ -363,6 +363,7 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
     context = {
         "run_a": run_a,
         "run_b": run_b,
+        "mean_delta_definition": scoring.MEAN_DELTA_DEFINITION,
         "sides": [("A", run_a), ("B", run_b)],
         "figures": {},
         "comparison": comparison_for_runs(run_a=run_a, run_b=run_b),
@@ -382,7 +383,12 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
     comparison = context["comparison"]
     if comparison is not None and comparison.status == RunStatus.SUCCEEDED:
         differences = logprob_differences(comparison.results)
-        context["means"] = {side: float(np.mean(d["delta"])) for side, d in differences.items()}
+        context["means"] = {
+            side: scoring.mean_generated_delta(
+                d["delta"], d["positions"], sequences[side].prompt_length
+            )
+            for side, d in differences.items()
+        }
         for side in SIDES:
             figure = logprob_difference_figure(side, sequences[side], differences[side])
             context["figures"][f"logprob_{side}"] = figures.figure_entry(f"logprob-{side}", figure)

@@ -17,6 +17,8 @@ import plotly.graph_objects as go
 
 from acs_client.codec import decode
 
+from . import scoring
+
 STRIP_WIDTH = 12
 # Light colours, so the dark token text on every cell stays readable.
 PROBABILITY_COLOURS = [[0.0, "#f4a582"], [0.5, "#fee08b"], [1.0, "#a6d96a"]]
@@ -686,13 +688,14 @@ def activation_pca_figure(
 
 def same_token_summary(compared: dict) -> dict:
     """The means of one steered run's same-token comparison (an entry of
-    `SteeringScore.results["runs"]`), in nats per token: Δ logprob (steered − baseline) on
-    the baseline's tokens and on the steered run's tokens, and KL(baseline ‖ steered) on the
-    baseline's tokens (None without full distributions)."""
+    `SteeringScore.results["runs"]`, which scores the generated tokens only), in nats per
+    token: Δ logprob (steered − baseline; `scoring.MEAN_DELTA_DEFINITION`) on the baseline's
+    tokens and on the steered run's tokens, and KL(baseline ‖ steered) on the baseline's
+    tokens (None without full distributions)."""
 
     def mean_delta(part: dict) -> float | None:
         deltas = np.asarray(part["under_steered"]) - np.asarray(part["under_baseline"])
-        return float(deltas.mean()) if deltas.size else None
+        return scoring.mean_generated_delta(deltas, range(len(deltas)), 0)
 
     kl = compared["baseline_tokens"]["kl"]
     return {

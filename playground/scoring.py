@@ -70,3 +70,20 @@ def kl_divergence(p_logprobs: np.ndarray, q_logprobs: np.ndarray) -> np.ndarray:
 def delta_logprobs(under_steered: np.ndarray, under_baseline: np.ndarray) -> np.ndarray:
     """Δ logprob (nats) of the same tokens: steered minus baseline."""
     return np.asarray(under_steered) - np.asarray(under_baseline)
+
+
+# One definition of the mean Δ logprob wherever a page shows one (the steering comparison,
+# the sweep and its scrubber, two runs compared).
+MEAN_DELTA_DEFINITION = (
+    "mean Δ logprob: the mean of Δ logprob over the generated tokens only (the prompt's "
+    "tokens are not counted), in nats per token"
+)
+
+
+def mean_generated_delta(deltas, positions, first_generated: int) -> float | None:
+    """The mean Δ logprob (MEAN_DELTA_DEFINITION) of `deltas` at `positions`: over those
+    from `first_generated` (the prompt's length) on; None when there is none."""
+    generated = [
+        delta for delta, at in zip(deltas, positions, strict=True) if at >= first_generated
+    ]
+    return float(np.mean(generated)) if generated else None

@@ -24,7 +24,7 @@ from acs_client.codec import decode
 from acs_portal.celery import TaskQueueUnreachable
 from api.selectors import model_cards
 
-from . import compare, figures, scrub, selectors, streams
+from . import compare, figures, scoring, scrub, selectors, streams
 from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
@@ -664,7 +664,13 @@ def _group_response(request, group):
 
 
 def _group_context(runs: list[Run]) -> dict:
-    context = {"runs": runs, "group": runs[0].group, "kind": runs[0].kind, "figures": []}
+    context = {
+        "runs": runs,
+        "group": runs[0].group,
+        "kind": runs[0].kind,
+        "figures": [],
+        "mean_delta_definition": scoring.MEAN_DELTA_DEFINITION,
+    }
     context["finished"] = all(run.is_finished for run in runs)
     if runs[0].kind == RunKind.CONTRAST:
         context["kind"] = RunKind.CONTRAST

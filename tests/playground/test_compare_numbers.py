@@ -91,12 +91,15 @@ def test_comparison_numbers_match_numpy_from_the_raw_answers(recorder, approved_
     ).content.decode()
     figures = embedded(page)
     assert "data-same-settings" not in page
+    assert "the mean of Δ logprob over the generated tokens only" in page
     for index, side in enumerate(("a", "b")):
         delta = logprobs(under["b"], index, side) - logprobs(under["a"], index, side)
         [bars] = figures[f"logprob-{side}"]["data"]
         assert bars["x"] == list(range(1, len(ids[side])))
         assert close(bars["y"], delta, 1e-9)
-        assert f"{delta.mean():.3f} nats/token" in page
+        # The mean over the generated tokens only (positions from the prompt's length on),
+        # as the steering page's.
+        assert f"{delta[len(prompt_ids) - 1 :].mean():.3f} nats/token" in page
         assert figures[f"logprob-{side}"]["layout"]["xaxis"]["ticktext"][0] == "1 ·quick"
     # The unsteered model scores the plain run's own tokens as the run reported them, within
     # the bfloat16 noise of a batch of two prompts against one sequence decoded alone.

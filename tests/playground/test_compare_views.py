@@ -3,6 +3,7 @@ with and without HX-Request, the token diff, runs without captures, queueing the
 
 import datetime as dt
 import functools
+import html
 import json
 import re
 import uuid
@@ -13,7 +14,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from acs_client.client import AcsClient
-from playground import compare, tasks
+from playground import compare, scoring, tasks
 from playground.models import Run, RunComparison, RunStatus
 
 from .conftest import recorded
@@ -263,3 +264,46 @@ def test_a_scoring_no_worker_finished_is_failed_by_the_sweep(approved_user):
     fresh.refresh_from_db()
     assert (stuck.status, stuck.error_code) == (RunStatus.FAILED, "worker_lost")
     assert fresh.status == RunStatus.QUEUED
+
+
+def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
+    user_client, approved_user, monkeypatch
+):
+    """One definition of the mean Δ logprob on both pages: over the generated tokens only.
+    Here the prompt's tokens move by −1 nat each and the generated ones by −4: the mean over
+    prompt + completion (what the page showed) would be −1.5 for A's two generated tokens."""
+    a = finished_run(approved_user, completion=[(7042, " Paris"), (13, ".")])
+    b = finished_run(approved_user, completion=[(24196, " Lyon")])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        steered = bool(body.get("apply_steering_vectors"))
+        choices = [
+            {"index": index, "text": "", "prompt_logprobs": [None] + [
+                {str(token): {"rank": 1, "decoded_token": "?", "logprob": (
+                    (-5.0 if position >= len(PROMPT["ids"]) else -2.0) if steered else -1.0
+                )}}
+                for position, token in enumerate(prompt) if position
+            ]}
+            for index, prompt in enumerate(body["prompt"])
+        ]  # fmt: skip
+        return httpx.Response(200, json={"choices": choices, "usage": {}})
+
+    monkeypatch.setattr(
+        "playground.compare.AcsClient",
+        functools.partial(AcsClient, transport=httpx.MockTransport(answer)),
+    )
+    Run.objects.filter(pk=b.pk).update(
+        request={**b.request, "apply_steering_vectors": [{"layer_indices": [6], "scale": 8.0}]}
+    )
+    b.refresh_from_db()
+    comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
+    compare.comparison_execute(comparison_id=comparison.pk)
+    page = user_client.get(compare_url(a, b)).content.decode()
+    assert re.search(r'data-mean-delta="a">-4.000 nats/token<', page)
+    assert re.search(r'data-mean-delta="b">-4.000 nats/token<', page)
+    said = re.search(r'<p class="help" data-mean-definition>(.*?)</p>', page).group(1)
+    assert html.unescape(said).startswith(scoring.MEAN_DELTA_DEFINITION + ";")
+    assert scoring.MEAN_DELTA_DEFINITION.startswith(
+        "mean Δ logprob: the mean of Δ logprob over the generated tokens only"
+    )

@@ -443,9 +443,11 @@ def test_steering_comparison_numbers_are_on_the_same_tokens(science, approved_us
     assert (kl >= -1e-9).all() and kl.max() > 0
     assert "nats" in figure["layout"]["yaxis"]["title"]["text"]
     assert figure["layout"]["yaxis2"]["title"]["text"] == "KL(baseline ‖ steered) (nats)"
-    # The means on the steered card, in nats per token.
+    # The means on the steered card, in nats per token, over the generated tokens (the
+    # comparison page's definition).
     for value in (base_delta.mean(), own_delta.mean(), kl.mean()):
         assert f"{value:.3f} nats/token" in page
+    assert "the mean of Δ logprob over the generated tokens only" in page
 
 
 def test_sweep_numbers_match_numpy(science, approved_user, page_client):
