@@ -30,10 +30,12 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from .codec import encode_vector
 from .downloads import HarvestDownload
+from .responses import ErrorObject, ErrorResponse
 from .results import Completion, CompletionJob, HarvestJob, KeyUsage, Model, ModelStatus
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=900.0, write=30.0, pool=30.0)
@@ -98,13 +100,23 @@ def _retry_after(headers: httpx.Headers) -> float | None:
         return None
 
 
+def _error_object(payload) -> ErrorObject | None:
+    """The error of an `ErrorResponse` (a JSON value or its bytes), or None for anything
+    else (a proxy's HTML page, a body cut short)."""
+    try:
+        if isinstance(payload, bytes):
+            return ErrorResponse.model_validate_json(payload, extra="ignore").error
+        return ErrorResponse.model_validate(payload, extra="ignore").error
+    except ValidationError:
+        return None
+
+
 def error_from_response(response: httpx.Response, body: bytes) -> AcsApiError:
     """Build the error of a non-2xx response from its `{"error": {...}}` body and headers."""
-    try:
-        error = json.loads(body)["error"]
-        code, message = str(error["code"]), str(error.get("message", ""))
-        error_type = str(error.get("type", ""))
-    except (ValueError, KeyError, TypeError):
+    error = _error_object(body)
+    if error is not None:
+        code, message, error_type = error.code, error.message, error.type
+    else:
         code, error_type = "http_error", ""
         message = f"HTTP {response.status_code}: {body[:200].decode('utf-8', 'replace')}"
     retry_after = _retry_after(response.headers)
@@ -143,13 +155,10 @@ def parse_sse_line(line: str) -> dict | None:
         return None
     frame = json.loads(payload)
     if isinstance(frame, dict) and "error" in frame:
-        error = frame["error"] or {}
-        raise AcsApiError(
-            status=200,
-            code=str(error.get("code", "stream_error")),
-            message=str(error.get("message", "")),
-            error_type=str(error.get("type", "")),
-        )
+        error = _error_object(frame)
+        if error is None:
+            raise AcsApiError(status=200, code="stream_error", message=str(frame["error"]))
+        raise AcsApiError(status=200, code=error.code, message=error.message, error_type=error.type)
     return frame
 
 
@@ -260,7 +269,7 @@ class CompletionStream:
 
 
 def _json(result_type):
-    """Parse a JSON answer into `result_type` (a dataclass of `acs_client.results`)."""
+    """Parse a JSON answer into `result_type` (a model of `acs_client.results`)."""
     return lambda response: result_type.from_wire(response.json())
 
 
@@ -401,7 +410,7 @@ class AcsClient(_Operations, _Base):
                     bar.set_postfix_str("succeeded")
                     bar.update(1)
                     return _completion(response)
-                bar.set_postfix_str(response.json().get("status", ""))
+                bar.set_postfix_str(CompletionJob.from_wire(response.json()).status)
                 delay = _retry_after(response.headers) or poll_interval
                 _sleep_before(deadline, delay, f"completion job {job_id}")
 

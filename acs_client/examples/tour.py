@@ -71,7 +71,9 @@ def tour(client: AcsClient, *, model_id: str | None, out: str, progress: bool) -
     print(f"harvest: job {job.job_id} {job.status}")
     job = client.wait_for_harvest(job.job_id, progress=progress, timeout=600)
     if job.status != "done":
-        raise SystemExit(f"harvest ended {job.status}: {job.error or job.message}")
+        raise SystemExit(
+            f"harvest ended {job.status}: {job.error.message if job.error else job.message}"
+        )
     download = client.download_harvest(job, out)
     print(f"harvest: {len(download.shard_paths)} shard(s) in {download.directory}")
     for captured in download.captures():

@@ -11,7 +11,7 @@ import pytest
 
 from acs_client.client import AcsApiError, AcsClient, AsyncAcsClient, steering_vector
 from acs_client.codec import decode, encode_vector
-from acs_client.results import Completion
+from acs_client.results import Completion, Model
 from api.jobs import tasks
 from tests.gateway.conftest import wait_settled
 
@@ -45,6 +45,14 @@ def test_models_mirror_the_model_list_with_capabilities(ada, raw):
     assert model.capabilities.activations is True
     assert model.capabilities.max_steering_vectors == wire["capabilities"]["max_steering_vectors"]
     assert ada.model("stub-model") == model
+
+
+def test_fields_a_newer_server_adds_stay_in_raw_and_break_nothing(ada, raw):
+    wire = raw.get("/v1/models/stub-model").json()
+    newer = {**wire, "region": "eu", "capabilities": {**wire["capabilities"], "max_lora": 0}}
+    model = Model.from_wire(newer)
+    assert model.raw == newer
+    assert model.model_dump(mode="json") == wire == ada.model("stub-model").raw
 
 
 def test_an_unknown_model_raises_its_code_status_and_request_id(ada):
@@ -180,12 +188,19 @@ def test_a_failed_completion_job_raises_its_stored_error(ada, stub, sent_tasks):
     with pytest.raises(AcsApiError) as caught:
         ada.wait_for_job(job.id, progress=False)
     assert caught.value.status == 400
-    assert ada.completion_job(job.id).status == "failed"
+    failed = ada.completion_job(job.id)
+    assert failed.status == "failed"
+    assert (failed.error.code, failed.error.message) == (caught.value.code, caught.value.message)
 
 
 def test_harvest_is_submitted_read_and_cancelled(ada, sent_tasks, capsys):
     job = ada.submit_harvest(model="stub-model", prompts=["Hello there.", "Again."], layers=[1, 3])
-    assert (job.status, job.model, job.n_prompts) == ("pending", "stub-model", 2)
+    assert (job.status, job.model, job.n_prompts, job.layers) == (
+        "pending",
+        "stub-model",
+        2,
+        [1, 3],
+    )
     read = ada.harvest(job.job_id)
     assert (read.layers, read.prompts_done, read.files) == ([1, 3], 0, None)
     assert read.created_at.tzinfo is not None

@@ -131,7 +131,8 @@ def test_error_frame_inside_a_stream_raises_with_its_code():
 
 def test_stream_that_is_refused_raises_before_any_frame():
     def handler(request):
-        return httpx.Response(401, json={"error": {"code": "key_disabled", "message": "paused"}})
+        error = {"code": "key_disabled", "message": "paused", "type": "authentication_error"}
+        return httpx.Response(401, json={"error": error})
 
     with pytest.raises(AcsApiError) as caught, client_answering(handler).stream_completions({}):
         pass
@@ -162,7 +163,7 @@ async def test_async_client_completes_and_streams():
 
 
 async def test_async_stream_error_frame_raises():
-    body = 'data: {"error":{"code":"upstream_deadline","message":"late"}}\n\n'
+    body = 'data: {"error":{"code":"upstream_deadline","message":"late","type":"server_error"}}\n\n'
     client = client_answering(lambda r: httpx.Response(200, text=body), AsyncAcsClient)
     with pytest.raises(AcsApiError) as caught:
         async with client.stream_completions({}) as stream:

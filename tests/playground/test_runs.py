@@ -206,7 +206,7 @@ def test_error_frame_after_tokens_fails_without_retry(
 ):
     run = run_create(user=approved_user, request={**REQUEST, "stream": True})
     body = 'data: {"choices":[{"index":0,"text":"Hi"}]}\n\n' + (
-        'data: {"error":{"code":"vllm_engine_dead","message":"engine died"}}\n\n'
+        'data: {"error":{"code":"vllm_engine_dead","message":"engine died","type":"x"}}\n\n'
     )
     gateway.handler = lambda request: httpx.Response(200, text=body)
     run = run_execute(run_id=run.id, final_attempt=False)
