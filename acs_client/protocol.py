@@ -89,6 +89,10 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     add_special_tokens: bool = True
     ignore_eos: bool = False
+    # vLLM's: each choice also carries `prompt_token_ids` and the generated `token_ids` (in a
+    # stream, the prompt's in the first chunk and each chunk's new ids): the tokens exactly,
+    # where text or logprobs strings can name several tokenizations.
+    return_token_ids: bool = False
     user: str | None = None
 
     def stop_strings(self) -> list[str]:

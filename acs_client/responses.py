@@ -109,6 +109,11 @@ class CompletionChoice(RelayedBody):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     """With `prompt_logprobs`: null for the first prompt token, then per position a dict
     keyed by token id (a string) that always includes the actual token."""
+    prompt_token_ids: list[int] | None = None
+    """With `return_token_ids`: the prompt's token ids (in a stream, in the first chunk)."""
+    token_ids: list[int] | None = None
+    """With `return_token_ids`: the generated tokens' ids, the prompt's first under `echo`
+    (in a stream, each chunk's new ones)."""
 
 
 class TokenUsage(RelayedBody):

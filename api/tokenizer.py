@@ -218,16 +218,6 @@ async def token_strings(model, id_lists: list[list[int]]) -> list[list[str] | No
     return [_strings(tokenizer, ids) if tokenizer else None for ids in id_lists]
 
 
-async def text_tokens(model, text: str) -> PromptTokens | None:
-    """The tokens of generated `text` (no special tokens added), or None without a local
-    tokenizer."""
-    tokenizer = await load_tokenizer(model)
-    if tokenizer is None:
-        return None
-    ids = (await _encode(tokenizer, [text], add_special_tokens=False))[0]
-    return PromptTokens(ids=ids, strings=_strings(tokenizer, ids))
-
-
 _ids_by_string: dict[int, dict[str, int | None]] = {}
 
 

@@ -42,7 +42,8 @@ class LogprobsChunk:
 
 @dataclass
 class ChoiceDelta:
-    """New output of one choice: text, logprobs of new tokens, and the finish when it ends."""
+    """New output of one choice: text, logprobs of new tokens, and the finish when it ends;
+    with `return_token_ids` the new tokens' ids (the first delta also the prompt's)."""
 
     index: int
     text: str
@@ -50,6 +51,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: str | None = None
     prompt_logprobs: list | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass

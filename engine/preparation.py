@@ -44,6 +44,7 @@ class SamplingParams:
     logprobs: int | None
     prompt_logprobs: int | None
     echo: bool
+    return_token_ids: bool
 
     @property
     def needs_prompt_scores(self) -> bool:
@@ -113,6 +114,7 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             echo=request.echo,
+            return_token_ids=request.return_token_ids,
         ),
         seed=request.seed,
         stream=request.stream,

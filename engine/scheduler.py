@@ -488,6 +488,14 @@ class Scheduler:
                 logprobs, token, params.logprobs, self.loaded.token_strings
             )
             delta.logprobs.append(self.loaded.token_strings[token], logprob, top, offset)
+        if params.return_token_ids:
+            # As vLLM: the prompt's ids in the first delta, and under echo in front of the
+            # generated ids too.
+            delta.token_ids = [token]
+            if first is not None:
+                delta.prompt_token_ids = list(sequence.prompt_ids)
+                if params.echo:
+                    delta.token_ids = [*sequence.prompt_ids, token]
         if stop_hit is not None:
             delta.finish_reason, delta.stop_reason = "stop", stop_hit
         elif token in self.loaded.eos_token_ids and not params.ignore_eos:
@@ -497,7 +505,13 @@ class Scheduler:
         if delta.finish_reason is not None and stop_hit is None:
             sequence.text.finish()
         delta.text = sequence.text.take_sendable(finished=delta.finish_reason is not None)
-        if delta.text or delta.logprobs or delta.finish_reason or delta.prompt_logprobs:
+        if (
+            delta.text
+            or delta.logprobs
+            or delta.finish_reason
+            or delta.prompt_logprobs
+            or delta.token_ids
+        ):
             sequence.request.emit(delta)
         if delta.finish_reason is not None:
             self._finish(sequence)

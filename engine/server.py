@@ -299,13 +299,16 @@ async def watch_disconnect(request: Request, engine_request: EngineRequest) -> N
 
 async def complete(engine_request: EngineRequest) -> Response:
     prepared = engine_request.prepared
-    choices = [new_choice(index) for index in range(prepared.sequence_count)]
+    params = prepared.params
+    choices = [
+        new_choice(index, params.return_token_ids) for index in range(prepared.sequence_count)
+    ]
     while True:
         event = await engine_request.events.get()
         if event is CLIENT_GONE:
             return Response(status_code=499)
         if isinstance(event, ChoiceDelta):
-            add_delta(choices[event.index], event, prepared.params.logprobs is not None)
+            add_delta(choices[event.index], event, params.logprobs is not None)
         elif isinstance(event, RequestFailed):
             return error_response(failure_error(event), usage=event.usage)
         elif isinstance(event, RequestDone):
@@ -317,8 +320,8 @@ async def complete(engine_request: EngineRequest) -> Response:
             return json_response(body)
 
 
-def new_choice(index: int) -> dict:
-    return {
+def new_choice(index: int, with_token_ids: bool) -> dict:
+    choice = {
         "index": index,
         "text": "",
         "logprobs": None,
@@ -326,6 +329,9 @@ def new_choice(index: int) -> dict:
         "stop_reason": None,
         "prompt_logprobs": None,
     }
+    if with_token_ids:
+        choice.update(prompt_token_ids=None, token_ids=[])
+    return choice
 
 
 def add_delta(choice: dict, delta: ChoiceDelta, with_logprobs: bool) -> None:
@@ -338,6 +344,10 @@ def add_delta(choice: dict, delta: ChoiceDelta, with_logprobs: bool) -> None:
                 choice["logprobs"][key] += values
     if delta.prompt_logprobs is not None:
         choice["prompt_logprobs"] = delta.prompt_logprobs
+    if delta.token_ids is not None:
+        choice["token_ids"] += delta.token_ids
+    if delta.prompt_token_ids is not None:
+        choice["prompt_token_ids"] = delta.prompt_token_ids
     if delta.finish_reason is not None:
         choice["finish_reason"] = delta.finish_reason
         choice["stop_reason"] = delta.stop_reason
@@ -391,6 +401,10 @@ def delta_json(delta: ChoiceDelta) -> dict:
     }
     if delta.prompt_logprobs is not None:
         choice["prompt_logprobs"] = delta.prompt_logprobs
+    if delta.prompt_token_ids is not None:
+        choice["prompt_token_ids"] = delta.prompt_token_ids
+    if delta.token_ids is not None:
+        choice["token_ids"] = delta.token_ids
     return choice
 
 

@@ -4,11 +4,13 @@ its request asked for, so that every position of every figure can be named by it
 
 Stored in `Run.tokens` as
 `{"prompts": [{"ids", "strings"}], "completions": [{"ids", "strings", "source"} | None]}`:
-one entry per prompt of the request and per choice of the response. A completion's strings
-come from the response's logprobs where it has them (`source` "logprobs": exactly the tokens
-sampled; an id is None where several tokens decode to the same string), otherwise from
-tokenizing the returned text (`source` "text": the text's canonical tokens, which sampling
-need not have produced).
+one entry per prompt of the request and per choice of the response. A completion's tokens
+are the ids the response names (`source` "token_ids": every run asks for them with
+`return_token_ids`, see `with_token_ids`), each decoded alone; else, for answers without
+them, the response's logprobs strings (`source` "logprobs": an id is None where several
+tokens decode to the same string); else unknown (None). The returned text is never
+tokenized again: its canonical tokens need not be the ones sampled (two "\n" tokens, ids
+198 198, read back as one "\n\n", id 1116).
 """
 
 import logging
@@ -17,7 +19,7 @@ from asgiref.sync import async_to_sync
 
 from api.errors import ApiError
 from api.selectors import model_get
-from api.tokenizer import prompt_tokens, text_tokens, token_ids_of_strings
+from api.tokenizer import prompt_tokens, token_ids_of_strings, token_strings
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +48,24 @@ async def _run_tokens(request: dict, response: dict) -> dict:
 
 
 async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -> dict | None:
-    logprobs = choice.get("logprobs") or {}
     echoed = len(prompt["ids"]) if request.get("echo") else 0
+    if choice.get("token_ids") is not None:
+        ids = choice["token_ids"][echoed:]
+        [strings] = await token_strings(model, [ids])
+        if strings is not None:
+            return {"ids": ids, "strings": strings, "source": "token_ids"}
+    logprobs = choice.get("logprobs") or {}
     if logprobs.get("tokens") is not None:
         strings = logprobs["tokens"][echoed:]
         ids = await token_ids_of_strings(model, strings)
         return {"ids": ids or [None] * len(strings), "strings": strings, "source": "logprobs"}
-    text = choice.get("text") or ""
-    if request.get("echo"):
-        prompt_text = request["prompt"] if isinstance(request.get("prompt"), str) else ""
-        text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
-    tokens = await text_tokens(model, text)
-    if tokens is None:
-        return None
-    return {"ids": tokens.ids, "strings": tokens.strings, "source": "text"}
+    return None
+
+
+def with_token_ids(request: dict) -> dict:
+    """`request` asking the API for its tokens' ids (`return_token_ids`), which name every
+    generated position exactly (see the module's docstring)."""
+    return {**request, "return_token_ids": True}
 
 
 def run_tokens(request: dict, response: dict) -> dict | None:

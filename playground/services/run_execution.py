@@ -150,8 +150,9 @@ def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
 
 
 def merge_stream_frames(frames: list[dict]) -> dict:
-    """Rebuild the non-streaming body from streamed frames: text and logprobs concatenated
-    per choice, prompt_logprobs and finish_reason kept, usage from the final frame."""
+    """Rebuild the non-streaming body from streamed frames: text, logprobs and token ids
+    concatenated per choice, prompt_logprobs, prompt token ids and finish_reason kept, usage
+    from the final frame."""
     choices: dict[int, dict] = {}
     merged = {"object": "text_completion", "choices": [], "usage": None}
     for frame in frames:
@@ -172,6 +173,8 @@ def merge_stream_frames(frames: list[dict]) -> dict:
                 choice["prompt_logprobs"] = piece["prompt_logprobs"]
             if piece.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = piece["prompt_token_ids"]
+            if piece.get("token_ids") is not None:
+                choice.setdefault("token_ids", []).extend(piece["token_ids"])
             logprobs = piece.get("logprobs")
             if logprobs:
                 if choice["logprobs"] is None:

@@ -16,6 +16,7 @@ from acs_portal.database import written_through_reconnects
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus, SteeringVector
+from ..run_tokens import with_token_ids
 from .keys import playground_key_get_or_create
 
 # The task that executes a run (`tasks.py`), enqueued by name.
@@ -56,7 +57,8 @@ def run_create(
 
 def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token) -> Run:
     """`run_create` without its `submitted_once`: for the callers (`vectors`) that create
-    several runs of one form submission inside their own `submitted_once`."""
+    several runs of one form submission inside their own `submitted_once`. Every run asks
+    for its tokens' ids (`run_tokens.with_token_ids`)."""
     with transaction.atomic():
         playground_key_get_or_create(user=user)
         run = Run.objects.create(
@@ -65,7 +67,7 @@ def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token
             group=group,
             scale=scale,
             vector=vector,
-            request=request,
+            request=with_token_ids(request),
             meta=meta or {},
             submit_token=submit_token,
             sent_at=timezone.now() if group is None else None,

@@ -12,6 +12,7 @@ from conftest import (
     engine_in_process,
     reference_forward,
 )
+from tokenizers import Tokenizer
 
 PARIS_PROMPT = "The capital of France is"
 
@@ -191,6 +192,25 @@ def test_stream_concatenates_to_the_non_streamed_text(client, complete):
             finishes[choice["index"]] = choice["finish_reason"] or finishes[choice["index"]]
     assert texts == [choice["text"] for choice in expected["choices"]]
     assert finishes == [choice["finish_reason"] for choice in expected["choices"]]
+
+
+def test_return_token_ids_names_the_tokens_exactly_as_vllm_does(client, complete):
+    """`return_token_ids` (vLLM's): each choice's prompt ids and generated ids, the prompt's
+    in front under echo; a stream's chunks add up to them; without it, no such fields."""
+    tokenizer = Tokenizer.from_str(client.get("/tokenizer.json").text)
+    body = dict(prompt=PARIS_PROMPT, max_tokens=6, temperature=0, return_token_ids=True)
+    choice = complete(**body)["choices"][0]
+    prompt_ids = tokenizer.encode(PARIS_PROMPT).ids
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert len(choice["token_ids"]) == 6
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    assert "token_ids" not in complete(prompt=PARIS_PROMPT, max_tokens=1)["choices"][0]
+    echoed = complete(**body, echo=True)["choices"][0]
+    assert echoed["token_ids"] == prompt_ids + choice["token_ids"]
+    frames = read_stream(client, {**body, "stream": True})
+    chunks = [piece for frame in frames[:-1] for piece in frame["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert [i for piece in chunks for i in piece["token_ids"]] == choice["token_ids"]
 
 
 def test_stream_without_usage_ends_with_done(client):

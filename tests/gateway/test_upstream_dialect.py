@@ -187,3 +187,11 @@ def test_a_client_cannot_send_vllm_xargs_of_its_own(client, stub):
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "Unknown field 'vllm_xargs'."
     assert stub.requests == []
+
+
+def test_return_token_ids_is_vllms_own_field_and_reaches_the_upstream_as_sent(client, stub):
+    response = client.post("/v1/completions", json={**BODY, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert stub.requests[-1]["return_token_ids"] is True
+    refused = client.post("/v1/completions", json={**BODY, "return_token_ids": "yes"})
+    assert refused.status_code == 400 and "return_token_ids" in refused.json()["error"]["message"]

@@ -72,7 +72,10 @@ class Recorder(httpx.BaseTransport):
         return response
 
     def answer_to(self, body: dict) -> dict:
-        matches = [answer for sent, answer in self.exchanges if sent == body]
+        """The answer to `body`, sent as it is or, as every run sends it, asking for its
+        tokens' ids."""
+        asked = [body, {**body, "return_token_ids": True}]
+        matches = [answer for sent, answer in self.exchanges if sent in asked]
         assert len(matches) == 1, f"{len(matches)} requests sent with {body}"
         return matches[0]
 
@@ -530,8 +533,10 @@ def test_run_download_holds_the_capture_with_its_tokens_for_the_loader(
     run = run_through(approved_user, request)
     raw = recorder.answer_to(request)
     prompt_ids, prompt_texts = prompt_pieces(tokenizer, PROMPT)
-    # No logprobs were asked for: the generated tokens are the returned text's.
-    generated = tokenizer.encode(raw["choices"][0]["text"], add_special_tokens=False)
+    # No logprobs were asked for: the generated tokens are the ids the answer names (the
+    # run asks for them), each decoded alone; not the returned text encoded again.
+    generated = raw["choices"][0]["token_ids"]
+    assert tokenizer.decode(generated) == raw["choices"][0]["text"]
     download = page_client.get(reverse("playground:run_activations", args=[run.id]))
     assert download["Content-Disposition"].endswith('-activations.safetensors"')
     path = tmp_path / "run.safetensors"
@@ -544,9 +549,9 @@ def test_run_download_holds_the_capture_with_its_tokens_for_the_loader(
     assert np.array_equal(capture.activations, residual_stream(raw).astype(np.float32))
     assert capture.request_id == run.request_id != ""
     assert capture.prompt_length == 9 and capture.is_prompt.tolist() == [True] * 9 + [False] * 3
-    assert capture.token_ids.tolist() == prompt_ids + generated.ids[:3]
+    assert capture.token_ids.tolist() == prompt_ids + generated[:3]
     assert capture.token_strings == prompt_texts + [
-        raw["choices"][0]["text"][start:end] for start, end in generated.offsets[:3]
+        tokenizer.decode([token], skip_special_tokens=False) for token in generated[:3]
     ]
     assert np.array_equal(capture.layer(17), capture.activations[1])
     printed = subprocess.run(

@@ -90,7 +90,8 @@ def test_run_is_enqueued_only_after_commit(
     assert no_enqueue == [] and len(enqueues) == 1
     enqueues[0]()
     assert no_enqueue == [str(run.id)]
-    assert run.status == RunStatus.QUEUED and run.request == REQUEST
+    # Every run asks for its tokens' ids, which label its positions.
+    assert run.status == RunStatus.QUEUED and run.request == {**REQUEST, "return_token_ids": True}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -129,7 +130,7 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
     assert run.started_at >= run.queued_at and run.finished_at >= run.started_at
     sent = gateway.requests[0]
     assert sent.url.path == "/v1/completions"
-    assert httpx.Response(200, content=sent.content).json() == REQUEST
+    assert httpx.Response(200, content=sent.content).json() == queued_run.request
     _, secret = playground_key_get_or_create(user=queued_run.user)
     assert sent.headers["authorization"] == f"Bearer {secret}"
     assert [event["type"] for event in replay(run.id)] == ["status", "end"]

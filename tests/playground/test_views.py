@@ -137,6 +137,7 @@ def test_htmx_submit_creates_the_run_and_returns_its_panel(
     assert run.request == {
         "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 8, "seed": 7,
         "stop": ["END"], "logprobs": 3, "stream": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }  # fmt: skip
     assert no_enqueue == [str(run.id)]
 
@@ -344,7 +345,8 @@ def test_rerun_sends_the_same_request_again(user_client, approved_user, no_enque
     run = finished_run(approved_user)
     response = user_client.post(reverse("playground:run_rerun", args=[run.id]), **HTMX)
     again = Run.objects.exclude(pk=run.pk).get()
-    assert again.request == run.request and again.status == RunStatus.QUEUED
+    assert again.request == {**run.request, "return_token_ids": True}
+    assert again.status == RunStatus.QUEUED
     assert str(again.id) in response.content.decode()
 
 
