@@ -273,6 +273,11 @@ ACS_DEFAULT_HARVEST_QUOTA = env_int("ACS_DEFAULT_HARVEST_QUOTA", 50, minimum=0)
 
 # The embedded engine, default upstream of the model registry.
 ENGINE_URL = env("ENGINE_URL", "http://127.0.0.1:8001")
+# Its weights directory, where `python -m engine weights` finds it (ACS_ENGINE_CACHE, else
+# the engine's default): the first `migrate` records it on the engine's registry row.
+ENGINE_WEIGHTS_DIR = str(
+    Path(env("ACS_ENGINE_CACHE", "~/.cache/acs-engine/smollm2-135m")).expanduser()
+)
 # Where workers reach the public /v1 gateway (the playground calls it like any client).
 GATEWAY_URL = env("GATEWAY_URL", "http://127.0.0.1:8000")
 

@@ -31,6 +31,7 @@ class LanguageModelForm(forms.ModelForm):
             "max_logprobs",
             "status",
             "is_default",
+            "weights_dir",
         ]
 
     def clean_tokenizer_file(self):

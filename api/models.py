@@ -50,6 +50,15 @@ class LanguageModel(models.Model):
         "with it instead of asking the upstream.",
     )
     tokenizer_sha256 = models.CharField(max_length=64, blank=True, editable=False)
+    # The playground's logit lens needs the model's final norm and unembedding: it reads them
+    # from the model's own files (playground/lens.py) on the web and worker machines.
+    weights_dir = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="The model's directory on the web and worker machines (config.json, "
+        "model.safetensors, tokenizer.json: what vLLM serves it from). When set, the "
+        "playground shows the logit lens and direct logit attribution of capture runs.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
