@@ -19,10 +19,12 @@ from acs_client.protocol import (
     check_output_work,
     quartile_layers,
 )
+from api.errors import ApiError
 from api.limits import MAX_BODY_BYTES
 
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
+from .run_tokens import shown_tokens, tokenize
 from .services.vectors import VectorError, vector_from_npy
 from .vectors import steering_entry
 
@@ -401,6 +403,9 @@ def _limit_layer(field: forms.IntegerField, capabilities: ModelCapabilities) -> 
 
 
 class ContrastVectorForm(SubmitOnceForm):
+    """Two prompts captured at one layer; the vector is the difference of their rows after
+    position 0 (`services.vectors.contrast_difference`), so each prompt needs two tokens."""
+
     prefix = "contrast"
     name = forms.CharField(max_length=100)
     layer = forms.IntegerField(min_value=0)
@@ -418,13 +423,37 @@ class ContrastVectorForm(SubmitOnceForm):
         choices=[
             (VectorMethod.CONTRAST_LAST, "Last token"),
             (VectorMethod.CONTRAST_MEAN, "Mean over tokens"),
-        ]
+        ],
+        help_text="Both leave out position 0, an attention sink whose residual stream is "
+        "several times the typical norm whatever its token.",
     )
 
     def __init__(self, *args, capabilities: ModelCapabilities, **kwargs):
         super().__init__(*args, **kwargs)
         self.capabilities = capabilities
         _limit_layer(self.fields["layer"], capabilities)
+
+    def clean(self):
+        data = super().clean()
+        names = [name for name in ("positive", "negative") if data.get(name)]
+        if len(names) < 2:
+            return data
+        try:
+            prompts = tokenize(self.capabilities.id, [(data[name], True) for name in names])
+        except ApiError as error:
+            raise forms.ValidationError(
+                f"The prompts could not be tokenized ({error.code}: {error.message})."
+            ) from None
+        for name, tokens in zip(names, prompts, strict=True):
+            if len(tokens.ids) < 2:
+                self.add_error(
+                    name,
+                    f"This prompt is one token, {shown_tokens(tokens)}: its only position is "
+                    "0, the attention sink, so the vector would be the sink's (several times "
+                    "the typical norm, whatever the word). Put a word before it (“I love”): "
+                    "the vector comes from the positions after the first.",
+                )
+        return data
 
 
 class UploadVectorForm(forms.Form):

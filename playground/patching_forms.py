@@ -3,17 +3,14 @@
 the logit difference, the corrupted target) of a few tokens, the metric shown first, and the
 layers and positions to patch."""
 
-from asgiref.sync import async_to_sync
 from django import forms
 
 from api.errors import ApiError
-from api.selectors import model_get
-from api.tokenizer import PromptTokens, prompt_tokens
 
-from . import figures
 from .forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from .patching import PatchingTarget
 from .patching_metrics import METRICS
+from .run_tokens import shown_tokens, tokenize
 
 # Each cell is one request through the workers; a grid larger than this is refused (a
 # 30-layer model and a 16-token prompt make 480 cells).
@@ -22,23 +19,6 @@ MAX_PATCHING_PROMPT_TOKENS = 64
 MAX_PATCHING_PROMPT_CHARS = 1000
 # A target's tokens are appended to every prompt of the grid and scored teacher-forced.
 MAX_TARGET_TOKENS = 8
-
-
-async def _tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
-    model = await model_get(model_id)
-    return [await prompt_tokens(model, text, add_special_tokens=special) for text, special in texts]
-
-
-def tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
-    """The tokens of each `(text, add_special_tokens)` under `model_id`'s tokenizer (raises
-    ApiError when the model or its tokenizer cannot be reached)."""
-    return async_to_sync(_tokenize)(model_id, texts)
-
-
-def _shown(tokens: PromptTokens) -> str:
-    if tokens.strings is None:
-        return f"ids {tokens.ids}"
-    return " ".join(f"‘{figures.visible_token(string)}’" for string in tokens.strings)
 
 
 class PatchingForm(SubmitOnceForm):
@@ -131,8 +111,8 @@ class PatchingForm(SubmitOnceForm):
             self.add_error(
                 "corrupted_prompt",
                 f"The corrupted prompt is {len(corrupted.ids)} tokens and the clean prompt "
-                f"{len(clean.ids)}; patching needs the same length. Clean: {_shown(clean)}. "
-                f"Corrupted: {_shown(corrupted)}.",
+                f"{len(clean.ids)}; patching needs the same length. Clean: {shown_tokens(clean)}. "
+                f"Corrupted: {shown_tokens(corrupted)}.",
             )
         elif len(clean.ids) > MAX_PATCHING_PROMPT_TOKENS:
             self.add_error(
@@ -144,7 +124,7 @@ class PatchingForm(SubmitOnceForm):
                 self.add_error(
                     name,
                     f"At most {MAX_TARGET_TOKENS} tokens; this is {len(tokens.ids)}: "
-                    f"{_shown(tokens)}.",
+                    f"{shown_tokens(tokens)}.",
                 )
         if len(targets) > 1 and targets[0].ids == targets[1].ids:
             self.add_error("corrupted_target", "The corrupted target must differ from the target.")

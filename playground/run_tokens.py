@@ -19,7 +19,9 @@ from asgiref.sync import async_to_sync
 
 from api.errors import ApiError
 from api.selectors import model_get
-from api.tokenizer import prompt_tokens, token_ids_of_strings, token_strings
+from api.tokenizer import PromptTokens, prompt_tokens, token_ids_of_strings, token_strings
+
+from .figures import visible_token
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +82,22 @@ def run_tokens(request: dict, response: dict) -> dict | None:
         # by their index.
         logger.exception("run tokens could not be computed")
     return None
+
+
+async def _tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
+    model = await model_get(model_id)
+    return [await prompt_tokens(model, text, add_special_tokens=special) for text, special in texts]
+
+
+def tokenize(model_id: str, texts: list[tuple[str, bool]]) -> list[PromptTokens]:
+    """The tokens of each `(text, add_special_tokens)` under `model_id`'s tokenizer, as the
+    gateway counts them (raises ApiError when the model or its tokenizer cannot be reached):
+    for forms that check a prompt's tokens before anything is sent."""
+    return async_to_sync(_tokenize)(model_id, texts)
+
+
+def shown_tokens(tokens: PromptTokens) -> str:
+    """The tokens as a form's error names them: ‘The’ ‘·capital’ …, or their ids."""
+    if tokens.strings is None:
+        return f"ids {tokens.ids}"
+    return " ".join(f"‘{visible_token(string)}’" for string in tokens.strings)

@@ -191,9 +191,13 @@ def contrast_runs_create(
 
 
 def contrast_difference(positive: np.ndarray, negative: np.ndarray, *, method: str) -> np.ndarray:
-    """The steering direction from two `[tokens, hidden]` captures at one layer."""
+    """The steering direction from two `[tokens, hidden]` captures at one layer, from the
+    positions after the first: position 0 is an attention sink whose row is several times
+    the typical norm whatever its token, so a difference taken there is the sink's. The last
+    token is the last position; the mean is over positions 1 onwards. Each capture has two
+    positions or more (`forms.ContrastVectorForm`)."""
     if method == VectorMethod.CONTRAST_MEAN:
-        return positive.mean(axis=0) - negative.mean(axis=0)
+        return positive[1:].mean(axis=0) - negative[1:].mean(axis=0)
     return positive[-1] - negative[-1]
 
 

@@ -11,17 +11,21 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from playground import views
+from playground import forms, views
 from playground.models import Run, RunKind
 from playground.services.runs import run_create
 from playground.services.vectors import steering_vector_create
 
+from .test_patching import word_tokens
 from .test_views import HTMX, MODEL
 
 
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
+    monkeypatch.setattr(
+        forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
+    )
 
 
 @pytest.fixture
@@ -50,8 +54,8 @@ def steer(client, vector, **fields):
 
 def contrast(client, **fields):
     data = {
-        "contrast-name": "love", "contrast-layer": 12, "contrast-positive": "Love",
-        "contrast-negative": "Hate", "contrast-method": "contrast_mean",
+        "contrast-name": "love", "contrast-layer": 12, "contrast-positive": "I love",
+        "contrast-negative": "I hate", "contrast-method": "contrast_mean",
     }  # fmt: skip
     data.update({f"contrast-{name}": value for name, value in fields.items()})
     return client.post(reverse("playground:vector_contrast"), data, **HTMX)

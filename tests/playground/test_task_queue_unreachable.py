@@ -16,7 +16,7 @@ from django.urls import reverse
 
 from acs_portal.celery import TaskQueueUnreachable
 from acs_portal.celery import app as celery_app
-from playground import patching_forms, views
+from playground import forms, patching_forms, views
 from playground.models import (
     JobSubmission,
     JobSubmissionStatus,
@@ -55,11 +55,12 @@ def broker_unreachable(monkeypatch):
 def models(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     monkeypatch.setattr("portal.jobs_views.model_cards", lambda: [MODEL])
-    monkeypatch.setattr(
-        patching_forms,
-        "tokenize",
-        lambda model_id, texts: [word_tokens(text, special) for text, special in texts],
-    )
+    for module in (patching_forms, forms):
+        monkeypatch.setattr(
+            module,
+            "tokenize",
+            lambda model_id, texts: [word_tokens(text, special) for text, special in texts],
+        )
 
 
 @pytest.fixture
@@ -139,8 +140,8 @@ def test_a_contrast_vector_while_the_queue_is_unreachable_fails_all_its_captures
 ):
     response = ada.post(
         reverse("playground:vector_contrast"),
-        {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "Love",
-         "contrast-negative": "Hate", "contrast-method": "contrast_mean"},
+        {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "I love",
+         "contrast-negative": "I hate", "contrast-method": "contrast_mean"},
         **headers,
     )  # fmt: skip
     assert_503_form(response, headers, target="#vectors", typed='value="love"')

@@ -15,7 +15,8 @@ from django.urls import reverse
 
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
-from playground import selectors, streams, views
+from api.tokenizer import PromptTokens
+from playground import forms, selectors, streams, views
 from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
 from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
 
@@ -580,11 +581,14 @@ def test_upload_saves_a_one_by_hidden_vector(user_client, approved_user):
     assert np.load(io.BytesIO(download.content)).tolist() == [0.5] * 576
 
 
-def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueue):
+def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueue, monkeypatch):
+    # Each prompt two tokens (the form refuses one: see test_contrast_vectors).
+    two = PromptTokens(ids=[40, 1234], strings=["I", " love"])
+    monkeypatch.setattr(forms, "tokenize", lambda model_id, texts: [two for _ in texts])
     response = user_client.post(
         reverse("playground:vector_contrast"),
-        {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "Love",
-         "contrast-negative": "Hate", "contrast-method": "contrast_mean"},
+        {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "I love",
+         "contrast-negative": "I hate", "contrast-method": "contrast_mean"},
         **HTMX,
     )  # fmt: skip
     runs = Run.objects.filter(kind=RunKind.CONTRAST)
