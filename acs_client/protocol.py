@@ -166,6 +166,29 @@ def check_output_work(*, sequences: int, max_tokens: int) -> None:
         )
 
 
+def check_steering_positions(positions: list[int], *, prompt_tokens: int, max_tokens: int) -> None:
+    """Steering by position as every upstream does it alike: vLLM-Lens (1.3.0) counts every
+    generated token as position 0, so positions reach the prompt's tokens only (fewer than
+    `prompt_tokens`, the shortest prompt's), and position 0 only when one token is generated
+    (it would be steered again at every generated token but the first); RuleBroken
+    otherwise."""
+    beyond = next((p for p in positions if p >= prompt_tokens), None)
+    if beyond is not None:
+        raise RuleBroken(
+            f"Position {beyond} is a generated token's; steering by position reaches the "
+            f"prompt's positions only (0–{prompt_tokens - 1}). Leave out the positions to "
+            "steer every position.",
+            field="position_indices",
+        )
+    if 0 in positions and max_tokens > 1:
+        raise RuleBroken(
+            "Position 0 would also be steered at every generated token (the upstream counts "
+            "each as position 0); steer position 0 with max_tokens 1 only, or leave out the "
+            "positions.",
+            field="position_indices",
+        )
+
+
 def check_capture_request(*, prompts: int, n: int, stream: bool) -> None:
     """A residual-stream capture covers one sequence, answered whole: one prompt, n = 1, no
     streaming; RuleBroken naming the one that is not so."""

@@ -17,6 +17,7 @@ from acs_client.protocol import (
     RuleBroken,
     check_capture_request,
     check_output_work,
+    check_steering_positions,
     check_steering_shape,
 )
 
@@ -206,28 +207,17 @@ async def _check_steering(vectors, model: LanguageModel, sequence_tokens: int) -
 
 
 def _check_steering_positions(vectors, prompt_tokens: int, max_tokens: int) -> None:
-    """Steering by position as every upstream does it alike: vLLM-Lens (1.3.0) counts every
-    generated token as position 0, so it can steer prompt positions only, and a vector at
-    position 0 would also be added to every generated token but the first.
-    `prompt_tokens`: the shortest prompt's."""
+    """Each vector's positions as every upstream steers them alike
+    (`acs_client.protocol.check_steering_positions`); `prompt_tokens`: the shortest
+    prompt's."""
     for index, vector in enumerate(vectors):
-        positions = vector.position_indices or []
-        field = f"apply_steering_vectors.{index}.position_indices"
-        beyond = next((p for p in positions if p >= prompt_tokens), None)
-        if beyond is not None:
-            raise ApiError(
-                "position_steering_unavailable",
-                f"Position {beyond} in '{field}' is a generated token's; steering by position "
-                f"reaches the prompt's positions only (0–{prompt_tokens - 1}). Leave out "
-                "position_indices to steer every position.",
+        try:
+            check_steering_positions(
+                vector.position_indices or [], prompt_tokens=prompt_tokens, max_tokens=max_tokens
             )
-        if 0 in positions and max_tokens > 1:
-            raise ApiError(
-                "position_steering_unavailable",
-                f"'{field}' steers position 0, which the upstream would also steer at every "
-                "generated token; steer position 0 with max_tokens 1 only, or leave out "
-                "position_indices.",
-            )
+        except RuleBroken as error:
+            field = f"apply_steering_vectors.{index}.position_indices"
+            raise ApiError("position_steering_unavailable", f"'{field}': {error}") from None
 
 
 def _steering_shape(index: int, vector, model: LanguageModel, sequence_tokens: int):

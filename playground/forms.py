@@ -17,14 +17,16 @@ from acs_client.protocol import (
     RuleBroken,
     check_capture_request,
     check_output_work,
+    check_steering_positions,
     quartile_layers,
 )
 from api.errors import ApiError
 from api.limits import MAX_BODY_BYTES
+from api.schemas import DEFAULT_MAX_TOKENS
 
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
-from .run_tokens import shown_tokens, tokenize
+from .run_tokens import numbered_tokens, shown_tokens, tokenize
 from .services.vectors import VectorError, vector_from_npy
 from .vectors import steering_entry
 
@@ -64,6 +66,38 @@ def int_list(text: str, *, field: str, max_count: int) -> list[int]:
     if repeated is not None:
         raise forms.ValidationError(f"{field}: {repeated} is listed more than once.")
     return values
+
+
+def position_list(text: str, *, count: int) -> list[int]:
+    """Positions written as whole numbers and ranges ("1-4, 7"), each once, all below
+    `count`."""
+    positions = []
+    for part in split_list(text.replace("–", "-"), field="Positions", max_count=count):
+        first, _, last = part.partition("-")
+        try:
+            start, end = int(first), int(last or first)
+        except ValueError:
+            raise forms.ValidationError(
+                f"Positions: {part!r} is not a number or a range like 1-4."
+            ) from None
+        if not 0 <= start <= end < count:
+            raise forms.ValidationError(
+                f"Positions: {part} is outside 0–{count - 1}, or a range that runs backwards."
+            )
+        positions.extend(range(start, end + 1))
+    if not positions:
+        raise forms.ValidationError("Positions: give at least one.")
+    repeated = next((p for i, p in enumerate(positions) if p in positions[:i]), None)
+    if repeated is not None:
+        raise forms.ValidationError(f"Positions: {repeated} is listed more than once.")
+    return positions
+
+
+def positions_text(positions: list[int]) -> str:
+    """`positions` written as `position_list` reads them, consecutive ones as a range."""
+    if len(positions) > 1 and positions == list(range(positions[0], positions[-1] + 1)):
+        return f"{positions[0]}-{positions[-1]}"
+    return ", ".join(str(position) for position in positions)
 
 
 def _float_list(text: str, *, field: str, max_count: int) -> list[float]:
@@ -159,7 +193,8 @@ class CompletionForm(SubmitOnceForm):
         required=False,
         label="Steer with",
         empty_label="No steering",
-        help_text="A vector of your library, added to the residual stream at every position.",
+        help_text="A vector of your library, added to the residual stream at every position "
+        "or at the steering positions.",
     )
     steer_layers = forms.CharField(
         required=False,
@@ -172,6 +207,14 @@ class CompletionForm(SubmitOnceForm):
         initial=4,
         label="Steering scale",
         help_text=f"The vector is multiplied by this before it is added; within ±{MAX_SCALE:g}.",
+    )
+    steer_positions = forms.CharField(
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        label="Steering positions",
+        help_text="The prompt's positions to add the vector at, e.g. 1-3, 5 (0: its first "
+        "token); empty: every position. Generated tokens cannot be steered by position, and "
+        "position 0 only with max_tokens 1.",
     )
 
     def __init__(
@@ -317,6 +360,34 @@ class CompletionForm(SubmitOnceForm):
             self.add_error("steer_scale", "Give the scale to steer with.")
         elif abs(scale) > MAX_SCALE:
             self.add_error("steer_scale", f"Within ±{MAX_SCALE:g}.")
+        if data.get("steer_positions") and data.get("prompts"):
+            self._clean_steering_positions(data)
+
+    def _clean_steering_positions(self, data: dict) -> None:
+        """The steering positions, checked against the shortest prompt's tokens as the API
+        checks them (`check_steering_positions`); an error lists that prompt's tokens by
+        position. Sets `steer_position_list`."""
+        try:
+            prompts = tokenize(self.capabilities.id, [(text, True) for text in data["prompts"]])
+        except ApiError as error:
+            self.add_error(
+                "steer_positions",
+                f"The prompt could not be tokenized ({error.code}: {error.message}).",
+            )
+            return
+        shortest = min(prompts, key=lambda tokens: len(tokens.ids))
+        max_tokens = data.get("max_tokens") or DEFAULT_MAX_TOKENS
+        tokens = f"The prompt's tokens: {numbered_tokens(shortest)}."
+        try:
+            positions = position_list(data["steer_positions"], count=len(shortest.ids) + max_tokens)
+            check_steering_positions(
+                positions, prompt_tokens=len(shortest.ids), max_tokens=max_tokens
+            )
+        except (forms.ValidationError, RuleBroken) as error:
+            message = error.messages[0] if isinstance(error, forms.ValidationError) else error
+            self.add_error("steer_positions", f"{message} {tokens}")
+            return
+        data["steer_position_list"] = positions
 
     def to_request(self) -> dict:
         """The request body exactly as it will be sent (empty fields left out)."""
@@ -347,6 +418,7 @@ class CompletionForm(SubmitOnceForm):
                     data["steer_vector"],
                     layers=data["steer_layer_list"],
                     scale=data["steer_scale"],
+                    positions=data.get("steer_position_list"),
                 )
             ]
         return body
@@ -380,6 +452,8 @@ class CompletionForm(SubmitOnceForm):
             layers = steering[0]["layer_indices"]
             initial["steer_layers"] = ", ".join(str(layer) for layer in layers)
             initial["steer_scale"] = steering[0].get("scale", 1.0)
+            if steering[0].get("position_indices"):
+                initial["steer_positions"] = positions_text(steering[0]["position_indices"])
         return initial
 
 
@@ -606,6 +680,7 @@ class CompletionJobForm(CompletionForm):
     steer_vector = None
     steer_layers = None
     steer_scale = None
+    steer_positions = None
 
 
 def prompts_from_file(upload) -> list[str]:

@@ -101,3 +101,12 @@ def shown_tokens(tokens: PromptTokens) -> str:
     if tokens.strings is None:
         return f"ids {tokens.ids}"
     return " ".join(f"‘{visible_token(string)}’" for string in tokens.strings)
+
+
+def numbered_tokens(tokens: PromptTokens) -> str:
+    """The tokens by position, as a form's error lists them: 0 ‘The’ 1 ‘·capital’ …"""
+    if tokens.strings is None:
+        return " ".join(f"{position} id {token}" for position, token in enumerate(tokens.ids))
+    return " ".join(
+        f"{position} ‘{visible_token(string)}’" for position, string in enumerate(tokens.strings)
+    )

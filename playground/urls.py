@@ -8,6 +8,7 @@ urlpatterns = [
     path("", views.playground_page, name="page"),
     path("runs/", views.run_history, name="run_history"),
     path("runs/new/", views.run_submit, name="run_submit"),
+    path("tokens/", views.prompt_tokens, name="prompt_tokens"),
     path("runs/<uuid:run_id>/", views.run_detail, name="run_detail"),
     path("runs/<uuid:run_id>/events/", views.run_events, name="run_events"),
     path("runs/<uuid:run_id>/rerun/", views.run_rerun, name="run_rerun"),

@@ -3,44 +3,12 @@
 from django import forms
 
 from .figures import Capture
-from .forms import split_list
+from .forms import position_list, positions_text
 from .models import Run, RunStatus, SteeringVector
 from .vectors import default_positions
 
 # The runs offered to subtract: the user's latest captures of the same model.
 SUBTRACT_CHOICES = 50
-
-
-def position_list(text: str, *, count: int) -> list[int]:
-    """Positions written as whole numbers and ranges ("1-4, 7"), each once, all below
-    `count`."""
-    positions = []
-    for part in split_list(text.replace("–", "-"), field="Positions", max_count=count):
-        first, _, last = part.partition("-")
-        try:
-            start, end = int(first), int(last or first)
-        except ValueError:
-            raise forms.ValidationError(
-                f"Positions: {part!r} is not a number or a range like 1-4."
-            ) from None
-        if not 0 <= start <= end < count:
-            raise forms.ValidationError(
-                f"Positions: {part} is outside 0–{count - 1}, or a range that runs backwards."
-            )
-        positions.extend(range(start, end + 1))
-    if not positions:
-        raise forms.ValidationError("Positions: give at least one.")
-    repeated = next((p for i, p in enumerate(positions) if p in positions[:i]), None)
-    if repeated is not None:
-        raise forms.ValidationError(f"Positions: {repeated} is listed more than once.")
-    return positions
-
-
-def positions_text(positions: list[int]) -> str:
-    """`positions` written as `position_list` reads them, consecutive ones as a range."""
-    if len(positions) > 1 and positions == list(range(positions[0], positions[-1] + 1)):
-        return f"{positions[0]}-{positions[-1]}"
-    return ", ".join(str(position) for position in positions)
 
 
 class RunChoiceField(forms.ModelChoiceField):

@@ -17,14 +17,36 @@ class CaptureError(ValueError):
     """A capture that cannot give the asked-for mean; the message names the problem."""
 
 
-def steering_entry(vector: SteeringVector, *, layers: list[int], scale: float) -> dict:
-    """The `apply_steering_vectors` entry adding `scale` × `vector` at every position of the
-    outputs of blocks `layers`."""
-    return {
+def steering_entry(
+    vector: SteeringVector, *, layers: list[int], scale: float, positions: list[int] | None = None
+) -> dict:
+    """The `apply_steering_vectors` entry adding `scale` × `vector` to the outputs of blocks
+    `layers`, at `positions` (None: at every position)."""
+    entry = {
         "activations": steering_activations(vector, layers),
         "layer_indices": layers,
         "scale": scale,
     }
+    if positions:
+        entry["position_indices"] = positions
+    return entry
+
+
+def steered_positions(run: Run) -> list[str] | None:
+    """The positions a run's first steering vector was added at, each "index token" (the
+    index alone where the run's tokens are unknown); None when it steered every position."""
+    steering = (run.request.get("apply_steering_vectors") or [{}])[0]
+    positions = steering.get("position_indices")
+    if not positions:
+        return None
+    prompt = ((run.tokens or {}).get("prompts") or [{}])[0]
+    strings = prompt.get("strings") or []
+    return [
+        f"{position} {figures.visible_token(strings[position])}"
+        if position < len(strings)
+        else str(position)
+        for position in positions
+    ]
 
 
 def capture_of(run: Run) -> figures.Capture:

@@ -22,6 +22,7 @@ from accounts.access import approved_required
 from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
 from acs_portal.celery import TaskQueueUnreachable
+from api.errors import ApiError
 from api.selectors import model_cards
 
 from . import compare, figures, scoring, scrub, selectors, streams
@@ -35,6 +36,7 @@ from .forms import (
 )
 from .history import HistoryFilterForm, runs_page
 from .models import Run, RunKind, RunStatus, VectorMethod
+from .run_tokens import numbered_tokens, tokenize
 from .services.runs import run_create
 from .services.vectors import (
     REFERENCE_PROMPTS,
@@ -43,6 +45,7 @@ from .services.vectors import (
     steering_vector_create,
 )
 from .vector_forms import SaveVectorForm
+from .vectors import steered_positions
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
 RESPONSE_SHOWN_CHARS = 200_000
@@ -204,6 +207,25 @@ def _run_created(request, run: Run):
 
 
 @approved_required
+@require_GET
+def prompt_tokens(request):
+    """The tokens of the `prompt` of the query under its `model`, by position (what the
+    completion form's steering positions count), or why they are unknown."""
+    _, capabilities = models_and_capabilities(request)
+    prompt = request.GET.get("prompt", "")
+    context = {"prompt": prompt, "model": capabilities.id}
+    if prompt:
+        try:
+            [tokens] = tokenize(capabilities.id, [(prompt, True)])
+            context["tokens"] = numbered_tokens(tokens)
+        except ApiError as error:
+            context["error"] = f"The prompt could not be tokenized ({error.code}: {error.message})."
+    if request.htmx:
+        return render(request, "playground/prompt_tokens.html#token_list", context)
+    return render(request, "playground/prompt_tokens.html", context)
+
+
+@approved_required
 @require_POST
 def run_rerun(request, run_id):
     run = selectors.run_for_user(user=request.user, run_id=run_id)
@@ -272,6 +294,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
         "run": run,
         "request_json": _pretty_request(run.request),
         "snippets": selectors.run_code_snippets(run.request, base_url=settings.SITE_URL),
+        "steered_positions": steered_positions(run),
         "figures": [],
         "choices": [],
         "shown_choice": choice,

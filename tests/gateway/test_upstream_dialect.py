@@ -148,8 +148,8 @@ def test_output_vllm_could_not_encode_is_the_upstreams_failure(client, stub):
 @pytest.mark.parametrize(
     "max_tokens, positions, refused",
     [
-        (2, [5], "Position 5 in 'apply_steering_vectors.0.position_indices' is a generated"),
-        (2, [0], "steers position 0"),
+        (2, [5], "'apply_steering_vectors.0.position_indices': Position 5 is a generated"),
+        (2, [0], "Position 0 would also be steered at every generated token"),
         (1, [0, 4], None),
         (2, [1, 4], None),
     ],

@@ -1,0 +1,108 @@
+"""The completion form offers the API's steering by position (issue 37, item 5; it steered
+every position only): positions of the prompt, checked as the API checks them (not a
+generated token's, position 0 only with max_tokens 1), errors listing the prompt's tokens
+by position, a helper that shows them, and the run page naming the positions steered by
+their tokens."""
+
+import pytest
+from django.urls import reverse
+
+from api.errors import ApiError
+from playground import forms, views
+
+from .test_patching import word_tokens
+from .test_vector_library import library_vector
+from .test_views import HTMX, MODEL
+
+pytestmark = pytest.mark.django_db
+
+PROMPT = "The capital of France is"
+TOKENS = "0 ‘The’ 1 ‘·capital’ 2 ‘·of’ 3 ‘·France’ 4 ‘·is’"
+
+
+@pytest.fixture(autouse=True)
+def stand_ins(monkeypatch):
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
+    tokenize = lambda model_id, texts: [word_tokens(t, s) for t, s in texts]  # noqa: E731
+    monkeypatch.setattr(forms, "tokenize", tokenize)
+    monkeypatch.setattr(views, "tokenize", tokenize)
+
+
+@pytest.fixture
+def ada(client, approved_user):
+    client.force_login(approved_user)
+    return client
+
+
+def submit(client, vector, headers=HTMX, **fields):
+    data = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 4,
+            "steer_vector": vector.pk, "steer_scale": "4", **fields}  # fmt: skip
+    return client.post(reverse("playground:run_submit"), data, **headers)
+
+
+def test_the_form_steers_the_prompt_positions_asked_for(ada, approved_user, no_enqueue):
+    vector = library_vector(approved_user)
+    page = ada.get(reverse("playground:page")).content.decode()
+    assert 'name="steer_positions"' in page and "Show the prompt's tokens by position" in page
+    response = submit(ada, vector, steer_positions="3-4")
+    assert response.status_code == 200
+    run = approved_user.playground_runs.get()
+    (steering,) = run.request["apply_steering_vectors"]
+    assert steering["position_indices"] == [3, 4] and steering["layer_indices"] == [3]
+    # The run page says which positions, by their tokens, once its tokens are known.
+    prompt = word_tokens(PROMPT, True)
+    run.tokens = {"prompts": [{"ids": prompt.ids, "strings": prompt.strings}]}
+    run.save(update_fields=["tokens"])
+    page = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert "at layer 3, at positions 3 ·France, 4 ·is only." in page
+    # Edit and re-run keeps them.
+    edit = ada.get(reverse("playground:run_edit", args=[run.id])).content.decode()
+    assert 'name="steer_positions" value="3-4"' in edit
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"steer_positions": "5"},
+            "Position 5 is a generated token&#x27;s; steering by position reaches the "
+            "prompt&#x27;s positions only (0–4).",
+        ),
+        ({"steer_positions": "0, 3"}, "Position 0 would also be steered at every generated"),
+        ({"steer_positions": "3-1"}, "Positions: 3-1 is outside 0–8, or a range that runs"),
+    ],
+)
+def test_positions_the_api_would_refuse_are_field_errors_listing_the_tokens(
+    ada, approved_user, no_enqueue, fields, message
+):
+    vector = library_vector(approved_user)
+    for headers in (HTMX, {}):
+        response = submit(ada, vector, headers, **fields)
+        html = response.content.decode()
+        assert response.status_code == (200 if headers else 400)
+        assert message in html and f"The prompt&#x27;s tokens: {TOKENS}." in html
+    assert not approved_user.playground_runs.exists()
+
+
+def test_position_zero_is_steered_when_one_token_is_generated(ada, approved_user, no_enqueue):
+    vector = library_vector(approved_user)
+    submit(ada, vector, max_tokens=1, steer_positions="0")
+    (steering,) = approved_user.playground_runs.get().request["apply_steering_vectors"]
+    assert steering["position_indices"] == [0]
+
+
+def test_the_prompts_tokens_are_shown_with_and_without_htmx(ada, monkeypatch):
+    url = reverse("playground:prompt_tokens")
+    partial = ada.get(url, {"model": "smollm2-135m", "prompt": PROMPT}, **HTMX)
+    html = partial.content.decode()
+    assert partial.status_code == 200 and "<html" not in html
+    assert f"By position (· marks a space, ⏎ a newline): {TOKENS}" in html
+    page = ada.get(url, {"model": "smollm2-135m", "prompt": PROMPT}).content.decode()
+    assert "<html" in page and TOKENS in page
+
+    def unreachable(model_id, texts):
+        raise ApiError("tokenizer_unavailable", "no tokenizer")
+
+    monkeypatch.setattr(views, "tokenize", unreachable)
+    refused = ada.get(url, {"prompt": PROMPT}, **HTMX).content.decode()
+    assert "could not be tokenized (tokenizer_unavailable: no tokenizer)" in refused
