@@ -1,8 +1,15 @@
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db import transaction
 
 from .models import LanguageModel
-from .services import InvalidTokenizer, language_model_tokenizer_set, tokenizer_json_check
+from .services import (
+    InvalidTokenizer,
+    ModelSizesUnknown,
+    language_model_sizes_fill,
+    language_model_tokenizer_set,
+    tokenizer_json_check,
+)
 
 
 class LanguageModelForm(forms.ModelForm):
@@ -77,3 +84,20 @@ class LanguageModelAdmin(admin.ModelAdmin):
             language_model_tokenizer_set(model=obj, content=upload.read())
         elif form.cleaned_data.get("remove_tokenizer"):
             language_model_tokenizer_set(model=obj, content=None)
+        # After the admin's transaction: the fill waits on the upstream.
+        transaction.on_commit(lambda: self._sizes_fill(request, obj))
+
+    def _sizes_fill(self, request, model):
+        """Blank sizes are filled from the model once it is saved; when they cannot be yet
+        (its upstream still starting), the row stays saved and the registry fills them when
+        it first serves it."""
+        if not model.sizes_missing:
+            return
+        try:
+            language_model_sizes_fill(model=model)
+        except ModelSizesUnknown as error:
+            self.message_user(
+                request,
+                f"{error} Until then its requests get 503 model_sizes_unknown.",
+                messages.WARNING,
+            )

@@ -204,6 +204,12 @@ ERROR_CODES = {
     "tokenizer_unavailable": ErrorCode(
         503, "The model's tokenizer could not be reached.", retry_after=5
     ),
+    "model_sizes_unknown": ErrorCode(
+        503,
+        "The model's sizes (context, layers, hidden size, vocabulary) are not known yet: its "
+        "upstream did not report them and it has no config.json to read them from.",
+        retry_after=5,
+    ),
     "activation_engine_unconfigured": ErrorCode(
         503, "The model serves no activations.", should_retry=False
     ),

@@ -4,6 +4,11 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 MAX_LOGPROBS = 100
+SIZE_FIELDS = ("max_model_len", "n_layers", "hidden_size", "vocab_size")
+SIZE_HELP = (
+    "Leave blank: filled from the upstream's GET /v1/models, else from config.json in "
+    "weights_dir. A value given here is kept (e.g. a shorter context than the upstream's)."
+)
 
 
 def _validate_url_list(value):
@@ -34,10 +39,12 @@ class LanguageModel(models.Model):
     activation_upstream_urls = models.JSONField(
         default=list, blank=True, validators=[_validate_url_list]
     )
-    max_model_len = models.PositiveIntegerField()
-    n_layers = models.PositiveIntegerField()
-    hidden_size = models.PositiveIntegerField()
-    vocab_size = models.PositiveIntegerField()
+    # The model's sizes: left blank, they are filled from the model itself
+    # (`services.language_model_sizes_fill`), never copied by hand from somewhere else.
+    max_model_len = models.PositiveIntegerField(null=True, blank=True, help_text=SIZE_HELP)
+    n_layers = models.PositiveIntegerField(null=True, blank=True, help_text=SIZE_HELP)
+    hidden_size = models.PositiveIntegerField(null=True, blank=True, help_text=SIZE_HELP)
+    vocab_size = models.PositiveIntegerField(null=True, blank=True, help_text=SIZE_HELP)
     supports_activations = models.BooleanField(default=False)
     max_logprobs = models.PositiveIntegerField(default=MAX_LOGPROBS)
     status = models.CharField(max_length=16, choices=ModelStatus.choices, default=ModelStatus.LIVE)
@@ -77,6 +84,11 @@ class LanguageModel(models.Model):
     @property
     def upstream_model_name(self) -> str:
         return self.served_model_name or self.name
+
+    @property
+    def sizes_missing(self) -> list[str]:
+        """The size fields still blank (the registry fills them before it serves the model)."""
+        return [name for name in SIZE_FIELDS if getattr(self, name) is None]
 
     def urls_for(self, *, activation: bool) -> list[str]:
         """The upstream base URLs for a request (with capture or steering if `activation`)."""

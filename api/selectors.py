@@ -1,6 +1,7 @@
 """Reads of the model registry and of upstream health."""
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 import weakref
@@ -13,6 +14,7 @@ from metering.sql import run_db
 from . import dialect
 from .errors import ApiError
 from .models import LanguageModel, ModelStatus
+from .services import ModelSizesUnknown, language_model_sizes_fill
 from .upstream import FAILURE_WINDOW_MS, capture_probe, circuit_keys
 
 # The token the capture probe sends: any id of any vocabulary.
@@ -40,10 +42,13 @@ def _load_registry() -> None:
 
 
 def registry_clear() -> None:
-    """Forget the cached registry (tests, after a staff edit in this process): the next
-    request reads it anew, not through a read already in flight."""
+    """Forget the cached registry and its rows' failed size fills (tests, after a staff edit
+    in this process): the next request reads it anew, not through a read already in flight,
+    and fills a blank row's sizes anew."""
     _registry["loaded_at"] = -1e9
     _reloads.clear()
+    _sizes_failures.clear()
+    _sizes_fills.clear()
 
 
 async def _fresh_registry() -> dict:
@@ -69,7 +74,8 @@ async def _reload() -> None:
 
 
 async def model_get(name: str | None) -> LanguageModel:
-    """The live model called `name` (the default model when None), or 400 model_not_found."""
+    """The live model called `name` (the default model when None), or 400 model_not_found;
+    its blank sizes filled first, or 503 model_sizes_unknown (`model_sizes_ready`)."""
     registry = await _fresh_registry()
     model = registry["default"] if name is None else registry["by_name"].get(name)
     if model is None or model.status != ModelStatus.LIVE:
@@ -79,7 +85,49 @@ async def model_get(name: str | None) -> LanguageModel:
             if name is not None
             else "Name a model; GET /v1/models lists them.",
         )
+    await model_sizes_ready(model)
     return model
+
+
+# How long a failure to fill a row's sizes is the answer before the next try (an upstream
+# still loading its model answers within seconds).
+SIZES_RETRY_S = 5.0
+# model id -> (why its sizes could not be filled, when: time.monotonic())
+_sizes_failures: dict[int, tuple[str, float]] = {}
+_sizes_fills: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def model_sizes_ensure(model: LanguageModel) -> None:
+    """Fill `model`'s blank sizes (`services.language_model_sizes_fill`), or raise 503
+    model_sizes_unknown saying why: the registry never guesses a size. A failure stays the
+    answer for SIZES_RETRY_S, without asking the upstream again. Synchronous: it may wait on
+    the upstream (`model_sizes_ready` is the event loop's)."""
+    if not model.sizes_missing:
+        return
+    failure = _sizes_failures.get(model.pk)
+    if failure is not None and time.monotonic() - failure[1] < SIZES_RETRY_S:
+        raise ApiError("model_sizes_unknown", failure[0])
+    try:
+        language_model_sizes_fill(model=model)
+    except ModelSizesUnknown as error:
+        _sizes_failures[model.pk] = (str(error), time.monotonic())
+        raise ApiError("model_sizes_unknown", str(error)) from None
+    _sizes_failures.pop(model.pk, None)
+
+
+async def model_sizes_ready(model: LanguageModel) -> None:
+    """`model_sizes_ensure` in a worker thread; the requests that find the same row blank on
+    one event loop wait for one fill."""
+    if not model.sizes_missing:
+        return
+    fills = _sizes_fills.setdefault(asyncio.get_running_loop(), {})
+    fill = fills.get(model.pk)
+    if fill is None or fill.done():
+        fill = fills[model.pk] = asyncio.ensure_future(run_db(model_sizes_ensure, model))
+    # A request cancelled while it waits must not cancel the others' fill.
+    await asyncio.shield(fill)
 
 
 # How long a capture probe's answer about an activation upstream is kept: a plugin found stays
@@ -147,8 +195,18 @@ def probes_clear() -> None:
 
 
 async def model_list() -> list[LanguageModel]:
+    """The models GET /v1/models lists: each live one's blank sizes filled first, and those
+    still blank left out (requests to them get 503 model_sizes_unknown)."""
     registry = await _fresh_registry()
-    return sorted(registry["by_name"].values(), key=lambda model: model.name)
+    models = sorted(registry["by_name"].values(), key=lambda model: model.name)
+    await asyncio.gather(*(_sizes_tried(model) for model in models))
+    return [model for model in models if not model.sizes_missing]
+
+
+async def _sizes_tried(model: LanguageModel) -> None:
+    if model.status == ModelStatus.LIVE:
+        with contextlib.suppress(ApiError):
+            await model_sizes_ready(model)
 
 
 def model_card(model: LanguageModel) -> ModelCard:
@@ -171,11 +229,16 @@ def model_card(model: LanguageModel) -> ModelCard:
 
 
 def model_cards() -> list[dict]:
-    """Every model as GET /v1/models lists it (JSON-shaped dicts), read from the database
-    (synchronous, for the portal's and playground's forms: no API key, no HTTP round trip)."""
+    """The models GET /v1/models lists (JSON-shaped dicts), read from the database
+    (synchronous, for the portal's and playground's forms: no API key). A live row with blank
+    sizes is filled first (`model_sizes_ensure`: a round trip to its upstream until then)."""
+    models = list(LanguageModel.objects.defer("tokenizer_json").order_by("name"))
+    for model in models:
+        if model.status == ModelStatus.LIVE:
+            with contextlib.suppress(ApiError):
+                model_sizes_ensure(model)
     return [
-        model_card(model).model_dump(mode="json")
-        for model in LanguageModel.objects.defer("tokenizer_json").order_by("name")
+        model_card(model).model_dump(mode="json") for model in models if not model.sizes_missing
     ]
 
 

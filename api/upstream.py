@@ -674,6 +674,45 @@ async def upstream_health(urls: list[str]) -> dict:
     return {"warm": any(s["model_loaded"] for s in states), "upstreams": list(states)}
 
 
+MODELS_TIMEOUT_S = 10.0
+
+
+class ModelCardUnavailable(Exception):
+    """An upstream gave no entry for a model in its GET /v1/models; the message says why,
+    naming the URL."""
+
+
+def upstream_model_card(url: str, served_name: str) -> dict:
+    """The entry for `served_name` in the GET /v1/models answer of the upstream at `url`:
+    vLLM's carries `max_model_len`, the embedded engine's also `n_layers`, `hidden_size` and
+    `vocab_size`. Synchronous (the registry asks from a worker thread, the admin and
+    `manage.py acs_model_sizes` from theirs), and outside the round robin and the circuit
+    breaker: no user's request. Raises ModelCardUnavailable."""
+    try:
+        response = httpx.get(
+            _endpoint(url, "/v1/models"), headers=_auth_headers(), timeout=MODELS_TIMEOUT_S
+        )
+    except httpx.HTTPError as error:
+        raise ModelCardUnavailable(
+            f"{url} did not answer GET /v1/models ({type(error).__name__}: {error})"
+        ) from error
+    if response.status_code != 200:
+        raise ModelCardUnavailable(
+            f"{url} answered GET /v1/models with HTTP {response.status_code}"
+        )
+    try:
+        cards = [card for card in response.json()["data"] if isinstance(card, dict)]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ModelCardUnavailable(f"{url} answered GET /v1/models without a model list") from error
+    card = next((card for card in cards if card.get("id") == served_name), None)
+    if card is None:
+        listed = ", ".join(repr(card.get("id")) for card in cards) or "nothing"
+        raise ModelCardUnavailable(
+            f"{url} does not serve {served_name!r} (its GET /v1/models lists {listed})"
+        )
+    return card
+
+
 async def fetch_tokenizer_json(url: str) -> bytes | None:
     """The HF tokenizer JSON an upstream serves at /tokenizer.json, or None."""
     try:

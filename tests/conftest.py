@@ -23,15 +23,9 @@ from .faults import table as fault_table
 from .servers import engine_server
 
 PASSWORD = "correct-horse-battery-staple"
-# The embedded engine's model (SmolLM2-135M) as the registry describes it: every test that
-# registers the real engine as an upstream uses these fields.
-ENGINE_MODEL_FIELDS = {
-    "max_model_len": 8192,
-    "n_layers": 30,
-    "hidden_size": 576,
-    "vocab_size": 49152,
-    "supports_activations": True,
-}
+# The fields of every registry row in front of the real engine. Its sizes are left blank:
+# the registry fills them from the engine's GET /v1/models (its config.json).
+ENGINE_MODEL_FIELDS = {"supports_activations": True}
 
 
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"

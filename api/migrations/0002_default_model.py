@@ -3,6 +3,9 @@ from django.db import migrations
 
 
 def create_default_model(apps, schema_editor):
+    """The embedded engine's row. Its sizes are a copy typed here, kept because the columns
+    needed a value when this ran (and existing databases ran it so): 0005 blanks them while
+    the row points at the engine, and the registry fills them from the engine itself."""
     LanguageModel = apps.get_model("api", "LanguageModel")
     LanguageModel.objects.get_or_create(
         name="smollm2-135m",

@@ -38,7 +38,9 @@ from tests.gateway.conftest import wait_settled
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "smollm2-135m"
-HIDDEN = ENGINE_MODEL_FIELDS["hidden_size"]
+# The engine model's hidden size, so that most fuzzed steering vectors get past validation
+# into the engine's steering path (fuzz input, not the registry's: that reads the engine).
+HIDDEN = 576
 # Measured: the engine's RSS was 931 MB after the fuzzing of POST /v1/completions and
 # /v1/harvest (SmolLM2-135M in bfloat16); about twice that catches a leak or an allocation
 # sized by the input.

@@ -35,7 +35,8 @@ class StubUpstream:
     this logprob, e.g. NaN, for
     every token, as Python's json writes it), `token` (refuse every request but /health
     without `Authorization: Bearer <token>` as the engine with ACS_ENGINE_TOKEN does: 401
-    invalid_token)."""
+    invalid_token), `models` (the model entries GET /v1/models lists, as vLLM's
+    `{"id", "object": "model", "max_model_len", ...}`; without it, GET /v1/models is a 404)."""
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
@@ -80,6 +81,8 @@ class StubUpstream:
                 await _raw(send, self.tokenizer_json, 200)
             else:
                 await _json(send, {"error": {"code": "not_found", "message": "no"}}, 404)
+        elif path == "/v1/models" and "models" in self.mode:
+            await _json(send, {"object": "list", "data": self.mode["models"]})
         elif path == "/tokenize":
             payload = json.loads(body)
             count = self.count(payload["prompt"], payload.get("add_special_tokens", True))

@@ -7,13 +7,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from django.conf import settings
 
 from accounts.services.keys import api_key_create
 from acs_client.codec import decode, encode_vector
 from api import tokenizer, upstream
 from api.models import LanguageModel
-from api.selectors import registry_clear
+from api.selectors import model_get, registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
 
 from ..bombs import zero_bomb
@@ -219,20 +218,36 @@ def test_engine_model_status_is_warm(client, engine_model):
     assert client.get("/v1/models/smollm2-135m/status").json()["warm"] is True
 
 
-def test_data_migration_points_smollm2_at_the_engine_url(transactional_db):
+def test_the_migrations_point_smollm2_at_the_engine_which_fills_its_sizes(
+    engine_url, settings, transactional_db, redis_client
+):
+    """The row the migrations make for the embedded engine has no sizes typed in: the
+    registry takes them from the engine's GET /v1/models when it first serves the row."""
     import importlib
 
+    from asgiref.sync import async_to_sync
     from django.apps import apps
 
+    settings.ENGINE_URL = engine_url
     LanguageModel.objects.all().delete()
-    migration = importlib.import_module("api.migrations.0002_default_model")
-    migration.create_default_model(apps, None)
+    for migration, step in [
+        ("0002_default_model", "create_default_model"),
+        ("0004_model_weights_dir", "engine_weights_dir"),
+        ("0005_model_sizes_filled", "blank_engine_sizes"),
+    ]:
+        getattr(importlib.import_module(f"api.migrations.{migration}"), step)(apps, None)
     model = LanguageModel.objects.get(name="smollm2-135m")
-    assert model.upstream_urls == [settings.ENGINE_URL]
-    assert (model.n_layers, model.hidden_size, model.max_model_len, model.vocab_size) == (
-        30,
-        576,
-        8192,
-        49152,
-    )
+    assert model.upstream_urls == [engine_url]
     assert model.is_default and model.supports_activations and model.status == "live"
+    assert model.sizes_missing == ["max_model_len", "n_layers", "hidden_size", "vocab_size"]
+    registry_clear()
+    served = async_to_sync(model_get)("smollm2-135m")
+    model.refresh_from_db()
+    # SmolLM2-135M's sizes as its model card publishes them.
+    for filled in (served, model):
+        assert (filled.max_model_len, filled.n_layers, filled.hidden_size, filled.vocab_size) == (
+            8192,
+            30,
+            576,
+            49152,
+        )

@@ -32,11 +32,17 @@ def vllm_lens():
 
 
 @pytest.fixture(scope="session")
-def tokenizer_json(vllm_lens) -> str:
-    """The model's tokenizer.json, from the weights directory vLLM serves."""
+def weights_dir(vllm_lens) -> str:
+    """The weights directory vLLM serves."""
     from tests.vllm_lens import weights_directory
 
-    return (Path(weights_directory()) / "tokenizer.json").read_text()
+    return weights_directory()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(weights_dir) -> str:
+    """The model's tokenizer.json, from the weights directory vLLM serves."""
+    return (Path(weights_dir) / "tokenizer.json").read_text()
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +62,10 @@ def gateway_url(tmp_path_factory, django_db_setup, vllm_lens):
 
 
 @pytest.fixture
-def models(transactional_db, vllm_lens, engine_url, tokenizer_json, redis_client):
-    """The two registry rows; yields {"vllm": name, "engine": name}."""
+def models(transactional_db, vllm_lens, engine_url, tokenizer_json, weights_dir, redis_client):
+    """The two registry rows, their sizes blank: the engine reports them all; vLLM its
+    context only, the rest read from config.json in the vLLM row's weights_dir. Yields
+    {"vllm": name, "engine": name}."""
     LanguageModel.objects.all().delete()
     LanguageModel.objects.create(
         name=VLLM_MODEL,
@@ -65,6 +73,7 @@ def models(transactional_db, vllm_lens, engine_url, tokenizer_json, redis_client
         upstream_urls=[vllm_lens.url],
         activation_upstream_urls=[vllm_lens.url],
         tokenizer_json=tokenizer_json,
+        weights_dir=weights_dir,
         is_default=True,
         **ENGINE_MODEL_FIELDS,
     )

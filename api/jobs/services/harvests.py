@@ -16,6 +16,7 @@ from acs_portal.celery import task_send
 from api.auth import key_recheck
 from api.errors import ApiError, metering_refusal
 from api.models import LanguageModel
+from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
@@ -256,6 +257,7 @@ def _harvest(job: HarvestJob) -> list[str]:
             "activation_engine_unconfigured",
             f"Model {job.model!r} no longer offers activation capture.",
         )
+    model_sizes_ensure(language_model)
     output = HarvestOutput(job, hidden_size=language_model.hidden_size)
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
     for start in range(output.prompts_written, job.n_prompts, batch_size):
