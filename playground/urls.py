@@ -32,6 +32,18 @@ urlpatterns = [
     ),
     path("steer/", views.steering_submit, name="steer"),
     path("groups/<uuid:group>/", views.group_detail, name="group_detail"),
+    path(
+        "groups/<uuid:group>/numbers.json",
+        views.group_download,
+        {"file_format": "json"},
+        name="group_json",
+    ),
+    path(
+        "groups/<uuid:group>/numbers.csv",
+        views.group_download,
+        {"file_format": "csv"},
+        name="group_csv",
+    ),
     path("compare/", views.run_compare, name="compare"),
     path("compare/score/", views.run_compare_score, name="compare_score"),
     path("patching/", patching_views.patching_page, name="patching"),

@@ -25,7 +25,7 @@ from acs_portal.celery import TaskQueueUnreachable
 from api.errors import ApiError
 from api.selectors import model_cards
 
-from . import compare, figures, scoring, scrub, selectors, streams
+from . import compare, exports, figures, scoring, scrub, selectors, streams
 from .downloads import run_activations_bytes
 from .forms import (
     CompletionForm,
@@ -706,6 +706,7 @@ def _group_context(runs: list[Run]) -> dict:
     succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
     baseline = next((run for run in succeeded if run.scale == 0), None)
     context["baseline"] = baseline
+    context["notebook"] = exports.steering_notebook(runs, base_url=settings.SITE_URL)
     context["steered"] = [run for run in runs if run.scale != 0]
     context["steering_vector"] = runs[0].vector
     score = selectors.steering_score_for_group(group=runs[0].group)
@@ -775,6 +776,18 @@ def group_detail(request, group):
         # The contrast pair has just produced its vector: refresh the library and form.
         response = trigger_client_event(response, "vectorsChanged")
     return response
+
+
+@approved_required
+@require_GET
+def group_download(request, group, file_format):
+    """Every number of a steering comparison or sweep (`exports.steering_export`): JSON, or
+    CSV (one row per arm)."""
+    runs = selectors.group_runs_for_user(user=request.user, group=group)
+    document = exports.steering_export(runs, selectors.steering_score_for_group(group=group))
+    return exports.download(
+        document, records=document["arms"], file_format=file_format, name=f"steering-{group}"
+    )
 
 
 # ---------------------------------------------------------------------------------------

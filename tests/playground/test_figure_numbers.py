@@ -9,7 +9,9 @@ tokenizer.json for the prompt's tokens), never with `playground.figures` or `sco
 """
 
 import base64
+import csv
 import html
+import io
 import json
 import re
 import subprocess
@@ -22,12 +24,14 @@ import zstandard
 from django.urls import reverse
 from tokenizers import Tokenizer
 
+from acs_client.client import AcsClient
 from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from playground import views
 from playground.models import Run, RunKind, RunStatus, SteeringScore
+from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
 from playground.services.scores import steering_score_execute
@@ -453,7 +457,9 @@ def test_steering_comparison_numbers_are_on_the_same_tokens(science, approved_us
     assert "the mean of Δ logprob over the generated tokens only" in page
 
 
-def test_sweep_numbers_match_numpy(science, approved_user, page_client):
+def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
+    science, approved_user, page_client, gateway_url, monkeypatch, tmp_path
+):
     recorder, tokenizer = science
     group, runs = steer(
         approved_user, prompt="I feel", scales=[-12.0, 12.0], kind=RunKind.SWEEP, target=" happy"
@@ -488,6 +494,54 @@ def test_sweep_numbers_match_numpy(science, approved_user, page_client):
     divergence = traces["mean KL(baseline ‖ steered) (right)"]
     assert close(divergence["y"], [expected[s][2] for s in scales], 1e-6)
     assert figure["layout"]["yaxis2"]["title"]["text"] == "nats per token, same tokens"
+
+    # The downloads hold the same numbers, per arm, with the runs and their request ids.
+    document = page_client.get(reverse("playground:group_json", args=[group])).json()
+    rows = list(csv.DictReader(io.StringIO(
+        page_client.get(reverse("playground:group_csv", args=[group])).content.decode()
+    )))  # fmt: skip
+    assert [arm["scale_entered"] for arm in document["arms"]] == scales
+    assert [float(row["scale_entered"]) for row in rows] == scales
+    for arm, row, run in zip(document["arms"], rows, runs, strict=True):
+        target, delta, kl = expected[run.scale]
+        assert (arm["run"], row["run"], arm["request_id"]) == (
+            str(run.pk),
+            str(run.pk),
+            run.request_id,
+        )
+        assert close(arm["target_logprob"], target, 1e-9)
+        assert close(float(row["target_logprob"]), target, 1e-9)
+        if run.scale:
+            assert close([arm["mean_delta_baseline_tokens"], arm["mean_kl"]], [delta, kl], 1e-9)
+            assert close(float(row["mean_delta_baseline_tokens"]), delta, 1e-9)
+        assert arm["text"] == recorder.answer_to(run.request)["choices"][0]["text"]
+    assert "over the generated tokens only" in document["definitions"]["mean_delta"]
+
+    # The page's acs_client code, run against the live gateway with the user's key, gives
+    # each scale's text, target logprob and mean Δ logprob (within bfloat16's noise between
+    # batches of other shapes).
+    page = page_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    code = html.unescape(re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', page, re.S).group(1))
+    vector = runs[0].vector
+    download = page_client.get(reverse("playground:vector_download", args=[vector.pk]))
+    (tmp_path / f"vector-{vector.pk}.npy").write_bytes(download.content)
+    monkeypatch.chdir(tmp_path)
+    _, secret = playground_key_get_or_create(user=approved_user)
+    monkeypatch.setattr(
+        "acs_client.client.AcsClient",
+        lambda base_url, api_key: AcsClient(base_url=gateway_url, api_key=secret),
+    )
+    monkeypatch.setenv("ACS_API_KEY", "unused")
+    namespace = {}
+    exec(compile(code, "notebook", "exec"), namespace)
+    for run in runs:
+        if not run.scale:
+            continue
+        result = namespace["results"][run.scale_entered]
+        target, delta, _ = expected[run.scale]
+        assert result["text"] == run.response["choices"][0]["text"]
+        assert abs(result["target_logprob"] - target) < 0.25
+        assert abs(result["mean_delta_baseline_tokens"] - delta) < 0.25
 
 
 # ---------------------------------------------------------------------------------------
