@@ -102,7 +102,8 @@ test-web: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(VENV)/bin/pytest $(WEB_WORKERS)
 
 test-engine: $(ENGINE_VENV)/.installed
-	$(ENGINE_PY) -m pytest tests/engine -q --ignore=tests/engine/test_vllm_fidelity.py
+	$(ENGINE_PY) -m pytest tests/engine -q --ignore=tests/engine/test_vllm_fidelity.py \
+		--ignore=tests/engine/test_vllm_lens_fidelity.py
 
 # The production upstream for real: the gateway in front of vLLM with the vLLM-Lens plugin,
 # answering as in front of the embedded engine (tests/vllm), and vLLM-Lens's numbers against
@@ -111,7 +112,7 @@ test-engine: $(ENGINE_VENV)/.installed
 test-vllm: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
 	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) scripts/ensure-test-db
 	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) REDIS_URL=$(VLLM_TEST_REDIS_URL) $(VENV)/bin/pytest tests/vllm
-	$(ENGINE_PY) -m pytest tests/engine/test_vllm_fidelity.py -q
+	$(ENGINE_PY) -m pytest tests/engine/test_vllm_fidelity.py tests/engine/test_vllm_lens_fidelity.py -q
 
 test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	scripts/ensure-chromium

@@ -72,6 +72,9 @@ class Run(models.Model):
     # The prompts' and choices' token ids and strings (`run_tokens`), set when the run
     # succeeds: the labels of every position, whatever the request asked for.
     tokens = models.JSONField(null=True, blank=True)
+    # A capture run's logit lens (`run_lens`), set when the run succeeds: the top tokens and
+    # log-normaliser at each captured layer × position, or why there is none.
+    lens = models.JSONField(null=True, blank=True)
     # The one-time token of the form submission that created this run (the first run of a
     # group): the same token submitted again returns this run instead of creating more.
     submit_token = models.UUIDField(null=True, blank=True)

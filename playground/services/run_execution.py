@@ -16,6 +16,7 @@ from api.errors import result_unstorable
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus
+from ..run_lens import run_lens
 from ..run_tokens import run_tokens
 from .keys import worker_secret
 from .runs import group_runs_dispatch, run_fail
@@ -193,14 +194,17 @@ def merge_stream_frames(frames: list[dict]) -> dict:
 def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
     """Store the run's response (DataError when the database cannot hold it) and end its
     stream."""
-    # Tokenized after the answer, off the path to the first token.
+    # Tokenized after the answer, off the path to the first token; the lens before the run
+    # is stored, so that its page shows it at once.
     tokens = run_tokens(run.request, response)
+    lens = run_lens(run.request, response)
     now = timezone.now()
     written_through_reconnects(
         lambda: Run.objects.filter(pk=run.pk).update(
             status=RunStatus.SUCCEEDED,
             response=response,
             tokens=tokens,
+            lens=lens,
             usage=response.get("usage"),
             request_id=request_id,
             gateway_ms=timing.get("gateway"),

@@ -184,6 +184,16 @@ def float32_reference() -> ReferenceModel:
     return ReferenceModel(cache_dir)
 
 
+@pytest.fixture(scope="session")
+def lens_weights(float32_reference):
+    """The playground's logit-lens weights (`playground.lens`) of the engine's weight
+    directory, which `float32_reference` builds when missing."""
+    from engine.loader import default_cache_dir
+    from playground.lens import lens_weights
+
+    return lens_weights(str(default_cache_dir()))
+
+
 def faster_up_to(row_counts, wins_up_to: int, *, candidate: int):
     """A stand-in for `engine.kernels.fastest_times` in a load-time measurement that times
     `row_counts` in turn: candidate number `candidate` is the faster up to `wins_up_to` rows

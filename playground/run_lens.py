@@ -1,0 +1,49 @@
+"""The logit lens of a capture run (`playground.lens`), computed by the worker once, just
+before it stores the run, and kept in `Run.lens`: the `LensTable` as JSON, or
+`{"unavailable": why}` when the model's weights cannot be had (the run's page then says why
+instead of drawing it). A run without a capture has none (None)."""
+
+import logging
+
+from api.models import LanguageModel
+
+from .figures import activations
+from .lens import LensUnavailable, LensWeights, lens_table, lens_weights
+
+logger = logging.getLogger(__name__)
+
+
+def model_lens_weights(model: str | None) -> LensWeights:
+    """The lens weights of the registry's model `model` (the default model when None), from
+    its `weights_dir`; LensUnavailable saying why when there are none."""
+    rows = LanguageModel.objects.filter(**({"name": model} if model else {"is_default": True}))
+    directory = rows.values_list("weights_dir", flat=True).first()
+    if not directory:
+        raise LensUnavailable(
+            f"The model registry gives {model or 'the default model'} no weights directory, "
+            "which the lens reads the final norm and unembedding from (staff set it on the "
+            "model in the admin)."
+        )
+    return lens_weights(directory)
+
+
+def run_lens(request: dict, response: dict) -> dict | None:
+    """What `Run.lens` keeps for a finished run (see the module's docstring)."""
+    if not (response.get("activations") or {}).get("residual_stream"):
+        return None
+    try:
+        weights = model_lens_weights(request.get("model"))
+        capture = activations(request, response)
+        hidden = weights.unembedding.shape[1]
+        if capture.tensor.shape[-1] != hidden:
+            raise LensUnavailable(
+                f"The model's weights have {hidden} hidden units and this capture "
+                f"{capture.tensor.shape[-1]}: its weights directory holds another model."
+            )
+        return lens_table(capture.tensor, capture.layers, weights).to_json()
+    except LensUnavailable as error:
+        return {"unavailable": str(error)}
+    except Exception:
+        # The answer is stored all the same, without its lens.
+        logger.exception("logit lens could not be computed")
+        return {"unavailable": "The lens could not be computed; the worker's log says why."}
