@@ -35,6 +35,7 @@ from .forms import (
     UploadVectorForm,
 )
 from .history import HistoryFilterForm, runs_page
+from .lens_section import lens_context
 from .models import Run, RunKind, RunStatus, VectorMethod
 from .run_tokens import numbered_tokens, tokenize
 from .services.runs import run_create
@@ -287,9 +288,9 @@ def _pretty_request(request: dict) -> str:
     return json.dumps(shown, indent=2, ensure_ascii=False)
 
 
-def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
+def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=None) -> dict:
     """The run page; per-choice figures (tokens, top-k, surprisal, distribution) show
-    choice number `choice`."""
+    choice number `choice`, and the lens section the picks of `lens_query`."""
     context = {
         "run": run,
         "request_json": _pretty_request(run.request),
@@ -331,6 +332,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None) -> dict:
     if (response.get("activations") or {}).get("residual_stream"):
         capture = figures.activations(run.request, response, run.tokens)
         context["activations"] = _activations_context(run, ActivationPicks(), capture)
+        context["lens"] = lens_context(run, capture, ActivationPicks().window, lens_query)
         context["save_vector_form"] = save_vector_form or SaveVectorForm(run=run, capture=capture)
     return context
 
@@ -478,16 +480,22 @@ def run_figure(request, run_id, name):
             raise Http404("This run has no full-vocabulary prompt logprobs.")
         position = _int_param(request, "position", upper=len(prompt_logprobs))
         figure = figures.prompt_distribution_figure(prompt_logprobs, max(position, 1))
-    elif name in (*ACTIVATION_FIGURES, "activations"):
+    elif name in (*ACTIVATION_FIGURES, "activations", "lens"):
         if not (response.get("activations") or {}).get("residual_stream"):
             raise Http404("This run captured no activations.")
         capture = figures.activations(run.request, response, run.tokens)
         picks = ActivationPicks.from_query(request, capture)
+        if name == "lens":
+            return _lens_section(request, run, capture, picks)
         # A window that cannot be drawn is a field error beside its pickers (400 unless htmx
         # swaps it in: it swaps no 4xx).
         status = 400 if picks.window_error and not request.htmx else 200
         if name == "activations":
-            context = {"run": run, "activations": _activations_context(run, picks, capture)}
+            context = {
+                "run": run,
+                "activations": _activations_context(run, picks, capture),
+                "lens": lens_context(run, capture, picks.window, request.GET),
+            }
             return render(request, "playground/run_detail.html#activations", context, status=status)
         if picks.window_error and name in WINDOW_FIGURES:
             context = {"figure": None, "figure_error": picks.window_error}
@@ -502,6 +510,18 @@ def run_figure(request, run_id, name):
     return render(
         request, "playground/_figure.html", {"figure": figures.figure_entry(name, figure)}
     )
+
+
+def _lens_section(request, run: Run, capture: figures.Capture, picks: ActivationPicks):
+    """The lens section with the query's picks for htmx; otherwise the run's page with it,
+    400 when a pick is wrong (its form says which)."""
+    if request.htmx:
+        lens = lens_context(run, capture, picks.window, request.GET)
+        return render(request, "playground/run_detail.html#lens", {"run": run, "lens": lens})
+    context = run_context(run, lens_query=request.GET)
+    form = context["lens"].get("form")
+    status = 400 if form is not None and form.errors else 200
+    return render(request, "playground/run_detail.html", context, status=status)
 
 
 @approved_required

@@ -16,9 +16,9 @@ def screenshot_dir() -> Path:
     return folder
 
 
-def save_screenshots(page, name: str) -> list[Path]:
-    """Write `<name>-1280.png` and `<name>-390.png` of the page as it is now, full page; the
-    page is left at the last width."""
+def save_screenshots(page, name: str, element: str | None = None) -> list[Path]:
+    """Write `<name>-1280.png` and `<name>-390.png` of the page as it is now, full page (or
+    of its `element`, a selector, alone); the page is left at the last width."""
     paths = []
     for width in WIDTHS:
         page.set_viewport_size({"width": width, "height": HEIGHT})
@@ -28,6 +28,9 @@ def save_screenshots(page, name: str) -> list[Path]:
                  .map(plot => window.Plotly.Plots.resize(plot)))"""
         )
         path = screenshot_dir() / f"{name}-{width}.png"
-        page.screenshot(path=path, full_page=True)
+        if element is None:
+            page.screenshot(path=path, full_page=True)
+        else:
+            page.locator(element).screenshot(path=path)
         paths.append(path)
     return paths
