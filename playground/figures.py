@@ -1093,7 +1093,7 @@ def logit_attribution_figure(
         ]
     )
     figure.update_xaxes(type="category", title="block (output − input)", tickangle=-45)
-    figure.update_yaxes(title=f"contribution to {measure} (nats)")
+    figure.update_yaxes(title="contribution (nats)")
     figure.update_layout(showlegend=False)
     title = f"Direct logit attribution of {measure} at position {_text(capture.labels[position])}"
     return _layout(figure, title, height=380)

@@ -230,8 +230,10 @@ def test_attribution_adds_up_to_the_reported_logit_difference(capture, page_clie
         assert shown_number(page, name) == pytest.approx(value, abs=6e-4)
     # The sum is the lens's own logit difference at the last layer.
     assert expected.sum() == pytest.approx(final[target] - final[foil], abs=SAME)
-    assert figure["layout"]["yaxis"]["title"]["text"] == (
-        f"contribution to logit({model.shown(target)}) − logit({model.shown(foil)}) (nats)"
+    assert figure["layout"]["yaxis"]["title"]["text"] == "contribution (nats)"
+    assert figure["layout"]["title"]["text"].startswith(
+        f"Direct logit attribution of logit({model.shown(target)}) − logit({model.shown(foil)})"
+        f" at position {capture.labels[-1]}"
     )
 
 
