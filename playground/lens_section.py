@@ -31,11 +31,13 @@ def lens_context(
         return {"note": NOT_COMPUTED}
     if "unavailable" in document:
         return {"note": document["unavailable"]}
+    table = lens.LensTable.from_json(document)
     try:
-        weights = model_lens_weights(run.request.get("model"))
+        weights = model_lens_weights(run.request.get("model"), hidden=capture.tensor.shape[-1])
     except lens.LensUnavailable as error:
         return {"note": str(error)}
-    table = lens.LensTable.from_json(document)
+    if table.top_ids.max() >= weights.unembedding.shape[0]:
+        return {"note": "The model's weights directory holds another vocabulary than this lens's."}
     covered = [(row, capture.labels[row]) for row in table.positions]
     bound = query is not None and any(name.startswith("lens-") for name in query)
     form = LensForm(query if bound else None, weights=weights, positions=covered)

@@ -13,9 +13,10 @@ from .lens import LensUnavailable, LensWeights, lens_table, lens_weights
 logger = logging.getLogger(__name__)
 
 
-def model_lens_weights(model: str | None) -> LensWeights:
+def model_lens_weights(model: str | None, *, hidden: int) -> LensWeights:
     """The lens weights of the registry's model `model` (the default model when None), from
-    its `weights_dir`; LensUnavailable saying why when there are none."""
+    its `weights_dir`, for a capture of `hidden` units; LensUnavailable saying why when
+    there are none, or when they are another model's."""
     rows = LanguageModel.objects.filter(**({"name": model} if model else {"is_default": True}))
     directory = rows.values_list("weights_dir", flat=True).first()
     if not directory:
@@ -24,7 +25,13 @@ def model_lens_weights(model: str | None) -> LensWeights:
             "which the lens reads the final norm and unembedding from (staff set it on the "
             "model in the admin)."
         )
-    return lens_weights(directory)
+    weights = lens_weights(directory)
+    if weights.unembedding.shape[1] != hidden:
+        raise LensUnavailable(
+            f"The weights in {directory} have {weights.unembedding.shape[1]} hidden units and "
+            f"this capture {hidden}: the model's weights directory holds another model."
+        )
+    return weights
 
 
 def run_lens(request: dict, response: dict) -> dict | None:
@@ -32,14 +39,8 @@ def run_lens(request: dict, response: dict) -> dict | None:
     if not (response.get("activations") or {}).get("residual_stream"):
         return None
     try:
-        weights = model_lens_weights(request.get("model"))
         capture = activations(request, response)
-        hidden = weights.unembedding.shape[1]
-        if capture.tensor.shape[-1] != hidden:
-            raise LensUnavailable(
-                f"The model's weights have {hidden} hidden units and this capture "
-                f"{capture.tensor.shape[-1]}: its weights directory holds another model."
-            )
+        weights = model_lens_weights(request.get("model"), hidden=capture.tensor.shape[-1])
         return lens_table(capture.tensor, capture.layers, weights).to_json()
     except LensUnavailable as error:
         return {"unavailable": str(error)}

@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 import numpy as np
 import pytest
 from django.urls import reverse
+from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from api.models import LanguageModel
@@ -311,4 +312,21 @@ def test_a_weights_directory_that_cannot_be_read_is_named(
     run = numbers.run_through(approved_user, CAPTURE)
     page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert f"The weights file {tmp_path / 'gone' / 'model.safetensors'} cannot be read" in page
+    assert "lens" not in numbers.embedded(page)
+
+
+def test_another_models_weights_are_named_not_used(
+    science, approved_user, page_client, tmp_path, model
+):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"rms_norm_eps": 1e-5, "num_hidden_layers": 2, "tie_word_embeddings": True})
+    )
+    (tmp_path / "tokenizer.json").write_bytes((model.directory / "tokenizer.json").read_bytes())
+    tiny = {"model.norm.weight": np.ones(8, np.float32),
+            "model.embed_tokens.weight": np.ones((16, 8), np.float32)}  # fmt: skip
+    save_file(tiny, str(tmp_path / "model.safetensors"))
+    LanguageModel.objects.filter(name=MODEL).update(weights_dir=str(tmp_path))
+    run = numbers.run_through(approved_user, CAPTURE)
+    page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    assert "have 8 hidden units and this capture 576" in page
     assert "lens" not in numbers.embedded(page)
