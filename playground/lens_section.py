@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import figures, lens
-from .lens_forms import ATTRIBUTED, LENS_COLOURS, LensForm, LensPicks
+from .lens_forms import LensForm, LensPicks
 from .models import Run
 from .run_lens import model_lens_weights
 
@@ -49,8 +49,6 @@ def lens_context(
         "form": form,
         "covered": f"{covered[0][1]} – {covered[-1][1]}",
         "partial": table.first > 0,
-        "colours": LENS_COLOURS,
-        "attributed": ATTRIBUTED,
         "figures": {"lens": section.heatmap(rows or table.positions, picks)},
         "steered": bool(run.request.get("apply_steering_vectors")),
         "residue_bound": lens.RESIDUE_BOUND,
