@@ -3,11 +3,13 @@ float32 forward pass on the engine's weight directory (as `reference_model.py` l
 forward hooks on decoder block L that read its output (the clean run) and replace it at
 position p by the clean run's output there (the patched runs).
 
-Run with the engine's virtualenv; reads JSON `{clean_ids, corrupted_ids, target_id, layers,
-positions}` on stdin and writes `{compute_dtype, clean, corrupted, cells: {"L,p": logprob}}`:
-the target's logprob (natural log) after the prompt, for the clean prompt, the corrupted one,
-and the corrupted one patched at each layer L and position p. `compute_dtype` is the dtype the
-engine computes in on this machine (its tolerance depends on it).
+Run with the engine's virtualenv; reads JSON `{clean_ids, corrupted_ids, targets, layers,
+positions}` on stdin (`targets`: token-id lists, each scored after the prompt) and writes
+`{compute_dtype, clean, corrupted, cells: {"L,p": scores}}`: each target's score, the sum
+of its tokens' logprobs (natural log) after the prompt and the target tokens before it
+(teacher-forced), for the clean prompt, the corrupted one, and the corrupted one patched at
+each layer L and position p. `compute_dtype` is the dtype the engine computes in on this
+machine (its tolerance depends on it).
 """
 
 import json
@@ -26,10 +28,15 @@ def _hidden(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def target_logprob(model, ids: list[int], target_id: int) -> float:
+def target_scores(model, ids: list[int], targets: list[list[int]]) -> list[float]:
+    """Each target's summed token logprobs after `ids`, teacher-forced."""
+    scores = []
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-    return float(torch.log_softmax(logits, dim=-1)[target_id])
+        for target in targets:
+            logits = model(torch.tensor([ids + target])).logits[0].float()
+            logprobs = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
+            scores.append(float(sum(logprobs[j, token] for j, token in enumerate(target))))
+    return scores
 
 
 def block_outputs(model, ids: list[int], layers: list[int]) -> dict[int, torch.Tensor]:
@@ -41,14 +48,14 @@ def block_outputs(model, ids: list[int], layers: list[int]) -> dict[int, torch.T
 
     handles = [model.model.layers[layer].register_forward_hook(reader(layer)) for layer in layers]
     try:
-        target_logprob(model, ids, 0)
+        target_scores(model, ids, [[]])
     finally:
         for handle in handles:
             handle.remove()
     return rows
 
 
-def patched_logprob(model, ids, target_id, layer, position, clean_row) -> float:
+def patched_scores(model, ids, targets, layer, position, clean_row) -> list[float]:
     def replace(module, args, output):
         hidden = _hidden(output).clone()
         hidden[0, position] = clean_row
@@ -56,7 +63,7 @@ def patched_logprob(model, ids, target_id, layer, position, clean_row) -> float:
 
     handle = model.model.layers[layer].register_forward_hook(replace)
     try:
-        return target_logprob(model, ids, target_id)
+        return target_scores(model, ids, targets)
     finally:
         handle.remove()
 
@@ -67,12 +74,12 @@ def main() -> None:
     if not (cache_dir / "config.json").exists():
         build_cache(cache_dir)
     model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.float32).eval()
-    target = spec["target_id"]
+    targets = spec["targets"]
     clean_ids, corrupted_ids = spec["clean_ids"], spec["corrupted_ids"]
     clean_rows = block_outputs(model, clean_ids, spec["layers"])
     cells = {
-        f"{layer},{position}": patched_logprob(
-            model, corrupted_ids, target, layer, position, clean_rows[layer][position]
+        f"{layer},{position}": patched_scores(
+            model, corrupted_ids, targets, layer, position, clean_rows[layer][position]
         )
         for layer in spec["layers"]
         for position in spec["positions"]
@@ -80,8 +87,8 @@ def main() -> None:
     json.dump(
         {
             "compute_dtype": str(compute_dtype()).removeprefix("torch."),
-            "clean": target_logprob(model, clean_ids, target),
-            "corrupted": target_logprob(model, corrupted_ids, target),
+            "clean": target_scores(model, clean_ids, targets),
+            "corrupted": target_scores(model, corrupted_ids, targets),
             "cells": cells,
         },
         sys.stdout,
