@@ -32,7 +32,8 @@
 
   function setValue(record, axis, value) {
     record[axis.name] = value;
-    if (axis.labels.has(String(value))) record[axis.name + " label"] = axis.labels.get(String(value));
+    var label = axis.labels.get(String(value));
+    if (label !== undefined) record[axis.name + " label"] = label;
   }
 
   // The hover values of one bar, point or cell: numbers and plain strings, by name.

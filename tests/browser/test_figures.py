@@ -69,11 +69,13 @@ def test_figures_swapped_in_look_like_the_first_rendered_ones(page):
         if name != "topk":
             assert after["height"] == before["height"], (name, before, after)
 
-    # Clicking a token selects its top-k, drawn the same way.
-    strip = page.locator(f"{RUN_PANEL} #plot-tokens .nsewdrag").first
+    # Clicking a token (the second cell: position 1) selects its top-k, drawn the same way.
+    plot = page.locator(f"{RUN_PANEL} #plot-tokens")
+    columns = plot.evaluate("div => div.data[0].text[0].length")
+    strip = plot.locator(".nsewdrag").first
     strip.scroll_into_view_if_needed()
     box = strip.bounding_box()
-    strip.click(position={"x": box["width"] * 0.12, "y": box["height"] * 0.2})
+    strip.click(position={"x": box["width"] * 1.5 / columns, "y": box["height"] * 0.2})
     expect(page.locator(f"{RUN_PANEL} #plot-topk .gtitle")).to_contain_text("position 1")
     page.wait_for_timeout(500)
     after = plot_geometry(page, f"{RUN_PANEL} #plot-topk")
@@ -179,14 +181,20 @@ def test_every_choice_has_its_token_view_with_rows_labelled_by_offset(page):
     assert plot_geometry(page, f"{RUN_PANEL} #plot-tokens")["scoped"]
 
 
+# The token strip as the page embeds it (each cell's whole token: a drawn cell shows only as
+# much as fits it, see test_figure_exports).
+STRIP = f"JSON.parse(document.querySelector('{RUN_PANEL} #tokens').textContent)"
+
+
 def strip_cells(page) -> list[str]:
-    """The token strip's completion cells, in order (as shown, whitespace made visible)."""
-    return page.locator(f"{RUN_PANEL} #plot-tokens").evaluate(
-        """div => {
-          const trace = div.data[0], names = div.layout.yaxis.ticktext;
+    """The token strip's completion cells, in order (whitespace made visible)."""
+    return page.evaluate(
+        f"""() => {{
+          const figure = {STRIP};
+          const trace = figure.data[0], names = figure.layout.yaxis.ticktext;
           return trace.text.filter((row, i) => names[i].startsWith('completion'))
             .flat().filter(cell => cell !== '');
-        }"""
+        }}"""
     )
 
 
@@ -198,10 +206,7 @@ def test_capture_positions_are_labelled_with_their_tokens_without_echo(page):
     )  # fmt: skip
     expect(panel).to_have_attribute("data-run-status", "succeeded", timeout=90_000)
     expect_drawn(page, f"{RUN_PANEL} #plot-heatmap")
-    generated = page.locator(f"{RUN_PANEL} #plot-tokens").evaluate(
-        """div => div.data[0].text[div.layout.yaxis.ticktext.findIndex(
-               name => name.startsWith('completion'))].filter(cell => cell !== '')"""
-    )
+    generated = strip_cells(page)
     # Rows 0–8 are the prompt (position 0 left out by default), 9–12 the generated tokens
     # fed back; the last generated token has no row.
     ticks = page.locator(f"{RUN_PANEL} #plot-heatmap .xtick text").all_text_contents()

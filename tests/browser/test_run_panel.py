@@ -185,19 +185,22 @@ def test_tokens_with_quotes_and_markup_are_shown_as_typed(page):
 
     # Hover the first prompt cell holding a quote: its token is shown as typed there too.
     strip = page.locator(f"{RUN_PANEL} #plot-tokens")
-    row, column, rows = strip.evaluate(
+    # As drawn: as many cells to a row as fit the panel (at most STRIP_WIDTH).
+    row, column, rows, columns = strip.evaluate(
         """div => {
           const text = div.data[0].text;
           const row = text.findIndex(cells => cells.some(cell => cell.includes('"')));
-          return [row, text[row].findIndex(cell => cell.includes('"')), text.length];
+          return [row, text[row].findIndex(cell => cell.includes('"')), text.length,
+                  text[0].length];
         }"""
     )
+    assert columns <= STRIP_WIDTH
     area = strip.locator(".nsewdrag").first
     area.scroll_into_view_if_needed()
     box = area.bounding_box()
     area.hover(
         position={
-            "x": box["width"] * (column + 0.5) / STRIP_WIDTH,
+            "x": box["width"] * (column + 0.5) / columns,
             "y": box["height"] * (row + 0.5) / rows,
         }
     )
