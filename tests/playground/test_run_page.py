@@ -44,9 +44,7 @@ def capture_run(approved_user):
     )  # fmt: skip
 
 
-WINDOW_ERROR = (
-    "From 4 ·is to 2 ,: the end comes before the start. Pick an end at or after 4 ·is."
-)
+WINDOW_ERROR = "From 4 ·is to 2 ,: the end comes before the start. Pick an end at or after 4 ·is."
 
 
 def test_a_window_ending_before_it_starts_is_a_field_error_without_the_old_figures(
