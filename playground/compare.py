@@ -30,7 +30,7 @@ from accounts.models import User
 from acs_client.client import AcsClient
 from acs_portal.celery import task_send_on_commit
 
-from . import figures, scoring
+from . import exports, figures, scoring
 from .models import Run, RunComparison, RunStatus
 from .services.keys import worker_secret
 from .services.scores import (
@@ -382,6 +382,9 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         context["scoring_tokens"] = 2 * (len(sequences["a"].ids) + len(sequences["b"].ids) + 2)
     comparison = context["comparison"]
     if comparison is not None and comparison.status == RunStatus.SUCCEEDED:
+        context["notebook"] = exports.compare_notebook(
+            run_a, run_b, comparison.results, base_url=settings.SITE_URL
+        )
         differences = logprob_differences(comparison.results)
         context["means"] = {
             side: scoring.mean_generated_delta(

@@ -135,7 +135,7 @@ def _python_literal(value) -> str:
 
 def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
     """Code that sends exactly `request`: curl, the openai SDK (non-OpenAI fields go in
-    extra_body) and acs_client."""
+    extra_body) and acs_client, which also reads the numbers the run page draws."""
     body = json.dumps(request)
     curl = (
         f"curl {shlex.quote(base_url + '/v1/completions')} \\\n"
@@ -159,18 +159,48 @@ def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
         )
     else:
         openai += "print(response.choices[0].text)\n"
-    call = "stream_completions" if request.get("stream") else "completions"
+    streamed = request.get("stream")
     acs = (
-        "import os\n\nfrom acs_client.client import AcsClient\n\n"
+        "import os\n\n"
+        + ("" if streamed else "import numpy as np\n")
+        + "from acs_client.client import AcsClient\n\n"
         f'client = AcsClient(base_url="{base_url}", api_key=os.environ["ACS_API_KEY"])\n'
         f"body = {_python_literal(request)}\n"
     )
-    if call == "stream_completions":
+    if streamed:
         acs += (
             "with client.stream_completions(body) as stream:\n"
             "    for frame in stream:\n"
             "        print(frame)\n"
         )
     else:
-        acs += 'print(client.completions(body).body["choices"][0]["text"])\n'
+        acs += _figure_lines(request)
     return {"curl": curl, "openai": openai, "acs_client": acs}
+
+
+def _figure_lines(request: dict) -> str:
+    """acs_client lines that send `request` and read, from its answer, the numbers the run
+    page's figures draw (each only where the request asked for it)."""
+    lines = [
+        "answer = client.completions(body)",
+        'choice = answer.body["choices"][0]',
+        'print(choice["text"])',
+    ]
+    if request.get("logprobs") is not None:
+        lines += [
+            "# Token view and top-k: each generated token, its logprob (nats), alternatives.",
+            'probabilities = np.exp(choice["logprobs"]["token_logprobs"])',
+        ]
+    if request.get("prompt_logprobs") is not None and request.get("return_token_ids"):
+        lines += [
+            "# Prompt surprisal: −logprob (nats) of each prompt token after the first.",
+            'entries, ids = choice["prompt_logprobs"], choice["prompt_token_ids"]',
+            'surprisal = [-entries[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]',
+        ]
+    if request.get("output_residual_stream"):
+        lines += [
+            "# Activation views: the residual stream [layers, tokens, hidden] and ‖h‖.",
+            "residual = answer.residual_stream()",
+            "norms = np.linalg.norm(residual, axis=-1)",
+        ]
+    return "".join(line + "\n" for line in lines)

@@ -304,6 +304,20 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
     assert re.search(r'data-mean-delta="b">-4.000 nats/token<', page)
     said = re.search(r'<p class="help" data-mean-definition>(.*?)</p>', page).group(1)
     assert html.unescape(said).startswith(scoring.MEAN_DELTA_DEFINITION + ";")
+    # The page's acs_client code sends the same two requests and gets the same numbers.
+    code = re.search(r'<pre id="notebook-compare">(.*?)</pre>', page, re.S).group(1)
+    monkeypatch.setattr(
+        "acs_client.client.AcsClient",
+        functools.partial(AcsClient, transport=httpx.MockTransport(answer)),
+    )
+    monkeypatch.setenv("ACS_API_KEY", "acs-test")
+    namespace = {}
+    exec(compile(html.unescape(code), "notebook", "exec"), namespace)
+    comparison.refresh_from_db()
+    differences = compare.logprob_differences(comparison.results)
+    for side in ("a", "b"):
+        assert namespace["delta"][side.upper()].tolist() == differences[side]["delta"]
+        assert namespace["mean_delta"][side.upper()] == -4.0
     assert scoring.MEAN_DELTA_DEFINITION.startswith(
         "mean Δ logprob: the mean of Δ logprob over the generated tokens only"
     )

@@ -305,7 +305,23 @@ def test_token_view_and_top_k_numbers_match_numpy(capture, page_client, science)
     )
 
 
-def test_prompt_logprobs_page_numbers_match_numpy(science, approved_user, page_client):
+def run_notebook(code: str, *, user, gateway_url: str, monkeypatch) -> dict:
+    """Run a page's acs_client code against the live gateway with the user's key; its
+    variables."""
+    _, secret = playground_key_get_or_create(user=user)
+    monkeypatch.setattr(
+        "acs_client.client.AcsClient",
+        lambda base_url, api_key: AcsClient(base_url=gateway_url, api_key=secret),
+    )
+    monkeypatch.setenv("ACS_API_KEY", "unused")
+    namespace = {}
+    exec(compile(html.unescape(code), "notebook", "exec"), namespace)
+    return namespace
+
+
+def test_prompt_logprobs_page_numbers_match_numpy(
+    science, approved_user, page_client, gateway_url, monkeypatch
+):
     recorder, tokenizer = science
     request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
                "logprobs": 2, "prompt_logprobs": 3}  # fmt: skip
@@ -314,8 +330,18 @@ def test_prompt_logprobs_page_numbers_match_numpy(science, approved_user, page_c
     prompt_ids, prompt_texts = prompt_pieces(tokenizer, PROMPT)
     entries = raw["choices"][0]["prompt_logprobs"]
     actual = [entries[t][str(prompt_ids[t])]["logprob"] for t in range(1, len(prompt_ids))]
-    figures = embedded(
-        page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    page = page_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    figures = embedded(page)
+    # The page's acs_client code sends the request again and reads the same numbers.
+    code = re.search(rf'<pre id="snippet-acs_client-{run.id}">(.*?)</pre>', page, re.S).group(1)
+    notebook = run_notebook(
+        code, user=approved_user, gateway_url=gateway_url, monkeypatch=monkeypatch
+    )
+    assert np.allclose(notebook["surprisal"], -np.asarray(actual), atol=0.05)
+    assert np.allclose(
+        notebook["probabilities"],
+        np.exp(raw["choices"][0]["logprobs"]["token_logprobs"]),
+        atol=0.02,
     )
     surprisal = figures["surprisal"]["data"][0]
     assert surprisal["x"] == list(range(1, 9)) and close(surprisal["y"], -np.asarray(actual))
@@ -521,19 +547,14 @@ def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
     # each scale's text, target logprob and mean Δ logprob (within bfloat16's noise between
     # batches of other shapes).
     page = page_client.get(reverse("playground:group_detail", args=[group])).content.decode()
-    code = html.unescape(re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', page, re.S).group(1))
+    code = re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', page, re.S).group(1)
     vector = runs[0].vector
     download = page_client.get(reverse("playground:vector_download", args=[vector.pk]))
     (tmp_path / f"vector-{vector.pk}.npy").write_bytes(download.content)
     monkeypatch.chdir(tmp_path)
-    _, secret = playground_key_get_or_create(user=approved_user)
-    monkeypatch.setattr(
-        "acs_client.client.AcsClient",
-        lambda base_url, api_key: AcsClient(base_url=gateway_url, api_key=secret),
+    namespace = run_notebook(
+        code, user=approved_user, gateway_url=gateway_url, monkeypatch=monkeypatch
     )
-    monkeypatch.setenv("ACS_API_KEY", "unused")
-    namespace = {}
-    exec(compile(code, "notebook", "exec"), namespace)
     for run in runs:
         if not run.scale:
             continue
