@@ -10,6 +10,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
+from acs_client.responses import CompletionJob, HarvestJob
 from acs_portal.celery import app as celery_app
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind, JobSubmission, JobSubmissionStatus
@@ -51,7 +52,9 @@ def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key
     approved_user, gateway, enqueued
 ):
     submission = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
-    gateway.handler = lambda request: httpx.Response(202, json={"id": JOB_ID, "status": "queued"})
+    job = {"id": JOB_ID, "status": "queued", "created_at": 1_796_580_000}
+    answer = CompletionJob(**job, started_at=None, finished_at=None, error=None)
+    gateway.handler = lambda request: httpx.Response(202, json=answer.model_dump(mode="json"))
     job_submission_send(submission_id=submission.id, final_attempt=False)
 
     [sent] = gateway.requests
@@ -69,9 +72,20 @@ def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
     approved_user, gateway, enqueued
 ):
     submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
-    gateway.handler = lambda request: httpx.Response(
-        202, json={"job_id": JOB_ID, "status": "pending", "model": "smollm2-135m", "n_prompts": 2}
+    answer = HarvestJob(
+        job_id=JOB_ID,
+        status="pending",
+        model="smollm2-135m",
+        layers=[7, 15, 22],
+        n_prompts=2,
+        progress={"prompts_done": 0, "n_prompts": 2},
+        created_at=1_796_580_000,
+        completed_at=None,
+        error=None,
+        message=None,
+        result=None,
     )
+    gateway.handler = lambda request: httpx.Response(202, json=answer.model_dump(mode="json"))
     job_submission_send(submission_id=submission.id, final_attempt=False)
     [sent] = gateway.requests
     assert sent.url.path == "/v1/harvest"
