@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from acs_client.protocol import in_vllm_xargs  # noqa: E402
-from engine.loader import GGUF_FILE, default_cache_dir, gguf_directory  # noqa: E402
+from engine.loader import default_cache_dir, gguf_directory, model_spec  # noqa: E402
 from tests import vllm_lens  # noqa: E402
 from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
@@ -279,9 +279,10 @@ def peer_models() -> dict[str, Path]:
     """The GGUF files llama.cpp runs: the shipped Q4_1 and an F16 requantised from it."""
     if not BENCH_PYTHON.exists():
         raise SystemExit("--peer llama.cpp needs .venv-bench: run `make bench-venv` first")
-    q4_1 = gguf_directory() / GGUF_FILE
+    spec = model_spec()
+    q4_1 = gguf_directory(spec) / spec.gguf_file
     cache = default_cache_dir()
-    f16 = cache.with_name(f"{cache.name}-gguf") / GGUF_FILE.replace("Q4_1", "F16")
+    f16 = cache.with_name(f"{cache.name}-gguf") / spec.gguf_file.replace("Q4_1", "F16")
     if not f16.exists():
         f16.parent.mkdir(parents=True, exist_ok=True)
         command = [str(BENCH_PYTHON), str(PEER_SCRIPT), "quantize", str(q4_1), str(f16), "F16"]

@@ -1,7 +1,9 @@
 """`python -m engine serve [--host 127.0.0.1] [--port 8001]`: run the embedded model server.
 `python -m engine weights`: print where the model's weights are (vLLM serves the same files).
 
-It refuses to listen beyond loopback unless ACS_ENGINE_TOKEN is set (`config.bind_refusal`)."""
+Both serve the model `ACS_ENGINE_MODEL` names (`engine.loader.MODEL_SPECS`), and refuse to
+start with a name the engine does not know. The server refuses to listen beyond loopback
+unless ACS_ENGINE_TOKEN is set (`config.bind_refusal`)."""
 
 import argparse
 import logging
@@ -9,7 +11,7 @@ import logging
 import uvicorn
 
 from engine.config import EngineConfig, bind_refusal
-from engine.loader import weights_directory
+from engine.loader import UnknownModel, model_spec, weights_directory
 from engine.server import create_app
 
 
@@ -26,6 +28,10 @@ def main() -> None:
         "config.json, tokenizer.json: what vLLM loads), converting them first if missing",
     )
     args = parser.parse_args()
+    try:
+        model_spec()
+    except UnknownModel as error:
+        parser.error(str(error))
     if args.command == "weights":
         print(weights_directory())
         return

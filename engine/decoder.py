@@ -174,7 +174,7 @@ class LlamaDecoder:
             cache.values[index, :, :, start:end] = qkv[:, :, rotated_heads:].transpose(1, 2)
             keys, values = cache.layer(index, end)
             attention = self._attention(query_key[:, : self.heads], keys, values, attention_mask)
-            attention = attention.transpose(1, 2).reshape(rows, tokens, self.hidden_size)
+            attention = attention.transpose(1, 2).reshape(rows, tokens, -1)
             hidden = hidden + layer.o(attention)
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, -1)
             hidden = hidden + layer.down(F.silu(gate) * up)

@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.config import EngineConfig
-from engine.loader import MODEL_ID, LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.outputs import ChoiceDelta, RequestDone, RequestFailed
 from engine.preparation import prepare_completion, prepare_tokenize
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest, parse_model
@@ -53,7 +53,7 @@ class EngineState:
             )
             scheduler.start()
             self.loaded, self.scheduler = loaded, scheduler
-            log.info("model %s loaded", MODEL_ID)
+            log.info("model %s loaded", loaded.model_id)
         except Exception as error:
             log.exception("loading the model failed")
             self.load_error = str(error)
@@ -212,7 +212,7 @@ async def models(request: Request) -> Response:
     except RequestError as error:
         return error_response(error)
     card = {
-        "id": MODEL_ID,
+        "id": loaded.model_id,
         "object": "model",
         "owned_by": "acs",
         "max_model_len": loaded.max_model_len,
@@ -274,10 +274,10 @@ async def completions(request: Request) -> Response:
         )
     watcher = asyncio.ensure_future(watch_disconnect(request, engine_request))
     if prepared.stream:
-        frames = stream_frames(scheduler, engine_request, watcher)
+        frames = stream_frames(scheduler, engine_request, watcher, loaded.model_id)
         return StreamingResponse(frames, media_type="text/event-stream")
     try:
-        return await complete(engine_request)
+        return await complete(engine_request, loaded.model_id)
     finally:
         scheduler.cancel(engine_request)  # a no-op once finished; frees slots if the client left
         watcher.cancel()
@@ -297,7 +297,7 @@ async def watch_disconnect(request: Request, engine_request: EngineRequest) -> N
     engine_request.events.put_nowait(CLIENT_GONE)
 
 
-async def complete(engine_request: EngineRequest) -> Response:
+async def complete(engine_request: EngineRequest, model_id: str) -> Response:
     prepared = engine_request.prepared
     params = prepared.params
     choices = [
@@ -312,7 +312,7 @@ async def complete(engine_request: EngineRequest) -> Response:
         elif isinstance(event, RequestFailed):
             return error_response(failure_error(event), usage=event.usage)
         elif isinstance(event, RequestDone):
-            body = completion_header(engine_request)
+            body = completion_header(engine_request, model_id)
             body["choices"] = choices
             body["usage"] = event.usage
             if event.activations is not None:
@@ -353,16 +353,18 @@ def add_delta(choice: dict, delta: ChoiceDelta, with_logprobs: bool) -> None:
         choice["stop_reason"] = delta.stop_reason
 
 
-def completion_header(engine_request: EngineRequest) -> dict:
+def completion_header(engine_request: EngineRequest, model_id: str) -> dict:
     return {
         "id": engine_request.id,
         "object": "text_completion",
         "created": engine_request.created,
-        "model": MODEL_ID,
+        "model": model_id,
     }
 
 
-async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.Future):
+async def stream_frames(
+    scheduler: Scheduler, engine_request, watcher: asyncio.Future, model_id: str
+):
     """SSE frames: one per choice delta, the usage frame if asked, then [DONE]."""
     try:
         while True:
@@ -370,7 +372,7 @@ async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.F
             if event is CLIENT_GONE:
                 return
             if isinstance(event, ChoiceDelta):
-                frame = completion_header(engine_request)
+                frame = completion_header(engine_request, model_id)
                 frame["choices"] = [delta_json(event)]
                 yield sse(frame)
             elif isinstance(event, RequestFailed):
@@ -380,7 +382,7 @@ async def stream_frames(scheduler: Scheduler, engine_request, watcher: asyncio.F
                 return
             elif isinstance(event, RequestDone):
                 if engine_request.prepared.include_usage:
-                    frame = completion_header(engine_request)
+                    frame = completion_header(engine_request, model_id)
                     frame["choices"] = []
                     frame["usage"] = event.usage
                     yield sse(frame)
