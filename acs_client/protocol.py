@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
+# vLLM refuses a temperature above this (and so does OpenAI's API).
+MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 100
 MAX_STEERING_VECTORS = 8
 # prompt_count × n × max_tokens of one request: the most output work a request may ask for.
@@ -72,7 +74,7 @@ class SamplingFields(Strict):
     model: str | None = None
     prompt: Prompt
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -163,6 +165,30 @@ def check_output_work(*, sequences: int, max_tokens: int) -> None:
             f"prompt_count × n × max_tokens = {sequences * max_tokens:,} exceeds the "
             f"output-work cap of {OUTPUT_WORK_CAP:,}.",
             field="max_tokens",
+        )
+
+
+def check_stop_strings(stop: list[str]) -> None:
+    """At most MAX_STOP_STRINGS, none empty (vLLM refuses an empty one); RuleBroken otherwise."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RuleBroken(
+            f"'stop' may hold at most {MAX_STOP_STRINGS} strings; it has {len(stop)}.",
+            field="stop",
+        )
+    if any(not string for string in stop):
+        raise RuleBroken(
+            "'stop' holds an empty string; every stop string needs text.", field="stop"
+        )
+
+
+def check_streamed_fields(*, stream: bool, prompt_logprobs: int | None) -> None:
+    """Prompt logprobs come with a whole answer only: vLLM refuses them with stream: true;
+    RuleBroken otherwise."""
+    if stream and prompt_logprobs is not None:
+        raise RuleBroken(
+            "'prompt_logprobs' cannot be streamed; set stream: false, or leave "
+            "prompt_logprobs out.",
+            field="prompt_logprobs",
         )
 
 

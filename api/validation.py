@@ -10,7 +10,6 @@ from acs_client import codec
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
-    MAX_STOP_STRINGS,
     NON_STREAMING_MAX_TOKENS,
     STEERING_MAX_MAGNITUDE,
     STEERING_MAX_VALUES,
@@ -19,6 +18,8 @@ from acs_client.protocol import (
     check_output_work,
     check_steering_positions,
     check_steering_shape,
+    check_stop_strings,
+    check_streamed_fields,
 )
 
 from .errors import ApiError
@@ -67,8 +68,11 @@ async def validate_completion(payload: object) -> ValidCompletion:
     model = await model_get(request.model)
     prompts = request.prompts()
     _check_prompts(prompts, model)
-    if len(request.stop_strings()) > MAX_STOP_STRINGS:
-        raise _invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.")
+    try:
+        check_stop_strings(request.stop_strings())
+        check_streamed_fields(stream=request.stream, prompt_logprobs=request.prompt_logprobs)
+    except RuleBroken as error:
+        raise _invalid(str(error)) from None
     if request.max_tokens is None and (len(prompts) > 1 or request.n > 1):
         raise _invalid("Set 'max_tokens' explicitly when sending a prompt list or n > 1.")
     if request.n > 1 and request.temperature == 0:

@@ -15,15 +15,16 @@ from acs_client.codec import decode as decode_tensor
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
-    MAX_STOP_STRINGS,
     STEERING_MAX_VALUES,
     XARGS_STEERING,
     RuleBroken,
     check_capture_request,
     check_output_work,
     check_steering_shape,
+    check_stop_strings,
+    check_streamed_fields,
 )
-from engine.loader import MODEL_ID, LoadedModel
+from engine.loader import LoadedModel
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest
 
 
@@ -81,10 +82,13 @@ class PreparedRequest:
 
 def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> PreparedRequest:
     """Validate `request` against the model and build the work description (RequestError if bad)."""
-    check_model_id(request.model)
+    check_model_id(request.model, loaded)
     stop = request.stop_strings()
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings")
+    try:
+        check_stop_strings(stop)
+        check_streamed_fields(stream=request.stream, prompt_logprobs=request.prompt_logprobs)
+    except RuleBroken as error:
+        raise RequestError(str(error)) from None
     if request.stream_options is not None and not request.stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true")
     prompts = tokenize_prompts(request.prompt, request.add_special_tokens, loaded)
@@ -128,14 +132,14 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
 
 def prepare_tokenize(request: TokenizeRequest, loaded: LoadedModel) -> list[int]:
     if request.model is not None:
-        check_model_id(request.model)
+        check_model_id(request.model, loaded)
     return tokenize_prompts(request.prompt, request.add_special_tokens, loaded)[0]
 
 
-def check_model_id(model: str) -> None:
-    if model != MODEL_ID:
+def check_model_id(model: str, loaded: LoadedModel) -> None:
+    if model != loaded.model_id:
         raise RequestError(
-            f"model {model!r} does not exist; this engine serves {MODEL_ID!r}",
+            f"model {model!r} does not exist; this engine serves {loaded.model_id!r}",
             code="model_not_found",
         )
 

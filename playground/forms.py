@@ -12,12 +12,14 @@ from acs_client.protocol import (
     MAX_HARVEST_PROMPTS,
     MAX_N,
     MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
     NON_STREAMING_MAX_TOKENS,
     OUTPUT_WORK_CAP,
     RuleBroken,
     check_capture_request,
     check_output_work,
     check_steering_positions,
+    check_streamed_fields,
     quartile_layers,
 )
 from api.errors import ApiError
@@ -162,7 +164,12 @@ class CompletionForm(SubmitOnceForm):
         help_text=f"Needed with several prompts or n > 1; ≤ {NON_STREAMING_MAX_TOKENS:,} "
         f"without streaming; prompts × n × max_tokens ≤ {OUTPUT_WORK_CAP:,}.",
     )
-    temperature = forms.FloatField(required=False, min_value=0, help_text="≥ 0; default 1.0.")
+    temperature = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=MAX_TEMPERATURE,
+        help_text=f"0–{MAX_TEMPERATURE:g}; default 1.0.",
+    )
     top_p = forms.FloatField(required=False, min_value=0, max_value=1, help_text="(0, 1]; 1.0.")
     top_k = forms.IntegerField(required=False, min_value=-1, help_text="−1 (off) or ≥ 1.")
     seed = forms.IntegerField(required=False, help_text="Same seed, same output when idle.")
@@ -293,6 +300,11 @@ class CompletionForm(SubmitOnceForm):
             self.add_error("max_tokens", "Set max_tokens when sending several prompts or n > 1.")
         if max_tokens:
             self._rule(check_output_work, sequences=len(prompts) * n, max_tokens=max_tokens)
+        self._rule(
+            check_streamed_fields,
+            stream=bool(data.get("stream")),
+            prompt_logprobs=data.get("prompt_logprobs"),
+        )
         if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
             self.add_error(
                 "max_tokens",
@@ -583,7 +595,7 @@ class SteeringForm(SubmitOnceForm):
         f"for a sweep; each within ±{MAX_SCALE:g}.",
     )
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=16)
-    temperature = forms.FloatField(min_value=0, initial=0)
+    temperature = forms.FloatField(min_value=0, max_value=MAX_TEMPERATURE, initial=0)
     seed = forms.IntegerField(initial=0)
     logprobs = forms.IntegerField(min_value=0, max_value=20, initial=5)
     target_token = forms.CharField(

@@ -83,6 +83,14 @@ def lying_steering(shape, frame_values):
         ({"prompt": ""}, "invalid_request", "empty"),
         ({"prompt": [5, 1000]}, "invalid_request", "vocabulary"),
         ({"stream_options": {"include_usage": True}}, "invalid_request", "stream"),
+        # What vLLM refuses is refused before it, the same for every upstream.
+        ({"stop": ["\n", ""]}, "invalid_request", "'stop' holds an empty string"),
+        ({"temperature": 2.5}, "invalid_request", "temperature"),
+        (
+            {"prompt_logprobs": 1, "stream": True},
+            "invalid_request",
+            "'prompt_logprobs' cannot be streamed",
+        ),
         ({"output_residual_stream": [4]}, "invalid_request", "Layer 4"),
         ({"output_residual_stream": [1, 1]}, "invalid_request", "twice"),
         (

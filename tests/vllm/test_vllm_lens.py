@@ -10,6 +10,7 @@ vLLM-Lens). Sampled requests are compared in shape and usage only.
 
 import json
 
+import httpx
 import numpy as np
 import pytest
 
@@ -17,10 +18,14 @@ from acs_client.codec import decode, encode_vector
 from acs_client.downloads import HarvestDownload
 from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
 from api.jobs.tasks import completion_job_run_task, harvest_job_run_task
+from api.models import LanguageModel
+from api.selectors import registry_clear
+from api.upstream import map_upstream_error
 from metering import windows
 from metering.models import UsagePeriod
 from tests.gateway.conftest import wait_settled
 from tests.tolerances import TOLERANCES
+from tests.vllm_lens import MODEL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -316,3 +321,64 @@ def test_a_harvest_run_by_the_worker_gets_the_engines_rows_in_the_requests_order
             errors = np.linalg.norm(got - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
             assert np.median(errors) <= 2 * BOUND.row_median, (layer, np.median(errors))
             assert errors.max() <= 2 * BOUND.row_max, (layer, errors.max())
+
+
+def test_vllm_context_refusals_are_vllm_context_length(client, models, vllm_lens):
+    """A row that says the model takes more than vLLM serves (--max-model-len): the gateway's
+    own check passes, and vLLM's refusals come back with the contract's code."""
+    LanguageModel.objects.filter(name=models["vllm"]).update(max_model_len=16_384)
+    registry_clear()
+    for body in (
+        {"prompt": "Hello", "max_tokens": 9_000},
+        {"prompt": "hello " * 8_200, "max_tokens": 1},
+    ):
+        response = client.post("/v1/completions", json={"model": models["vllm"], **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "vllm_context_length"
+        assert "8192" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields, code",
+    [
+        ({"temperature": 1e9}, "vllm_invalid_request"),
+        ({"stop": [""]}, "vllm_invalid_request"),
+        ({"prompt_logprobs": 1, "stream": True}, "vllm_invalid_request"),
+        ({"prompt": "hello " * 8_200}, "vllm_context_length"),
+    ],
+)
+def test_vllms_own_error_bodies_map_to_the_contracts_codes(vllm_lens, fields, code):
+    """vLLM's real 400 bodies (`{"error": {"code": 400, "type": "BadRequestError", ...}}`),
+    as the gateway reads any it relays. The gateway refuses these requests itself first."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **fields}
+    answer = httpx.post(
+        f"{vllm_lens.url}/v1/completions", json=body, headers=vllm_lens.headers(), timeout=60
+    )
+    assert answer.status_code == 400, answer.text
+    error = map_upstream_error(answer.status_code, answer.content, answer.headers)
+    assert (error.status, error.code) == (400, code)
+    assert error.message == answer.json()["error"]["message"]
+
+
+def test_token_ids_are_the_engines_as_vllm_returns_them(client, models):
+    """vLLM's own `return_token_ids`, which the playground labels every token from: the
+    engine answers it the same way (prompt ids, generated ids, the prompt's first under
+    echo)."""
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+    vllm, engine = answer_pair(client, models, body)
+    ours, theirs = vllm["choices"][0], engine["choices"][0]
+    assert ours["prompt_token_ids"] == theirs["prompt_token_ids"]
+    agreed = assert_same_generation(ours, theirs)
+    assert ours["token_ids"][:agreed] == theirs["token_ids"][:agreed]
+    assert len(ours["token_ids"]) == len(theirs["token_ids"]) == 4
+    echoed = client.post(
+        "/v1/completions", json={"model": models["vllm"], **body, "logprobs": None, "echo": True}
+    ).json()["choices"][0]
+    assert echoed["token_ids"] == ours["prompt_token_ids"] + ours["token_ids"]
