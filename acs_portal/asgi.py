@@ -31,8 +31,8 @@ from api.clients import upstream_sessions_close  # noqa: E402
 from api.completions_app import completions_app, error_reply  # noqa: E402
 from api.errors import ApiError  # noqa: E402
 from api.middleware import host_refusal, request_id_from  # noqa: E402
+from infra.background import on_server_loop  # noqa: E402
 from metering import leases  # noqa: E402
-from metering.background import on_server_loop  # noqa: E402
 from metering.sql import pools_close  # noqa: E402
 
 

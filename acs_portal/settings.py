@@ -150,7 +150,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
-    "acs_portal.database.DatabaseBusyMiddleware",
+    "infra.database.DatabaseBusyMiddleware",
 ]
 
 ROOT_URLCONF = "acs_portal.urls"

@@ -19,8 +19,8 @@ import weakref
 
 from redis import RedisError
 
-from acs_portal.redis import redis_async, redis_batched
-from metering import background
+from infra import background
+from infra.redis import redis_async, redis_batched
 
 from .errors import ApiError, redis_unavailable
 from .limits import MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE

@@ -27,7 +27,7 @@ from accounts.services.auth import (
     api_key_recheck,
     user_access_check,
 )
-from acs_portal.redis import redis_batched, redis_sync
+from infra.redis import redis_batched, redis_sync
 from metering.sql import run_db
 
 from .errors import ApiError, redis_unavailable

@@ -2,7 +2,7 @@
 upstreams through aiohttp (`upstream_session`); other outbound calls (an upstream's /health
 and /tokenizer.json) through one httpx client per loop (`http_client`). A Celery worker's
 async_to_sync makes a new loop per call, so pools are never shared across loops. Redis
-clients come from `acs_portal.redis`."""
+clients come from `infra.redis`."""
 
 import asyncio
 import weakref
@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import httpx
 
-from metering.background import on_server_loop
+from infra.background import on_server_loop
 
 # Seconds an idle upstream connection stays pooled: below the 5 s after which uvicorn (the
 # embedded engine's server, and vLLM's) closes an idle connection, so that no request is sent

@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from accounts.models import Scope
-from metering.background import on_server_loop
+from infra.background import on_server_loop
 
 from .auth import authenticate_header
 from .bodies import ClientGone, check_content_type, check_declared_length, decode_json, read_body

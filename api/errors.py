@@ -14,7 +14,7 @@ from django.http import JsonResponse
 from redis import RedisError
 
 from acs_client.responses import ErrorObject, ErrorResponse
-from acs_portal.database import pool_exhausted
+from infra.database import pool_exhausted
 from metering.budgets import BudgetExceeded
 from metering.sql import DatabaseBusy
 

@@ -8,7 +8,7 @@ import weakref
 
 from acs_client.protocol import FULL_VOCAB_MAX_PROMPT_TOKENS, MAX_STEERING_VECTORS
 from acs_client.responses import ModelCapabilities, ModelCard
-from acs_portal.redis import redis_sync
+from infra.redis import redis_sync
 from metering.sql import run_db
 
 from . import dialect

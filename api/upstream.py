@@ -52,7 +52,7 @@ import orjson
 from django.conf import settings
 
 from acs_client.protocol import PROBE_HEADER
-from acs_portal.redis import redis_async
+from infra.redis import redis_async
 
 from .clients import http_client, upstream_session
 from .errors import ERROR_CODES, ApiError

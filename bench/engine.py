@@ -17,7 +17,7 @@ its single-stream decode and time to first token beside the engine's, with the C
 each side used.
 
 With `--peer vllm` it also runs vLLM (`make .venv-vllm/.installed`) on the engine's weights,
-started as docs/deploy.md §5 says (tests/vllm_lens.py) twice: as vLLM-Lens (the plugin loaded;
+started as docs/deploy.md §5 says (testsupport/vllm_lens.py) twice: as vLLM-Lens (the plugin loaded;
 it forces eager mode) and as plain vLLM (VLLM_PLUGINS empty: no plugin, and vLLM compiles its
 graphs, the first time for about ten minutes, later from ~/.cache/vllm). Both run every measure
 beside the auto dtype's engine, alternating with its repetitions.
@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from acs_client.protocol import in_vllm_xargs  # noqa: E402
 from engine.loader import default_cache_dir, gguf_directory, model_spec  # noqa: E402
-from tests import vllm_lens  # noqa: E402
-from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+from testsupport import vllm_lens  # noqa: E402
+from testsupport.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 REPETITIONS = 3
@@ -209,7 +209,7 @@ class LlamaCppRunner:
 
 
 class VllmRunner:
-    """vLLM on the engine's weights (tests/vllm_lens.py), with the vLLM-Lens plugin or, when
+    """vLLM on the engine's weights (testsupport/vllm_lens.py), with the vLLM-Lens plugin or, when
     `plugin` is false, without it (VLLM_PLUGINS empty), loaded and warmed up; refuses to run
     if a capture request gets activations without the plugin or none with it."""
 

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
-from tests.servers import (  # noqa: E402 (needs ROOT on the path)
+from testsupport.servers import (  # noqa: E402 (needs ROOT on the path)
     free_port,
     loopback_production_env,
     stop,
@@ -74,7 +74,7 @@ KINDS = [
 STUB_MAIN = """
 import sys, uvicorn
 sys.path.insert(0, {root!r})
-from tests.gateway.stub import StubUpstream
+from testsupport.stub import StubUpstream
 stub = StubUpstream()
 stub.mode["serve_tokenizer_json"] = {serve_tokenizer_json}
 uvicorn.run(stub, host="127.0.0.1", port={port}, log_level="warning",
@@ -125,7 +125,7 @@ def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
     from accounts.services.keys import api_key_create
     from api.models import LanguageModel
     from api.services import language_model_tokenizer_set
-    from tests.gateway.stub import build_tokenizer
+    from testsupport.stub import build_tokenizer
 
     call_command("migrate", verbosity=0)
     User.objects.filter(email__startswith="bench-").delete()

@@ -23,7 +23,7 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/acs_be
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/13")
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "acs_portal.settings")
 
-from tests.servers import loopback_production_env  # noqa: E402 (needs ROOT on the path)
+from testsupport.servers import loopback_production_env  # noqa: E402 (needs ROOT on the path)
 
 for name, value in loopback_production_env().items():
     os.environ.setdefault(name, value)

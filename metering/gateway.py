@@ -15,7 +15,9 @@ from django.conf import settings
 from django.db import OperationalError
 from django.utils import timezone
 
-from . import background, leases
+from infra import background
+
+from . import leases
 from .budgets import (
     budget_activations_refund_steps,
     budget_holds_alive_steps,

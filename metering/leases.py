@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from . import background, windows
+from infra import background
+
+from . import windows
 from .budgets import budget_lease_return_steps, budget_lease_spend_steps, budget_lease_steps
 from .models import BudgetLease, UsageRecord
 from .sql import on_postgresql, run_steps_async

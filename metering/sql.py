@@ -22,7 +22,7 @@ from django.db import close_old_connections, connection, connections, transactio
 from psycopg import AsyncClientCursor, OperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from .background import on_server_loop
+from infra.background import on_server_loop
 
 Statements = list[tuple[str, list]]
 

@@ -28,7 +28,7 @@ from django.db import IntegrityError, transaction
 
 from accounts.models import User
 from acs_client.client import AcsClient
-from acs_portal.celery import task_send_on_commit
+from infra.tasks import task_send_on_commit
 
 from . import exports, figures, scoring
 from .models import Run, RunComparison, RunStatus

@@ -9,7 +9,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
-from acs_portal.celery import TaskQueueUnreachable
+from infra.tasks import TaskQueueUnreachable
 
 from . import exports, patching
 from .patching_forms import PatchingForm

@@ -12,7 +12,7 @@ import re
 
 from django.conf import settings
 
-from acs_portal.redis import redis_async_dedicated, redis_sync
+from infra.redis import redis_async_dedicated, redis_sync
 
 STREAM_TTL = 3600
 # How much longer than a blocking read the socket waits for Redis's answer: below the block,

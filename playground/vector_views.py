@@ -8,7 +8,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.http import trigger_client_event
 
 from accounts.access import approved_required
-from accounts.htmx import wants_fragment
+from infra.htmx import wants_fragment
 
 from . import selectors, vectors
 from .models import Run

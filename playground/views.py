@@ -19,11 +19,11 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 
 from accounts.access import approved_required
-from accounts.htmx import varies_on_htmx, wants_fragment
 from acs_client.codec import decode
-from acs_portal.celery import TaskQueueUnreachable
 from api.errors import ApiError
 from api.selectors import model_cards
+from infra.htmx import varies_on_htmx, wants_fragment
+from infra.tasks import TaskQueueUnreachable
 
 from . import compare, exports, figures, scoring, scrub, selectors, streams
 from .downloads import run_activations_bytes

@@ -10,11 +10,11 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
-from accounts.htmx import varies_on_htmx, wants_fragment, with_messages
-from acs_portal.celery import TaskQueueUnreachable
 from api.jobs import selectors
 from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
 from api.selectors import model_cards
+from infra.htmx import varies_on_htmx, wants_fragment, with_messages
+from infra.tasks import TaskQueueUnreachable
 from playground import selectors as playground_selectors
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind

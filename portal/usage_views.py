@@ -9,10 +9,10 @@ from django.utils import timezone
 from django.utils.safestring import mark_safe
 
 from accounts.access import approved_required, staff_required
-from accounts.htmx import varies_on_htmx, wants_fragment
 from accounts.models import ApiKey, ServiceSettings, User
 from accounts.selectors import pending_applications_count
 from api import selectors as api_selectors
+from infra.htmx import varies_on_htmx, wants_fragment
 from metering import selectors as usage_selectors
 from metering.windows import utc_day
 from playground.models import Run

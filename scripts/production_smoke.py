@@ -2,7 +2,7 @@
 
     DATABASE_URL=postgres://.../acs_smoke REDIS_URL=redis://.../14 scripts/production-smoke
 
-Runs the page's commands as they are written (`tests/deploy_doc.py`), as root, with ACS_USER
+Runs the page's commands as they are written (`testsupport/deploy_doc.py`), as root, with ACS_USER
 root (this machine's interpreters live under /root, which no other user can read): §0's
 service user and virtualenvs; §1's secrets and engine token and §2's copy of `.env.example`'s
 production section into a temporary ACS_ETC, edited for this machine by appending its values
@@ -33,13 +33,13 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.deploy_doc import (  # noqa: E402
+from testsupport.deploy_doc import (  # noqa: E402
     DocCommandFailed,
     loaded_environment,
     run_doc_block,
     start_doc_command,
 )
-from tests.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
+from testsupport.servers import engine_command, free_port, stop, wait_ready  # noqa: E402
 
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 MODEL = "smollm2-135m"  # the registry row the first migrations create, at ENGINE_URL

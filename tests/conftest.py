@@ -18,9 +18,9 @@ from django.test.utils import override_settings
 
 from accounts.models import AccessApplication, User, UserStatus
 from accounts.services.keys import api_key_create
+from testsupport.servers import engine_server
 
 from .faults import table as fault_table
-from .servers import engine_server
 
 PASSWORD = "correct-horse-battery-staple"
 # The fields of every registry row in front of the real engine. Its sizes are left blank:

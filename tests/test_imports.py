@@ -2,7 +2,9 @@
 
 Dependencies between apps point one way: portal → {playground, api, metering, accounts},
 playground → {api, metering, accounts}, api → metering → accounts; `accounts` imports no
-other project app, and `engine` and `acs_client` no Django app. Within an app, no two modules
+other project app, and `engine` and `acs_client` no Django app. Every Django app may import
+`infra`, which imports none of them; `acs_portal` (settings, URLs, ASGI, the Celery app)
+stands above them all, and no app imports it. Within an app, no two modules
 import each other, directly or through others: an import inside a function counts as much as
 one at the top of the module, so a lazy import cannot hide a cycle. No module takes a private
 name (`_name`) from another module of ours: what two modules share is public in one of them.
@@ -15,14 +17,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The project apps and the project apps each may import (acs_portal, the project's own
-# configuration package, may be imported by all and imports all).
+# The project packages and the project packages each may import (acs_portal, the project's
+# own configuration package, imports all and is imported by none).
 ALLOWED = {
-    "accounts": set(),
-    "metering": {"accounts"},
-    "api": {"metering", "accounts", "acs_client"},
-    "playground": {"api", "metering", "accounts", "acs_client"},
-    "portal": {"playground", "api", "metering", "accounts"},
+    "infra": set(),
+    "accounts": {"infra"},
+    "metering": {"accounts", "infra"},
+    "api": {"metering", "accounts", "acs_client", "infra"},
+    "playground": {"api", "metering", "accounts", "acs_client", "infra"},
+    "portal": {"playground", "api", "metering", "accounts", "infra"},
     "acs_client": set(),
     "engine": {"acs_client"},
 }
@@ -125,7 +128,7 @@ def app_rule_violations(graph: dict[str, set[str]]) -> list[str]:
             continue
         for target in sorted(imported):
             target_app = target.split(".")[0]
-            if target_app not in {app, "acs_portal", *ALLOWED[app]}:
+            if target_app not in {app, *ALLOWED[app]}:
                 violations.append(f"{module} imports {target}")
     return violations
 
@@ -228,8 +231,29 @@ def test_the_rules_catch_a_forbidden_import_and_a_cycle():
         "metering.selectors": {"accounts.models"},
         "api.jobs.services": {"api.jobs.tasks"},
         "api.jobs.tasks": {"api.jobs.services"},
+        "infra.redis": {"metering.leases"},
+        "playground.views": {"acs_portal.celery"},
     }
-    assert app_rule_violations(graph) == ["accounts.views imports metering.selectors"]
+    assert app_rule_violations(graph) == [
+        "accounts.views imports metering.selectors",
+        "infra.redis imports metering.leases",
+        "playground.views imports acs_portal.celery",
+    ]
     assert cycles_within_apps(graph) == [
         ["api.jobs.services", "api.jobs.tasks", "api.jobs.services"]
     ]
+
+
+def test_scripts_and_benches_use_the_test_support_package_not_the_tests():
+    """bench/ and scripts/ share the tests' helpers through `testsupport`; a test module can
+    change without breaking a bench."""
+    sources = [*(ROOT / "bench").glob("*.py"), *(ROOT / "scripts").iterdir()]
+    violations = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in sources
+        if path.is_file()
+        for line in path.read_text(errors="replace").splitlines()
+        if line.split()[:2] in (["from", "tests"], ["import", "tests"])
+        or line.lstrip().startswith(("from tests.", "import tests."))
+    ]
+    assert violations == []

@@ -1,4 +1,4 @@
-"""acs_portal.redis.CommandBatcher: the commands of one turn of the event loop go to Redis as
+"""infra.redis.CommandBatcher: the commands of one turn of the event loop go to Redis as
 one pipeline, and each caller gets its own reply or error."""
 
 import asyncio
@@ -10,8 +10,8 @@ from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError, ResponseError
 
-from acs_portal.redis import CommandBatcher, redis_async
-from metering import background
+from infra import background
+from infra.redis import CommandBatcher, redis_async
 
 SCRIPT = "return redis.call('INCR', KEYS[1])"
 

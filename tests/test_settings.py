@@ -14,8 +14,8 @@ import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from .deploy_doc import DEPLOY_DOC, doc_block, production_environment
-from .servers import REPO_ROOT, generated_secrets
+from testsupport.deploy_doc import DEPLOY_DOC, doc_block, production_environment
+from testsupport.servers import REPO_ROOT, generated_secrets
 
 SETTINGS_FILE = REPO_ROOT / "acs_portal" / "settings.py"
 # Every variable these tests vary, cleared first so the test's own environment decides.

@@ -12,8 +12,8 @@ from django.test import AsyncClient, override_settings
 from plotly.basedatatypes import BaseTraceType
 
 from portal.figures import usage_figures
+from testsupport.servers import REPO_ROOT
 
-from .servers import REPO_ROOT
 from .test_settings import load_settings, production
 
 BUNDLE = REPO_ROOT / "static" / "vendor" / "plotly-acs-4.1.1.min.js"

@@ -7,7 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.models import AccessApplication, ApplicationStatus, User, UserStatus
-from acs_portal.celery import task_send
+from infra.tasks import task_send
 
 from .audit import audit_log
 from .keys import api_key_create, api_key_reveal_store

@@ -11,8 +11,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
-from acs_portal.database import written_through_reconnects
 from api.errors import result_unstorable
+from infra.database import written_through_reconnects
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus

@@ -11,8 +11,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
-from acs_portal.celery import TaskQueueUnreachable, task_send, task_send_on_commit
-from acs_portal.database import written_through_reconnects
+from infra.database import written_through_reconnects
+from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 
 from .. import streams
 from ..models import Run, RunKind, RunStatus, SteeringVector

@@ -9,7 +9,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
-from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
+from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
 from ..models import Run, RunKind, RunStatus, SteeringScore

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsApiError, AcsClient
-from acs_portal.celery import TaskQueueUnreachable, task_send_on_commit
+from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from ..models import JobKind, JobSubmission, JobSubmissionStatus
 from .keys import playground_key_get_or_create, worker_secret

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from accounts import login_throttle
 from accounts.models import AuditLog, LoginAddress, LoginThrottle
-from acs_portal.redis import redis_sync_reset
+from infra.redis import redis_sync_reset
 from tests.conftest import PASSWORD
 
 ATTACKER_IP = "203.0.113.7"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.servers import engine_command, free_port, loopback_production_env, stop, wait_ready
+from testsupport.servers import engine_command, free_port, loopback_production_env, stop, wait_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WEB_BIN = REPO_ROOT / ".venv" / "bin"

@@ -14,7 +14,7 @@ import pytest
 from playwright.sync_api import expect
 
 from playground.models import Run, RunKind, RunStatus
-from tests.servers import ENGINE_PYTHON, REPO_ROOT
+from testsupport.servers import ENGINE_PYTHON, REPO_ROOT
 
 from .conftest import BROWSER_USER
 from .screenshots import WIDTHS, save_screenshots

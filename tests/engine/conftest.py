@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from reference_model import ReferenceModel, cpu_description  # noqa: E402
 
 from acs_client.protocol import in_vllm_xargs  # noqa: E402
-from tests.servers import (  # noqa: E402
+from testsupport.servers import (  # noqa: E402
     engine_command,
     free_port,
     serve_in_thread,

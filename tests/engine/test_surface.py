@@ -11,7 +11,7 @@ import pytest
 from conftest import MODEL, REPO_ROOT, engine_in_process
 
 from engine.config import EngineConfig, bind_refusal
-from tests.servers import engine_command, free_port, stop, wait_ready
+from testsupport.servers import engine_command, free_port, stop, wait_ready
 
 BODY = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
 TOKEN = "engine-test-token-0123456789"

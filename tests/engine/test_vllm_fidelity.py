@@ -1,4 +1,4 @@
-"""vLLM-Lens (tests/vllm_lens.py: the server `make test` started, or one of its own) answers
+"""vLLM-Lens (testsupport/vllm_lens.py: the server `make test` started, or one of its own) answers
 as the float32 model, within the bounds the engine is held to in bfloat16: the cases of
 test_fidelity.py, sent in the upstream dialect as the gateway sends them. Run by `make
 test-vllm` (it needs .venv-vllm), not by `make test-engine`."""
@@ -10,7 +10,7 @@ from test_fidelity import CASES, discrepancies
 
 from acs_client.protocol import in_vllm_xargs
 from tests.tolerances import TOLERANCES
-from tests.vllm_lens import MODEL, vllm_lens_server
+from testsupport.vllm_lens import MODEL, vllm_lens_server
 
 
 @pytest.fixture(scope="module")

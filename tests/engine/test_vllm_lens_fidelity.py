@@ -1,4 +1,4 @@
-"""vLLM-Lens's captures (tests/vllm_lens.py: the server `make test` started, or one of its
+"""vLLM-Lens's captures (testsupport/vllm_lens.py: the server `make test` started, or one of its
 own) give a logit lens and attribution within the float32 model's bounds: the checks of
 test_lens_fidelity.py on one request sent in the upstream dialect, tokens named by id. Run by
 `make test-vllm` (it needs .venv-vllm), not by `make test-engine`."""
@@ -10,7 +10,7 @@ from test_lens_fidelity import REQUEST, lens_problems
 
 from acs_client.protocol import in_vllm_xargs
 from tests.tolerances import WIDEST
-from tests.vllm_lens import vllm_lens_server
+from testsupport.vllm_lens import vllm_lens_server
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,19 @@ from django.utils import timezone
 from accounts.models import User
 from accounts.services.keys import api_key_create
 from acs_portal.celery import app as celery_app
-from acs_portal.redis import redis_sync_reset
 from api.models import LanguageModel
+from infra.redis import redis_sync_reset
 from metering import windows
 from metering.models import BudgetLease, UsagePeriod
 from tests.conftest import ENGINE_MODEL_FIELDS, make_user
-from tests.gateway.stub import StubUpstream
-from tests.servers import REPO_ROOT, TEST_SERVER_DB_POOL, engine_command, free_port, wait_ready
+from testsupport.servers import (
+    REPO_ROOT,
+    TEST_SERVER_DB_POOL,
+    engine_command,
+    free_port,
+    wait_ready,
+)
+from testsupport.stub import StubUpstream
 
 from . import table
 

@@ -11,10 +11,10 @@ from django.db import connections
 
 from api import admission, completions, selectors, upstream
 from api.models import LanguageModel
-from metering import background, leases, windows
-from tests.servers import serve_in_thread, stop_server
-
-from .stub import StubUpstream
+from infra import background
+from metering import leases, windows
+from testsupport.servers import serve_in_thread, stop_server
+from testsupport.stub import StubUpstream
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from accounts.services import keys, service
 from api import admission
-from metering import background, budgets, gateway, leases, limits, sql, windows
+from infra import background
+from metering import budgets, gateway, leases, limits, sql, windows
 from metering.models import BudgetLease, BudgetReservation, UsageRecord
 
 from .conftest import key_day_window, wait_settled

@@ -24,7 +24,7 @@ from metering import windows
 from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
 from tests.conftest import PASSWORD
-from tests.servers import (
+from testsupport.servers import (
     REPO_ROOT,
     TEST_SERVER_DB_POOL,
     free_port,

@@ -89,7 +89,9 @@ def _completions(answers: Answers, stub) -> None:
         "POST", "/v1/completions", json={**body, "output_residual_stream": [3, 1]}
     )
     assert captured.json()["activations"]["residual_stream"]["shape"][0] == 2
-    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    # Prompt logprobs come with a whole answer only.
+    streamed = {**body, "prompt_logprobs": None, "stream": True}
+    streamed["stream_options"] = {"include_usage": True}
     assert "[DONE]" in answers.send("POST", "/v1/completions", json=streamed).text
     stub.mode["stream_error_after"] = 1
     assert "vllm_oom" in answers.send("POST", "/v1/completions", json=streamed).text

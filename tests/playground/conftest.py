@@ -10,7 +10,7 @@ import pytest
 
 from acs_client.client import AcsClient
 from acs_portal.celery import app as celery_app
-from acs_portal.redis import redis_sync
+from infra.redis import redis_sync
 from playground import streams
 from tests.gateway.conftest import gateway_url  # noqa: F401 (the live /v1 gateway)
 

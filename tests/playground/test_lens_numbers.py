@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from tests.tolerances import WIDEST
-from tests.vllm_lens import weights_directory
+from testsupport.vllm_lens import weights_directory
 
 from . import test_figure_numbers as numbers
 

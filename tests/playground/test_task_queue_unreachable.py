@@ -14,8 +14,8 @@ import pytest
 from celery import Celery
 from django.urls import reverse
 
-from acs_portal.celery import TaskQueueUnreachable
 from acs_portal.celery import app as celery_app
+from infra.tasks import TaskQueueUnreachable
 from playground import forms, patching_forms, views
 from playground.models import (
     JobSubmission,
@@ -28,7 +28,7 @@ from playground.models import (
 )
 from playground.services.scores import steering_score_queue
 from playground.services.vectors import steering_vector_create
-from tests.servers import free_port
+from testsupport.servers import free_port
 
 from .test_compare_views import finished_run
 from .test_patching import form_data, word_tokens
@@ -46,7 +46,7 @@ def broker_unreachable(monkeypatch):
     unreachable = Celery(
         "unreachable", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False
     )
-    monkeypatch.setattr("acs_portal.celery.app", unreachable)
+    monkeypatch.setattr("infra.tasks.current_app", unreachable)
     yield
     unreachable.close()
 
@@ -114,7 +114,7 @@ def test_the_same_form_sent_again_once_the_queue_is_back_queues_a_new_run(
 ):
     data = {**RUN_POST, "submit_token": "5b1e3c8e-8f51-4c8e-9d1e-2f5d3c6a7b90"}
     assert ada.post(reverse("playground:run_submit"), data).status_code == 503
-    monkeypatch.setattr("acs_portal.celery.app", celery_app)  # the queue is back
+    monkeypatch.setattr("infra.tasks.current_app", celery_app)  # the queue is back
     response = ada.post(reverse("playground:run_submit"), data)
     queued = Run.objects.get(status=RunStatus.QUEUED)
     assert response.status_code == 302 and no_enqueue == [str(queued.id)]

@@ -1,4 +1,4 @@
-"""The gateway in front of a real vLLM server with the vLLM-Lens plugin (tests/vllm_lens.py:
+"""The gateway in front of a real vLLM server with the vLLM-Lens plugin (testsupport/vllm_lens.py:
 the one `make test` started, or one of this session's) and of the embedded engine, as two
 models of one registry: `vllm` (vLLM-Lens, as docs/deploy.md §5 starts and registers it:
 the tokenizer pasted into the row, its `--api-key` the gateway's ACS_ENGINE_TOKEN) and
@@ -18,8 +18,8 @@ from api.models import LanguageModel
 from api.selectors import probes_clear, registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import SETTLED_HOOKS
-from tests.servers import serve_in_thread, stop_server
-from tests.vllm_lens import MODEL, vllm_lens_server
+from testsupport.servers import serve_in_thread, stop_server
+from testsupport.vllm_lens import MODEL, vllm_lens_server
 
 VLLM_MODEL = "smollm2-vllm"
 ENGINE_MODEL = "smollm2-engine"
@@ -34,7 +34,7 @@ def vllm_lens():
 @pytest.fixture(scope="session")
 def weights_dir(vllm_lens) -> str:
     """The weights directory vLLM serves."""
-    from tests.vllm_lens import weights_directory
+    from testsupport.vllm_lens import weights_directory
 
     return weights_directory()
 

@@ -25,7 +25,7 @@ from metering import windows
 from metering.models import UsagePeriod
 from tests.gateway.conftest import wait_settled
 from tests.tolerances import TOLERANCES
-from tests.vllm_lens import MODEL
+from testsupport.vllm_lens import MODEL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -11,11 +11,11 @@ from django.db import DataError, IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import ApiKey
-from acs_portal.celery import task_send
-from acs_portal.database import written_through_reconnects
 from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, result_unstorable
+from infra.database import written_through_reconnects
+from infra.tasks import task_send
 from metering.models import UsageRecord
 
 from ..models import CompletionJob, CompletionJobStatus

@@ -12,13 +12,13 @@ from django.db.models import Case, F, When
 from django.utils import timezone
 
 from accounts.models import ApiKey
-from acs_portal.celery import task_send
 from api.auth import key_recheck
 from api.errors import ApiError, metering_refusal
 from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
+from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
 

@@ -7,8 +7,8 @@ from datetime import timedelta
 from django.conf import settings
 from django.db.models import F
 
-from acs_portal.celery import task_send
 from api.errors import ApiError
+from infra.tasks import task_send
 
 
 def job_claim(model, *, job_id, from_status, to_status, lease: timedelta, now):

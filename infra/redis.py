@@ -13,7 +13,7 @@ from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
-from metering import background
+from infra import background
 
 # A Redis host that stopped answering (not just refusing) fails a connect within this long,
 # so requests answer 503 redis_unavailable instead of waiting on the operating system's

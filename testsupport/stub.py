@@ -11,7 +11,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from acs_client.codec import encode_vector
 from acs_client.protocol import PROBE_HEADER, XARGS_CAPTURE
-from tests.servers import serve_in_thread, stop_server
+from testsupport.servers import serve_in_thread, stop_server
 
 WORDS = ["[UNK]", "the", "capital", "of", "france", "is", "paris", "hello", "tok"]
 

@@ -1,0 +1,3 @@
+"""What every app stands on and nothing of the apps: Redis clients (`redis`), Celery sends
+(`tasks`), the database faults a process lives through (`database`), work that outlives a
+request (`background`) and answers to htmx (`htmx`). Imports no project app."""
