@@ -78,7 +78,9 @@ def run_together(loaded, bodies: list[dict], max_active: int = 16) -> list[dict]
             scheduler.submit(request)
         scheduler.start()
         try:
-            return await asyncio.gather(*(complete(request) for request in requests))
+            return await asyncio.gather(
+                *(complete(request, loaded.model_id) for request in requests)
+            )
         finally:
             scheduler.stop()
 

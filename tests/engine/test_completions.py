@@ -14,6 +14,9 @@ from conftest import (
 )
 from tokenizers import Tokenizer
 
+from engine.loader import compute_dtype
+from tests.tolerances import WIDEST
+
 PARIS_PROMPT = "The capital of France is"
 
 
@@ -134,9 +137,11 @@ def test_prompt_logprobs_full_vocabulary(complete, reference):
     actual = entry[str(prompt_ids[1])]
     logits, _ = reference_forward(reference, prompt_ids)
     expected = torch.log_softmax(logits[0], dim=-1)
-    # A short prompt's rows may go through the float16-weight kernel (engine.kernels): the
-    # same products summed in another order, so the bound of a decoded token's logprob.
-    tolerance = decode_logprob_tolerance()
+    # A short prompt's rows may go through another kernel than the reference's (engine.kernels,
+    # chosen by a load-time measurement that a busy machine sways): the same products summed
+    # in another order, which in bfloat16 moved this logprob by 0.155 (CI, vLLM starting
+    # beside it), past one step of a logit of ~20; the fidelity suite's bfloat16 bound.
+    tolerance = decode_logprob_tolerance() if compute_dtype() == torch.float32 else WIDEST.logprob
     assert actual["logprob"] == pytest.approx(expected[prompt_ids[1]].item(), abs=tolerance)
     assert actual["decoded_token"] == reference.token_strings[prompt_ids[1]]
     assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
