@@ -113,7 +113,7 @@ class _Section:
         what = " (the token that comes next there)" if is_next else ""
         return f"{figures.visible_token(self.token(token_id))} (id {token_id}){what}"
 
-    def heatmap(self, rows: list[int], picks: LensPicks) -> dict:
+    def heatmap(self, rows: list[int], picks: LensPicks):
         columns = [row - self.table.first for row in rows]
         if picks.target is not None:
             ids = np.full(len(rows), picks.target)
@@ -136,10 +136,9 @@ class _Section:
             targets=[self.token(i) if i >= 0 else None for i in ids],
             target_logprobs=logprobs,
         )
-        figure = figures.logit_lens_figure(self.capture, cells, picks.colour, name)
-        return figures.figure_entry("lens", figure)
+        return figures.logit_lens_figure(self.capture, cells, picks.colour, name)
 
-    def rank_line(self, position: int, target: int) -> dict:
+    def rank_line(self, position: int, target: int):
         rows = self.capture.tensor[:, position]
         column = position - self.table.first
         ranks = lens.token_ranks(rows, self.weights, target)
@@ -147,10 +146,9 @@ class _Section:
             rows[:, None], self.table.log_normaliser[:, [column]], self.weights, np.array([target])
         )[:, 0]
         label = figures.visible_token(self.token(target))
-        figure = figures.lens_rank_figure(
+        return figures.lens_rank_figure(
             self.capture, position, label, ranks, logprobs, self.table.layers
         )
-        return figures.figure_entry("lens_rank", figure)
 
     def attribution(self, run: Run, position: int, target: int, picks: LensPicks) -> dict:
         """The attribution's figure, what it explains and its totals (nats)."""
@@ -172,7 +170,7 @@ class _Section:
             "measure": measure,
             "source": source,
             "foil": None if foil is None else self.described(foil, False),
-            "figure": figures.figure_entry("dla", figure),
+            "figure": figure,
         }
 
     def _runner_up(self, position: int, target: int) -> int:

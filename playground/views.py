@@ -4,7 +4,6 @@
 import io
 import json
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 from django.conf import settings
@@ -35,8 +34,16 @@ from .forms import (
     UploadVectorForm,
 )
 from .history import HistoryFilterForm, runs_page
-from .lens_section import lens_context
 from .models import Run, RunKind, RunStatus, VectorMethod
+from .run_figures import (
+    ACTIVATIONS,
+    BY_NAME,
+    LENS,
+    TOKENS,
+    ActivationPicks,
+    Drawing,
+    section_entries,
+)
 from .run_tokens import numbered_tokens, tokenize
 from .services.runs import run_create
 from .services.vectors import (
@@ -307,128 +314,73 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
     context["choices"] = response.get("choices") or []
     if not context["choices"]:
         return context
-    positions = figures.token_positions(run.request, response, choice, run.tokens)
-    if any(p["logprob"] is not None for p in positions):
-        context["positions"] = positions
-        context["figures"].append(
-            figures.figure_entry("tokens", figures.token_strip_figure(positions))
+    drawing = Drawing(run, choice=choice, query=lens_query)
+    token_figures = section_entries(drawing, TOKENS)
+    context["figures"] = list(token_figures.values())
+    if "tokens" in token_figures:
+        context["positions"] = drawing.positions
+    if drawing.capture is not None:
+        context["activations"] = _activations_context(run, drawing)
+        context["lens"] = _lens_context(drawing)
+        context["save_vector_form"] = save_vector_form or SaveVectorForm(
+            run=run, capture=drawing.capture
         )
-        selected = next((p for p in reversed(positions) if p["top"]), None)
-        if selected:
-            context["figures"].append(figures.figure_entry("topk", figures.top_k_figure(selected)))
-    if any(p["source"] == "prompt" and p["logprob"] is not None for p in positions):
-        context["figures"].append(
-            figures.figure_entry("surprisal", figures.prompt_surprisal_figure(positions))
-        )
-    if run.request.get("prompt_logprobs") == -1:
-        prompt_logprobs = context["choices"][choice].get("prompt_logprobs") or []
-        context["distribution_positions"] = range(1, len(prompt_logprobs))
-        if len(prompt_logprobs) > 1:
-            context["figures"].append(
-                figures.figure_entry(
-                    "distribution", figures.prompt_distribution_figure(prompt_logprobs, 1)
-                )
-            )
-    if (response.get("activations") or {}).get("residual_stream"):
-        capture = figures.activations(run.request, response, run.tokens)
-        context["activations"] = _activations_context(run, ActivationPicks(), capture)
-        context["lens"] = lens_context(run, capture, ActivationPicks().window, lens_query)
-        context["save_vector_form"] = save_vector_form or SaveVectorForm(run=run, capture=capture)
     return context
 
 
-@dataclass(frozen=True)
-class ActivationPicks:
-    """What the activation views show: the positions (`window`), the heatmap's colours, the
-    position of the norm-by-layer plot (None: the last) and the rows (index into the captured
-    layers) of the cosine and PCA plots. `window_error` says why the window cannot be drawn
-    (its end before its start): the views of a window (WINDOW_FIGURES) are then left out."""
+def activation_picks(request, capture: figures.Capture) -> ActivationPicks:
+    """The picks of a query string, each checked (404 naming a bad one that no picker
+    offers; an end before the start, which the pickers allow, is a `window_error`)."""
+    count, layers = capture.tensor.shape[1], len(capture.layers)
+    colour = request.GET.get("colour", "linear")
+    if colour not in figures.NORM_COLOUR_SCALES:
+        raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
+    first = request.GET.get("first", "exclude")
+    if first not in ("exclude", "include"):
+        raise Http404("first must be exclude or include.")
 
-    window: figures.PositionWindow = field(default_factory=figures.PositionWindow)
-    colour: str = "linear"
-    norm_position: int | None = None
-    cosine_row: int = 0
-    pca_row: int = 0
-    window_error: str = ""
+    def picked(name, upper, default):
+        return _int_param(request, name, upper=upper) if name in request.GET else default
 
-    @classmethod
-    def from_query(cls, request, capture: figures.Capture) -> "ActivationPicks":
-        """The picks of a query string, each checked (404 naming a bad one that no picker
-        offers; an end before the start, which the pickers allow, is a `window_error`)."""
-        count, layers = capture.tensor.shape[1], len(capture.layers)
-        colour = request.GET.get("colour", "linear")
-        if colour not in figures.NORM_COLOUR_SCALES:
-            raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
-        first = request.GET.get("first", "exclude")
-        if first not in ("exclude", "include"):
-            raise Http404("first must be exclude or include.")
-
-        def picked(name, upper, default):
-            return _int_param(request, name, upper=upper) if name in request.GET else default
-
-        start = picked("start", count, 0)
-        end = picked("end", count, count - 1)
-        window_error = ""
-        if end < start:
-            labels = capture.labels
-            window_error = (
-                f"From {labels[start]} to {labels[end]}: the end comes before the start. "
-                f"Pick an end at or after {labels[start]}."
-            )
-        return cls(
-            window_error=window_error,
-            window=figures.PositionWindow(start, end, exclude_first=first == "exclude"),
-            colour=colour,
-            norm_position=picked("norm_position", count, None),
-            cosine_row=picked("cosine_row", layers, 0),
-            pca_row=picked("pca_row", layers, 0),
+    start = picked("start", count, 0)
+    end = picked("end", count, count - 1)
+    window_error = ""
+    if end < start:
+        labels = capture.labels
+        window_error = (
+            f"From {labels[start]} to {labels[end]}: the end comes before the start. "
+            f"Pick an end at or after {labels[start]}."
         )
+    return ActivationPicks(
+        window_error=window_error,
+        window=figures.PositionWindow(start, end, exclude_first=first == "exclude"),
+        colour=colour,
+        norm_position=picked("norm_position", count, None),
+        cosine_row=picked("cosine_row", layers, 0),
+        pca_row=picked("pca_row", layers, 0),
+    )
 
 
-def _activation_figure(name: str, capture: figures.Capture, picks: ActivationPicks) -> dict:
-    if name == "heatmap":
-        figure = figures.activation_norm_heatmap(capture, picks.window, picks.colour)
-    elif name == "norm_by_layer":
-        position = (
-            capture.tensor.shape[1] - 1 if picks.norm_position is None else picks.norm_position
-        )
-        figure = figures.activation_norm_by_layer(capture, position)
-    elif name == "cosine":
-        figure = figures.activation_cosine_figure(
-            capture, capture.layers[picks.cosine_row], picks.window
-        )
-    else:
-        figure = figures.activation_pca_figure(capture, capture.layers[picks.pca_row], picks.window)
-    return figures.figure_entry(name, figure)
-
-
-ACTIVATION_FIGURES = ("heatmap", "norm_by_layer", "cosine", "pca")
-# The activation views drawn over the window of positions.
-WINDOW_FIGURES = ("heatmap", "cosine", "pca")
-
-
-def _activations_context(run: Run, picks: ActivationPicks, capture=None) -> dict:
-    """The activation section of a run's page: its figures for `picks`, and the choices of
-    its pickers."""
-    capture = capture or figures.activations(run.request, run.response, run.tokens)
+def _activations_context(run: Run, drawing: Drawing) -> dict:
+    """The activation section of a run's page: its figures for the drawing's picks, and the
+    choices of its window's pickers."""
+    capture, picks = drawing.capture, drawing.picks
     count = capture.tensor.shape[1]
     return {
-        "layers": capture.layers,
         "positions": list(enumerate(capture.labels)),
         "prompt_length": capture.prompt_length,
         "count": count,
         "picks": picks,
-        "norm_position": count - 1 if picks.norm_position is None else picks.norm_position,
         "window_rows": picks.window.rows(count),
-        "colour_scales": figures.NORM_COLOUR_SCALES,
-        "figures": {
-            name: _activation_figure(name, capture, picks)
-            for name in ACTIVATION_FIGURES
-            if not (picks.window_error and name in WINDOW_FIGURES)
-        },
+        "figures": list(section_entries(drawing, ACTIVATIONS).values()),
         "window_error": picks.window_error,
         "tokens_known": any(row.token is not None for row in capture.rows),
     }
+
+
+def _lens_context(drawing: Drawing) -> dict:
+    """The lens section: its picks and notes, its figures from the registry."""
+    return {**drawing.lens, "figures": section_entries(drawing, LENS)}
 
 
 def _choice_param(request, run: Run) -> int:
@@ -464,61 +416,50 @@ def _int_param(request, name: str, *, upper: int) -> int:
 @approved_required
 @require_GET
 def run_figure(request, run_id, name):
-    """One figure of a run for a chosen position or layer (htmx partial)."""
+    """One figure of a run (`run_figures.FIGURES`) for the picks of the query (htmx partial);
+    `activations` and `lens`, a section of them. A pick no picker offers is a 404."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     if run.status != RunStatus.SUCCEEDED:
         raise Http404("The run has no result.")
-    response = run.response
-    choice = _choice_param(request, run)
-    if name == "topk":
-        positions = figures.token_positions(run.request, response, choice, run.tokens)
-        position = positions[_int_param(request, "position", upper=len(positions))]
-        figure = figures.top_k_figure(position)
-    elif name == "distribution":
-        prompt_logprobs = response["choices"][choice].get("prompt_logprobs") or []
-        if run.request.get("prompt_logprobs") != -1 or len(prompt_logprobs) < 2:
-            raise Http404("This run has no full-vocabulary prompt logprobs.")
-        position = _int_param(request, "position", upper=len(prompt_logprobs))
-        figure = figures.prompt_distribution_figure(prompt_logprobs, max(position, 1))
-    elif name in (*ACTIVATION_FIGURES, "activations", "lens"):
-        if not (response.get("activations") or {}).get("residual_stream"):
-            raise Http404("This run captured no activations.")
-        capture = figures.activations(run.request, response, run.tokens)
-        picks = ActivationPicks.from_query(request, capture)
-        if name == "lens":
-            return _lens_section(request, run, capture, picks)
-        # A window that cannot be drawn is a field error beside its pickers (400 unless htmx
-        # swaps it in: it swaps no 4xx).
-        status = 400 if picks.window_error and not request.htmx else 200
-        if name == "activations":
-            context = {
-                "run": run,
-                "activations": _activations_context(run, picks, capture),
-                "lens": lens_context(run, capture, picks.window, request.GET),
-            }
-            return render(request, "playground/run_detail.html#activations", context, status=status)
-        if picks.window_error and name in WINDOW_FIGURES:
-            context = {"figure": None, "figure_error": picks.window_error}
-            return render(request, "playground/_figure.html", context, status=status)
-        return render(
-            request,
-            "playground/_figure.html",
-            {"figure": _activation_figure(name, capture, picks)},
-        )
-    else:
+    kind = BY_NAME.get(name)
+    if kind is None and name not in (ACTIVATIONS, LENS):
         raise Http404("No such figure.")
-    return render(
-        request, "playground/_figure.html", {"figure": figures.figure_entry(name, figure)}
-    )
+    drawing = Drawing(run, choice=_choice_param(request, run), query=request.GET)
+    if kind is None or kind.section != TOKENS:
+        if drawing.capture is None:
+            raise Http404("This run captured no activations.")
+        drawing.picks = activation_picks(request, drawing.capture)
+    if name == LENS or (kind is not None and kind.section == LENS):
+        return _lens_section(request, drawing)
+    # A window that cannot be drawn is a field error beside its pickers (400 unless htmx
+    # swaps it in: it swaps no 4xx).
+    status = 400 if drawing.picks.window_error and not request.htmx else 200
+    if name == ACTIVATIONS:
+        context = {
+            "run": run,
+            "activations": _activations_context(run, drawing),
+            "lens": _lens_context(drawing),
+        }
+        return render(request, "playground/run_detail.html#activations", context, status=status)
+    if kind.over_window and drawing.picks.window_error:
+        context = {"figure": None, "figure_error": drawing.picks.window_error}
+        return render(request, "playground/_figure.html", context, status=status)
+    if not kind.shown(drawing):
+        raise Http404(f"This run has no {name} figure.")
+    if kind.picker is not None and kind.picker.parameter in request.GET:
+        offered = {str(value) for value, _ in kind.picker.options(drawing)}
+        if request.GET[kind.picker.parameter] not in offered:
+            raise Http404(f"{kind.picker.parameter} is not one of this figure's choices.")
+    return render(request, "playground/_figure.html", {"figure": kind.entry(drawing)})
 
 
-def _lens_section(request, run: Run, capture: figures.Capture, picks: ActivationPicks):
+def _lens_section(request, drawing: Drawing):
     """The lens section with the query's picks for htmx; otherwise the run's page with it,
     400 when a pick is wrong (its form says which)."""
     if request.htmx:
-        lens = lens_context(run, capture, picks.window, request.GET)
-        return render(request, "playground/run_detail.html#lens", {"run": run, "lens": lens})
-    context = run_context(run, lens_query=request.GET)
+        context = {"run": drawing.run, "lens": _lens_context(drawing)}
+        return render(request, "playground/run_detail.html#lens", context)
+    context = run_context(drawing.run, lens_query=request.GET)
     form = context["lens"].get("form")
     status = 400 if form is not None and form.errors else 200
     return render(request, "playground/run_detail.html", context, status=status)

@@ -119,10 +119,17 @@
     window.Plotly.restyle(div, { text: [shown] }, [0]);
   }
 
+  // Whether the plot `div` is the token strip, whose cells re-wrap to its width (its figure's
+  // data-width, from playground/run_figures.py).
+  function isStrip(div) {
+    var figure = div.closest("[data-width]");
+    return Boolean(figure) && figure.dataset.width === "strip";
+  }
+
   // How the div's width now shapes `figure`: narrow or not, and the token strip's columns.
   function shape(div, figure) {
     var narrow = div.clientWidth < NARROW_PX;
-    if (div.dataset.plot !== "tokens") return { narrow: narrow };
+    if (!isStrip(div)) return { narrow: narrow };
     var most = figure.data[0].z[0].length;
     return { narrow: narrow, columns: stripColumns(div.clientWidth, narrow, most), most: most };
   }
@@ -153,7 +160,7 @@
     var data = document.getElementById(div.dataset.plot);
     if (!data) return;
     var figure = JSON.parse(data.textContent);
-    var tokens = div.dataset.plot === "tokens";
+    var tokens = isStrip(div);
     var drawn = figure;
     function fit(shown) {
       drawn = shown;
@@ -172,7 +179,7 @@
       if (!tokens) return;
       div.on("plotly_click", function (event) {
         var position = event.points[0].customdata[1];
-        var select = div.closest(".run-panel").querySelector("[data-topk-position]");
+        var select = div.closest(".run-panel").querySelector("[data-picker='topk']");
         // Padding, and positions without a top-k (the prompt's first token), pick nothing.
         if (!select || !select.querySelector('option[value="' + position + '"]')) return;
         select.value = String(position);

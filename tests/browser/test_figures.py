@@ -53,7 +53,7 @@ def test_figures_swapped_in_look_like_the_first_rendered_ones(page):
     assert all(g["scoped"] and g["titleAboveArea"] for g in first.values())
 
     # Re-pick each figure: a top-k position, a norm position, a cosine layer.
-    page.locator(f"{RUN_PANEL} [data-topk-position]").select_option("2")
+    page.locator(f"{RUN_PANEL} [data-picker='topk']").select_option("2")
     page.locator(f"{RUN_PANEL} select[name=norm_position]").select_option("0")
     page.locator(f"{RUN_PANEL} select[name=cosine_row]").select_option("3")
     expect(page.locator(f"{RUN_PANEL} #plot-topk .gtitle")).to_contain_text("position 2")
@@ -173,7 +173,7 @@ def test_every_choice_has_its_token_view_with_rows_labelled_by_offset(page):
     shown = html.escape(chosen.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·"))
     assert shown.startswith(cells[0])
     # Top-k of that choice: picking a position shows the token chosen there.
-    picker = page.locator(f"{RUN_PANEL} [data-topk-position]")
+    picker = page.locator(f"{RUN_PANEL} [data-picker='topk']")
     option = picker.locator("option").nth(3)
     picker.select_option(option.get_attribute("value"))
     title = page.locator(f"{RUN_PANEL} #plot-topk .gtitle")

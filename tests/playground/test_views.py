@@ -821,7 +821,7 @@ def test_every_per_choice_figure_follows_the_chosen_choice(user_client, approved
     assert "data-choice-select" in first and "Lyon-marker" not in _figure_json(first, "tokens")
     chosen = user_client.get(url + "?choice=1", **HTMX).content.decode()
     assert "Lyon-marker" in _figure_json(chosen, "tokens")
-    assert "Lyon-marker" in chosen.split("data-topk-position")[1].split("</select>")[0]
+    assert "Lyon-marker" in chosen.split('data-picker="topk"')[1].split("</select>")[0]
     assert '<input type="hidden" name="choice" value="1">' in chosen
     figure_url = reverse("playground:run_figure", args=[run.id, "topk"])
     topk = user_client.get(figure_url + "?position=5&choice=1", **HTMX).content.decode()
