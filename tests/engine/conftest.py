@@ -32,6 +32,7 @@ from testsupport.servers import (  # noqa: E402
     stop_server,
     wait_ready,
 )
+from testsupport.vllm_lens import vllm_lens_server  # noqa: E402
 
 MODEL = "smollm2-135m"
 
@@ -170,6 +171,17 @@ def model_loaded_with():
         return loaded[key]
 
     return load
+
+
+@pytest.fixture(scope="module")
+def vllm_lens():
+    """An httpx client of vLLM-Lens (testsupport/vllm_lens.py: the server `make test` started,
+    or one of the module's own). Only `make test-vllm` runs the modules that use it."""
+    with (
+        vllm_lens_server() as server,
+        httpx.Client(base_url=server.url, headers=server.headers(), timeout=600) as client,
+    ):
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -3,23 +3,13 @@ as the float32 model, within the bounds the engine is held to in bfloat16: the c
 test_fidelity.py, sent in the upstream dialect as the gateway sends them. Run by `make
 test-vllm` (it needs .venv-vllm), not by `make test-engine`."""
 
-import httpx
 import pytest
 from reference_model import cpu_description
 from test_fidelity import CASES, discrepancies
 
 from acs_client.protocol import in_vllm_xargs
 from tests.tolerances import TOLERANCES
-from testsupport.vllm_lens import MODEL, vllm_lens_server
-
-
-@pytest.fixture(scope="module")
-def vllm_lens():
-    with (
-        vllm_lens_server() as server,
-        httpx.Client(base_url=server.url, headers=server.headers(), timeout=600) as client,
-    ):
-        yield client
+from testsupport.vllm_lens import MODEL
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -3,23 +3,11 @@ own) give a logit lens and attribution within the float32 model's bounds: the ch
 test_lens_fidelity.py on one request sent in the upstream dialect, tokens named by id. Run by
 `make test-vllm` (it needs .venv-vllm), not by `make test-engine`."""
 
-import httpx
-import pytest
 from reference_model import cpu_description
 from test_lens_fidelity import REQUEST, lens_problems
 
 from acs_client.protocol import in_vllm_xargs
 from tests.tolerances import WIDEST
-from testsupport.vllm_lens import vllm_lens_server
-
-
-@pytest.fixture(scope="module")
-def vllm_lens():
-    with (
-        vllm_lens_server() as server,
-        httpx.Client(base_url=server.url, headers=server.headers(), timeout=600) as client,
-    ):
-        yield client
 
 
 def test_vllm_lens_captures_give_the_float32_models_lens_and_attribution(

@@ -123,17 +123,22 @@ SETTLED_HOOKS = {"response": [_settled_hook]}
 ASYNC_SETTLED_HOOKS = {"response": [_async_settled_hook]}
 
 
+def gateway_client(gateway_url: str, secret: str, *, timeout: float = 30) -> httpx.Client:
+    """An httpx client of the gateway with the key `secret`, declaring its bodies JSON (also
+    those sent as raw `content=`); non-streaming responses return once the gateway has settled
+    and metered them (the gateway does that after sending the body)."""
+    return httpx.Client(
+        base_url=gateway_url,
+        headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
+        timeout=timeout,
+        event_hooks=SETTLED_HOOKS,
+    )
+
+
 @pytest.fixture
 def client(gateway_url, api_secret, model):
-    """An httpx client with the test key, declaring its bodies JSON (also those sent as raw
-    `content=`); non-streaming responses return once the gateway has settled and metered
-    them (the gateway does that after sending the body)."""
-    with httpx.Client(
-        base_url=gateway_url,
-        headers={"Authorization": f"Bearer {api_secret}", "Content-Type": "application/json"},
-        timeout=30,
-        event_hooks=SETTLED_HOOKS,
-    ) as http:
+    """`gateway_client` with the test key."""
+    with gateway_client(gateway_url, api_secret) as http:
         yield http
 
 

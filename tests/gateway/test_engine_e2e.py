@@ -16,7 +16,7 @@ from api.selectors import model_get, registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
 
 from ..bombs import zero_bomb
-from .conftest import SETTLED_HOOKS, wait_settled
+from .conftest import SETTLED_HOOKS, gateway_client, wait_settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -149,12 +149,7 @@ def test_requests_larger_than_the_engine_queue_never_open_the_circuit_for_others
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 257
     _, other_secret = api_key_create(user=other_user, name="other key", acting_user=None)
-    with httpx.Client(
-        base_url=gateway_url,
-        headers={"Authorization": f"Bearer {other_secret}"},
-        timeout=120,
-        event_hooks=SETTLED_HOOKS,
-    ) as other:
+    with gateway_client(gateway_url, other_secret, timeout=120) as other:
         response = other.post(
             "/v1/completions",
             json={"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0},

@@ -23,6 +23,38 @@ WORKER_MODULES = (
 )
 
 
+# The model card the pages list (`playground.views.model_cards`), without a registry.
+MODEL = {
+    "id": "smollm2-135m",
+    "object": "model",
+    "status": "live",
+    "capabilities": {
+        "max_model_len": 8192,
+        "max_logprobs": 20,
+        "full_vocab_max_prompt_tokens": 256,
+        "activations": True,
+        "n_layers": 30,
+        "hidden_size": 576,
+        "max_steering_vectors": 8,
+    },
+}
+# The header htmx sends: views answer it with a fragment.
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+@pytest.fixture
+def ada(client, approved_user):
+    """Ada, an approved researcher, signed in."""
+    client.force_login(approved_user)
+    return client
+
+
+@pytest.fixture
+def listed_model(monkeypatch):
+    """The playground's pages list MODEL."""
+    monkeypatch.setattr("playground.views.model_cards", lambda: [MODEL])
+
+
 def replay(run_id) -> list[dict]:
     """Every event published so far to the run's stream."""
     entries = redis_sync().xrange(streams.stream_key(run_id))

@@ -9,7 +9,6 @@ import re
 import uuid
 
 import httpx
-import pytest
 from django.urls import reverse
 from django.utils import timezone
 
@@ -17,9 +16,8 @@ from acs_client.client import AcsClient
 from playground import compare, scoring, tasks
 from playground.models import Run, RunComparison, RunStatus
 
-from .conftest import recorded
+from .conftest import HTMX, recorded
 
-HTMX = {"HTTP_HX_REQUEST": "true"}
 MODEL = "smollm2-135m"
 PROMPT = {
     "ids": [504, 3575, 282, 4649, 314],
@@ -27,12 +25,6 @@ PROMPT = {
 }
 
 WITHOUT_LOGPROBS = {"choices": [{"index": 0, "text": " Paris", "logprobs": None}], "usage": {}}
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def finished_run(user, *, completion, response=None, model=MODEL, capture=None):
@@ -65,10 +57,10 @@ def highlighted(page: str, side: str) -> list[str]:
     return re.findall(r'<span class="tok changed"[^>]*>(.*?)</span>', block)
 
 
-def test_comparison_highlights_the_tokens_that_differ(user_client, approved_user):
+def test_comparison_highlights_the_tokens_that_differ(ada, approved_user):
     paris = finished_run(approved_user, completion=[(7042, " Paris"), (30, "."), (198, "\n")])
     lyon = finished_run(approved_user, completion=[(24196, " Lyon"), (30, "."), (198, "\n")])
-    page = user_client.get(compare_url(paris, lyon)).content.decode()
+    page = ada.get(compare_url(paris, lyon)).content.decode()
     assert "<h1>Compare two runs</h1>" in page
     assert highlighted(page, "a") == [" Paris"] and highlighted(page, "b") == [" Lyon"]
     # The shared prompt is shown, not highlighted.
@@ -77,17 +69,17 @@ def test_comparison_highlights_the_tokens_that_differ(user_client, approved_user
     assert "data-same-settings" in page
 
 
-def test_comparison_partial_with_htmx_and_whole_page_without(user_client, approved_user):
+def test_comparison_partial_with_htmx_and_whole_page_without(ada, approved_user):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
-    partial = user_client.get(compare_url(a, b), **HTMX)
+    partial = ada.get(compare_url(a, b), **HTMX)
     assert partial.status_code == 200
     assert "<html" not in partial.content.decode()
     assert 'id="comparison"' in partial.content.decode()
-    assert "<html" in user_client.get(compare_url(a, b)).content.decode()
+    assert "<html" in ada.get(compare_url(a, b)).content.decode()
 
 
-def test_another_users_run_or_a_bad_id_is_404(user_client, approved_user, other_user):
+def test_another_users_run_or_a_bad_id_is_404(ada, approved_user, other_user):
     mine = finished_run(approved_user, completion=[(7042, " Paris")])
     theirs = finished_run(other_user, completion=[(7042, " Paris")])
     for url in (
@@ -97,80 +89,78 @@ def test_another_users_run_or_a_bad_id_is_404(user_client, approved_user, other_
         compare_url("not-a-uuid", mine),
         compare_url(mine, "00000000-0000-0000-0000-000000000000"),
     ):
-        assert user_client.get(url).status_code == 404, url
-        assert user_client.get(url, **HTMX).status_code == 404, url
+        assert ada.get(url).status_code == 404, url
+        assert ada.get(url, **HTMX).status_code == 404, url
     score = reverse("playground:compare_score")
-    assert user_client.post(score, {"a": mine.id, "b": theirs.id}).status_code == 404
+    assert ada.post(score, {"a": mine.id, "b": theirs.id}).status_code == 404
     assert not RunComparison.objects.exists()
 
 
-def test_one_run_named_offers_the_users_other_runs_to_compare_with(
-    user_client, approved_user, other_user
-):
+def test_one_run_named_offers_the_users_other_runs_to_compare_with(ada, approved_user, other_user):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
     theirs = finished_run(other_user, completion=[(7042, " Paris")])
-    page = user_client.get(compare_url(a)).content.decode()
+    page = ada.get(compare_url(a)).content.decode()
     options = re.findall(r'<option value="([^"]+)"', page)
     assert options == [str(b.id)] and str(theirs.id) not in page
     assert f'name="a" value="{a.id}"' in page
     Run.objects.filter(pk=b.pk).delete()
-    alone = user_client.get(compare_url(a)).content.decode()
+    alone = ada.get(compare_url(a)).content.decode()
     assert "You have no other run to compare with yet." in alone and "<select" not in alone
 
 
-def test_runs_without_captures_say_so(user_client, approved_user):
+def test_runs_without_captures_say_so(ada, approved_user):
     plain = finished_run(approved_user, completion=[(7042, " Paris")])
     captured = finished_run(
         approved_user, completion=[(7042, " Paris")], response=recorded("capture.json"),
         capture=[0, 4, 8],
     )  # fmt: skip
-    page = user_client.get(compare_url(plain, captured)).content.decode()
+    page = ada.get(compare_url(plain, captured)).content.decode()
     assert "Run A captured no activations" in page
     assert 'data-plot="activation-difference"' not in page
 
 
-def test_the_activation_difference_of_a_run_with_itself_is_zero(user_client, approved_user):
+def test_the_activation_difference_of_a_run_with_itself_is_zero(ada, approved_user):
     captured = finished_run(
         approved_user, completion=[(7042, " Paris")], response=recorded("capture.json"),
         capture=[0, 4, 8],
     )  # fmt: skip
-    page = user_client.get(compare_url(captured, captured)).content.decode()
+    page = ada.get(compare_url(captured, captured)).content.decode()
     assert "the first 5 positions (run A captured 5, run B 5)" in page
     assert 'data-plot="activation-difference"' in page
 
 
-def test_a_failed_run_has_no_diff_and_cannot_be_scored(user_client, approved_user):
+def test_a_failed_run_has_no_diff_and_cannot_be_scored(ada, approved_user):
     done = finished_run(approved_user, completion=[(7042, " Paris")])
     failed = Run.objects.create(
         user=approved_user, request={"model": MODEL, "prompt": "x"}, status=RunStatus.FAILED
     )
-    page = user_client.get(compare_url(done, failed)).content.decode()
+    page = ada.get(compare_url(done, failed)).content.decode()
     assert "run B has no result (failed)" in page
     assert "Run B has no known tokens" in page
-    response = user_client.post(reverse("playground:compare_score"), {"a": done.id, "b": failed.id})
+    response = ada.post(reverse("playground:compare_score"), {"a": done.id, "b": failed.id})
     assert response.status_code == 400 and not RunComparison.objects.exists()
 
 
-def test_runs_of_different_models_cannot_be_scored(user_client, approved_user):
+def test_runs_of_different_models_cannot_be_scored(ada, approved_user):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(7042, " Paris")], model="other-model")
-    page = user_client.get(compare_url(a, b)).content.decode()
+    page = ada.get(compare_url(a, b)).content.decode()
     assert "The runs used different models" in page
     assert "Score on the same tokens" not in page
 
 
 def test_scoring_is_queued_once_and_the_panel_polls_until_done(
-    user_client, approved_user, no_enqueue, django_capture_on_commit_callbacks
+    ada, approved_user, no_enqueue, django_capture_on_commit_callbacks
 ):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
-    page = user_client.get(compare_url(a, b)).content.decode()
+    page = ada.get(compare_url(a, b)).content.decode()
     assert "Score on the same tokens" in page and "about 28 tokens" in page
     url = reverse("playground:compare_score")
     with django_capture_on_commit_callbacks(execute=True):
-        first = user_client.post(url, {"a": a.id, "b": b.id}, **HTMX)
-        again = user_client.post(url, {"a": a.id, "b": b.id})
+        first = ada.post(url, {"a": a.id, "b": b.id}, **HTMX)
+        again = ada.post(url, {"a": a.id, "b": b.id})
     comparison = RunComparison.objects.get()
     assert no_enqueue == [str(comparison.pk)]
     assert 'hx-trigger="load delay:700ms"' in first.content.decode()
@@ -178,7 +168,7 @@ def test_scoring_is_queued_once_and_the_panel_polls_until_done(
 
 
 def test_a_failed_scoring_can_be_queued_again(
-    user_client, approved_user, no_enqueue, django_capture_on_commit_callbacks
+    ada, approved_user, no_enqueue, django_capture_on_commit_callbacks
 ):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
@@ -186,7 +176,7 @@ def test_a_failed_scoring_can_be_queued_again(
         user=approved_user, run_a=a, run_b=b, status=RunStatus.FAILED,
         error_code="budget_exceeded", error_message="Monthly budget spent.",
     )  # fmt: skip
-    page = user_client.get(compare_url(a, b)).content.decode()
+    page = ada.get(compare_url(a, b)).content.decode()
     assert "budget_exceeded" in page and "Score again" in page
     with django_capture_on_commit_callbacks(execute=True):
         compare.comparison_queue(user=approved_user, run_a=a, run_b=b)
@@ -194,9 +184,9 @@ def test_a_failed_scoring_can_be_queued_again(
     assert comparison.status == RunStatus.QUEUED and no_enqueue == [str(comparison.pk)]
 
 
-def test_run_page_and_steering_comparison_link_to_the_comparison(user_client, approved_user):
+def test_run_page_and_steering_comparison_link_to_the_comparison(ada, approved_user):
     run = finished_run(approved_user, completion=[(7042, " Paris")])
-    page = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    page = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert f'href="{compare_url(run)}" data-compare-link' in page
     group = uuid.uuid4()
     baseline, steered = (
@@ -207,7 +197,7 @@ def test_run_page_and_steering_comparison_link_to_the_comparison(user_client, ap
         (steered, "steering_steered", 8.0),
     ):
         Run.objects.filter(pk=run.pk).update(group=group, kind=kind, scale=scale)
-    page = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    page = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     link = compare_url(baseline, steered).replace("&", "&amp;")
     assert f'href="{link}" data-compare-link>compare with baseline</a>' in page
 
@@ -267,7 +257,7 @@ def test_a_scoring_no_worker_finished_is_failed_by_the_sweep(approved_user):
 
 
 def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
-    user_client, approved_user, monkeypatch
+    ada, approved_user, monkeypatch
 ):
     """One definition of the mean Δ logprob on both pages: over the generated tokens only.
     Here the prompt's tokens move by −1 nat each and the generated ones by −4: the mean over
@@ -299,7 +289,7 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
     b.refresh_from_db()
     comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
     compare.comparison_execute(comparison_id=comparison.pk)
-    page = user_client.get(compare_url(a, b)).content.decode()
+    page = ada.get(compare_url(a, b)).content.decode()
     assert re.search(r'data-mean-delta="a">-4.000 nats/token<', page)
     assert re.search(r'data-mean-delta="b">-4.000 nats/token<', page)
     said = re.search(r'<p class="help" data-mean-definition>(.*?)</p>', page).group(1)

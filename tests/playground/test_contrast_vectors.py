@@ -15,8 +15,8 @@ from playground.models import Run, RunKind
 from playground.services.run_execution import run_execute
 from playground.services.vectors import contrast_runs_create
 
+from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
-from .test_views import HTMX, MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -27,12 +27,6 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(
         forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
     )
-
-
-@pytest.fixture
-def ada(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def contrast(client, headers, **fields):

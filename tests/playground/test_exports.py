@@ -10,18 +10,14 @@ import io
 import pytest
 from django.urls import reverse
 
-from playground import views
 from playground.models import Run, RunKind, RunStatus
 
 from .conftest import recorded
-from .test_views import MODEL
 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture(autouse=True)
-def model_list(monkeypatch):
-    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
+pytestmark = pytest.mark.usefixtures("listed_model")
 
 
 def test_every_figure_offers_its_numbers_as_csv_and_json(client, approved_user):

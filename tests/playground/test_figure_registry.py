@@ -6,9 +6,10 @@ import plotly.graph_objects as go
 import pytest
 from django.urls import reverse
 
-from playground import run_figures, views
+from playground import run_figures
 
-from .test_views import HTMX, MODEL, finished_run
+from .conftest import HTMX
+from .test_views import finished_run
 
 
 def _chosen_logprob(drawing: run_figures.Drawing) -> go.Figure:
@@ -34,8 +35,7 @@ ENTRY = run_figures.RunFigure(
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
+def registered(listed_model, monkeypatch):
     monkeypatch.setattr(run_figures, "FIGURES", [*run_figures.FIGURES, ENTRY])
     monkeypatch.setitem(run_figures.BY_NAME, ENTRY.name, ENTRY)
 
@@ -64,7 +64,9 @@ def test_a_registered_figure_redraws_for_an_offered_pick_and_refuses_another(
     run = finished_run(approved_user)
     figure_url = reverse("playground:run_figure", args=[run.id, "chosen_logprob"])
     first = client.get(figure_url + "?position=1", **HTMX)
-    assert first.status_code == 200 and 'data-figure-name="chosen_logprob"' in first.content.decode()
+    assert (
+        first.status_code == 200 and 'data-figure-name="chosen_logprob"' in first.content.decode()
+    )
     assert client.get(figure_url + "?position=1").status_code == 200
     assert client.get(figure_url + "?position=999", **HTMX).status_code == 404
     assert client.get(figure_url + "?position=x", **HTMX).status_code == 404

@@ -22,8 +22,8 @@ from playground.services.submissions import (
     job_submissions_fail_stuck,
 )
 
+from .conftest import MODEL
 from .test_runs import error
-from .test_views import MODEL
 
 COMPLETION = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 4}
 HARVEST = {

@@ -28,6 +28,7 @@ from tests.tolerances import WIDEST
 from testsupport.vllm_lens import weights_directory
 
 from . import test_figure_numbers as numbers
+from .conftest import HTMX
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,7 +37,7 @@ science = numbers.science
 page_client = numbers.page_client
 
 MODEL, PROMPT = numbers.MODEL, numbers.PROMPT
-HTMX = {"HTTP_HX_REQUEST": "true"}
+
 CAPTURE = {**numbers.CAPTURE, "logprobs": 5}
 N_LAYERS = 30
 # Agreement of two float computations of the same number from the same bfloat16 rows.

@@ -29,7 +29,7 @@ from playground import patching, patching_forms, patching_metrics, selectors, ta
 from playground.models import Run, RunKind, RunStatus
 from playground.vector_forms import SaveVectorForm
 
-from .test_views import HTMX, MODEL
+from .conftest import HTMX, MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -59,12 +59,6 @@ def tokenizer(monkeypatch):
         "tokenize",
         lambda model_id, texts: [word_tokens(text, special) for text, special in texts],
     )
-
-
-@pytest.fixture
-def ada(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def form_data(**fields) -> dict:

@@ -9,26 +9,16 @@ import re
 import pytest
 from django.urls import reverse
 
-from playground import views
 from playground.models import Run, RunStatus
 
-from .conftest import recorded
-from .test_views import HTMX, MODEL
+from .conftest import HTMX, recorded
 
 pytestmark = pytest.mark.django_db
 
 PROMPT_STRINGS = ["Hello", " world", ",", " this", " is"]
 
 
-@pytest.fixture(autouse=True)
-def model_list(monkeypatch):
-    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
+pytestmark = pytest.mark.usefixtures("listed_model")
 
 
 @pytest.fixture
@@ -48,10 +38,10 @@ WINDOW_ERROR = "From 4 ·is to 2 ,: the end comes before the start. Pick an end 
 
 
 def test_a_window_ending_before_it_starts_is_a_field_error_without_the_old_figures(
-    user_client, capture_run
+    ada, capture_run
 ):
     url = reverse("playground:run_figure", args=[capture_run.id, "activations"])
-    answer = user_client.get(url, {"start": 4, "end": 2}, **HTMX)
+    answer = ada.get(url, {"start": 4, "end": 2}, **HTMX)
     html = answer.content.decode()
     assert answer.status_code == 200 and "<html" not in html
     assert WINDOW_ERROR in html and "data-window-error" in html
@@ -62,22 +52,20 @@ def test_a_window_ending_before_it_starts_is_a_field_error_without_the_old_figur
     assert 'data-plot="norm_by_layer"' in html
     assert '<option value="4" selected>4 ·is</option>' in html
     assert '<option value="2" selected>2 ,</option>' in html
-    plain = user_client.get(url, {"start": 4, "end": 2})
+    plain = ada.get(url, {"start": 4, "end": 2})
     assert plain.status_code == 400 and WINDOW_ERROR in plain.content.decode()
-    fixed = user_client.get(url, {"start": 2, "end": 4}, **HTMX).content.decode()
+    fixed = ada.get(url, {"start": 2, "end": 4}, **HTMX).content.decode()
     assert "data-window-error" not in fixed and 'data-plot="heatmap"' in fixed
 
 
-def test_a_figure_of_the_window_asked_with_a_backwards_window_says_why(user_client, capture_run):
+def test_a_figure_of_the_window_asked_with_a_backwards_window_says_why(ada, capture_run):
     url = reverse("playground:run_figure", args=[capture_run.id, "heatmap"])
-    answer = user_client.get(url, {"start": 4, "end": 2, "colour": "log"}, **HTMX)
+    answer = ada.get(url, {"start": 4, "end": 2, "colour": "log"}, **HTMX)
     assert answer.status_code == 200 and WINDOW_ERROR in answer.content.decode()
-    assert user_client.get(url, {"start": 4, "end": 2}).status_code == 400
+    assert ada.get(url, {"start": 4, "end": 2}).status_code == 400
 
 
-def test_a_steered_request_is_shown_shortened_with_a_download_of_it_whole(
-    user_client, approved_user
-):
+def test_a_steered_request_is_shown_shortened_with_a_download_of_it_whole(ada, approved_user):
     steering = {
         "activations": {"data": "A" * 4000, "dtype": "int16", "original_dtype":
                         "torch.bfloat16", "shape": [1, 576], "compression": "zstd"},
@@ -86,13 +74,13 @@ def test_a_steered_request_is_shown_shortened_with_a_download_of_it_whole(
     request = {"model": "smollm2-135m", "prompt": "I feel", "max_tokens": 4,
                "apply_steering_vectors": [steering]}  # fmt: skip
     run = Run.objects.create(user=approved_user, request=request, status=RunStatus.QUEUED)
-    page = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    page = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     download = reverse("playground:run_request", args=[run.id])
     shown = re.search(r"Request \(exactly as sent\)</summary>\s*<pre>(.*?)</pre>", page, re.S)
     assert "A" * 4000 not in shown.group(1)
     assert "…(4,000 characters: the whole request is in the download below)" in shown.group(1)
     assert f'href="{download}" download' in page
-    whole = user_client.get(download)
+    whole = ada.get(download)
     assert whole["Content-Type"] == "application/json"
     assert whole["Content-Disposition"] == f'attachment; filename="run-{run.id}-request.json"'
     assert json.loads(whole.content) == request

@@ -18,7 +18,7 @@ from playground.models import Run, RunStatus
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
 
-from .test_views import MODEL
+from .conftest import MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -78,12 +78,6 @@ def run_through(user, gateway, *, logprobs: bool) -> Run:
     gateway.handler = lambda sent: httpx.Response(200, json=answer(logprobs=logprobs))
     run = run_create(user=user, request=request)
     return run_execute(run_id=run.id, final_attempt=True)
-
-
-@pytest.fixture
-def ada(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def test_a_run_without_logprobs_names_its_tokens_by_the_ids_returned(

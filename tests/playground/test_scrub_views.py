@@ -5,21 +5,12 @@ import json
 import re
 import uuid
 
-import pytest
 from django.urls import reverse
 
 from playground import views
 from playground.models import Run, RunKind, RunStatus, SteeringScore
 
-from .conftest import recorded
-
-HTMX = {"HTTP_HX_REQUEST": "true"}
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
+from .conftest import HTMX, recorded
 
 
 def sweep(user, texts: dict[float, str], *, score_status=RunStatus.FAILED):
@@ -44,10 +35,10 @@ def steps_of(page: str, group) -> list[dict]:
     return json.loads(script.group(1))
 
 
-def test_sweep_page_embeds_each_scale_for_the_slider(user_client, approved_user):
+def test_sweep_page_embeds_each_scale_for_the_slider(ada, approved_user):
     group = sweep(approved_user, {0.0: " fine", -4.0: " sad", 8.0: " <b>happy</b>"})
     url = reverse("playground:group_detail", args=[group])
-    page = user_client.get(url).content.decode()
+    page = ada.get(url).content.decode()
     steps = steps_of(page, group)
     assert [(s["scale"], s["label"], s["text"]) for s in steps] == [
         (-4.0, "-4 (steered)", " sad"),
@@ -63,20 +54,20 @@ def test_sweep_page_embeds_each_scale_for_the_slider(user_client, approved_user)
     assert 'aria-valuetext="8 (steered)"' in page
     assert 'data-scrub-text aria-live="polite"> &lt;b&gt;happy&lt;/b&gt;</pre>' in page
     assert "js/scrub.js" in page
-    partial = user_client.get(url, **HTMX).content.decode()
+    partial = ada.get(url, **HTMX).content.decode()
     assert "<html" not in partial and steps_of(partial, group) == steps
 
 
-def test_the_playground_page_scrubs_the_latest_sweep_too(user_client, approved_user, monkeypatch):
+def test_the_playground_page_scrubs_the_latest_sweep_too(ada, approved_user, monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [])
     group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
-    page = user_client.get(reverse("playground:page")).content.decode()
+    page = ada.get(reverse("playground:page")).content.decode()
     assert [s["scale"] for s in steps_of(page, group)] == [0.0, 4.0, 8.0]
     assert "js/scrub.js" in page
 
 
-def test_a_sweep_still_running_has_no_slider(user_client, approved_user):
+def test_a_sweep_still_running_has_no_slider(ada, approved_user):
     group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
     Run.objects.filter(group=group, scale=8.0).update(status=RunStatus.RUNNING)
-    page = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    page = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'type="range"' not in page

@@ -10,9 +10,9 @@ from django.urls import reverse
 from api.errors import ApiError
 from playground import forms, views
 
+from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
 from .test_vector_library import library_vector
-from .test_views import HTMX, MODEL
 
 pytestmark = pytest.mark.django_db
 
@@ -26,12 +26,6 @@ def stand_ins(monkeypatch):
     tokenize = lambda model_id, texts: [word_tokens(t, s) for t, s in texts]  # noqa: E731
     monkeypatch.setattr(forms, "tokenize", tokenize)
     monkeypatch.setattr(views, "tokenize", tokenize)
-
-
-@pytest.fixture
-def ada(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def submit(client, vector, headers=HTMX, **fields):

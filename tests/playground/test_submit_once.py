@@ -16,8 +16,8 @@ from playground.models import Run, RunKind
 from playground.services.runs import run_create
 from playground.services.vectors import steering_vector_create
 
+from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
-from .test_views import HTMX, MODEL
 
 
 @pytest.fixture(autouse=True)
@@ -26,12 +26,6 @@ def model_list(monkeypatch):
     monkeypatch.setattr(
         forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
     )
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 @pytest.fixture
@@ -80,9 +74,9 @@ def complete(client, headers=HTMX, **fields):
     ],
 )
 def test_steering_layers_are_capped_to_the_model_and_distinct(
-    user_client, vector, no_enqueue, layers, message
+    ada, vector, no_enqueue, layers, message
 ):
-    response = steer(user_client, vector, layers=layers)
+    response = steer(ada, vector, layers=layers)
     assert response["HX-Retarget"] == "#steering-box"
     assert message in response.content.decode()
     assert not Run.objects.exists()
@@ -97,27 +91,27 @@ def test_steering_layers_are_capped_to_the_model_and_distinct(
         ("1" * 2000, "Ensure this value has at most 1000 characters"),
     ],
 )
-def test_steering_scales_are_capped_and_distinct(user_client, vector, no_enqueue, scales, message):
-    response = steer(user_client, vector, scales=scales)
+def test_steering_scales_are_capped_and_distinct(ada, vector, no_enqueue, scales, message):
+    response = steer(ada, vector, scales=scales)
     assert message in response.content.decode()
     assert not Run.objects.exists()
 
 
-def test_twelve_distinct_scales_make_a_sweep_of_thirteen_runs(user_client, vector, no_enqueue):
-    steer(user_client, vector, scales=",".join(str(i) for i in range(1, 13)), layers="0, 29")
+def test_twelve_distinct_scales_make_a_sweep_of_thirteen_runs(ada, vector, no_enqueue):
+    steer(ada, vector, scales=",".join(str(i) for i in range(1, 13)), layers="0, 29")
     assert Run.objects.filter(kind=RunKind.SWEEP).count() == 13
 
 
-def test_capture_layers_are_capped_and_distinct(user_client, no_enqueue):
+def test_capture_layers_are_capped_and_distinct(ada, no_enqueue):
     many = ",".join(str(i) for i in range(31))
     for layers, message in ((many, "at most 30"), ("2, 2", "2 is listed more than once")):
-        response = complete(user_client, capture="layers", capture_layers=layers)
+        response = complete(ada, capture="layers", capture_layers=layers)
         assert message in response.content.decode()
     assert not Run.objects.exists()
 
 
-def test_contrast_prompts_are_capped(user_client, no_enqueue):
-    response = contrast(user_client, positive="love " * 500)
+def test_contrast_prompts_are_capped(ada, no_enqueue):
+    response = contrast(ada, positive="love " * 500)
     assert "Ensure this value has at most 2000 characters" in response.content.decode()
     assert not Run.objects.exists()
 
@@ -126,17 +120,17 @@ def test_contrast_prompts_are_capped(user_client, no_enqueue):
 # One submission, one run or group
 
 
-def test_each_run_form_renders_a_new_one_time_token(user_client):
-    pages = [user_client.get(reverse("playground:page")).content.decode() for _ in range(2)]
+def test_each_run_form_renders_a_new_one_time_token(ada):
+    pages = [ada.get(reverse("playground:page")).content.decode() for _ in range(2)]
     for name in ("submit_token", "steer-submit_token", "contrast-submit_token"):
         tokens = [re.search(rf'name="{name}" value="([0-9a-f-]+)"', page)[1] for page in pages]
         assert tokens[0] != tokens[1]
 
 
-def test_completion_posted_twice_with_one_token_creates_one_run(user_client, no_enqueue):
+def test_completion_posted_twice_with_one_token_creates_one_run(ada, no_enqueue):
     token = str(uuid.uuid4())
-    first = complete(user_client, submit_token=token)
-    second = complete(user_client, submit_token=token)
+    first = complete(ada, submit_token=token)
+    second = complete(ada, submit_token=token)
     run = Run.objects.get()
     for response in (first, second):
         assert f'data-run-id="{run.id}"' in response.content.decode()
@@ -147,32 +141,32 @@ def test_completion_posted_twice_with_one_token_creates_one_run(user_client, no_
     assert fresh and fresh[1] != token
 
 
-def test_plain_completion_posted_twice_with_one_token_redirects_to_one_run(user_client, no_enqueue):
+def test_plain_completion_posted_twice_with_one_token_redirects_to_one_run(ada, no_enqueue):
     token = str(uuid.uuid4())
-    locations = [complete(user_client, headers={}, submit_token=token)["Location"] for _ in "12"]
+    locations = [complete(ada, headers={}, submit_token=token)["Location"] for _ in "12"]
     run = Run.objects.get()
     assert locations == [reverse("playground:run_detail", args=[run.id])] * 2
 
 
-def test_a_new_token_is_a_new_run(user_client, no_enqueue):
-    complete(user_client, submit_token=str(uuid.uuid4()))
-    complete(user_client, submit_token=str(uuid.uuid4()))
+def test_a_new_token_is_a_new_run(ada, no_enqueue):
+    complete(ada, submit_token=str(uuid.uuid4()))
+    complete(ada, submit_token=str(uuid.uuid4()))
     assert Run.objects.count() == 2
 
 
-def test_steering_posted_twice_with_one_token_creates_one_group(user_client, vector, no_enqueue):
+def test_steering_posted_twice_with_one_token_creates_one_group(ada, vector, no_enqueue):
     token = str(uuid.uuid4())
-    responses = [steer(user_client, vector, submit_token=token) for _ in range(2)]
+    responses = [steer(ada, vector, submit_token=token) for _ in range(2)]
     runs = Run.objects.all()
     assert runs.count() == 2 and len({run.group for run in runs}) == 1
     for response in responses:
         assert str(runs[0].group) in response.content.decode()
 
 
-def test_contrast_posted_twice_with_one_token_creates_one_pair(user_client, no_enqueue):
+def test_contrast_posted_twice_with_one_token_creates_one_pair(ada, no_enqueue):
     token = str(uuid.uuid4())
-    contrast(user_client, submit_token=token)
-    contrast(user_client, submit_token=token)
+    contrast(ada, submit_token=token)
+    contrast(ada, submit_token=token)
     # One pair and its reference captures.
     assert Run.objects.filter(kind=RunKind.CONTRAST).values("group").distinct().count() == 1
     assert Run.objects.filter(kind=RunKind.CONTRAST, meta__role="positive").count() == 1

@@ -30,9 +30,9 @@ from playground.services.scores import steering_score_queue
 from playground.services.vectors import steering_vector_create
 from testsupport.servers import free_port
 
+from .conftest import HTMX, MODEL
 from .test_compare_views import finished_run
 from .test_patching import form_data, word_tokens
-from .test_views import HTMX, MODEL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -61,12 +61,6 @@ def models(monkeypatch):
             "tokenize",
             lambda model_id, texts: [word_tokens(text, special) for text, special in texts],
         )
-
-
-@pytest.fixture
-def ada(client, approved_user):
-    client.force_login(approved_user)
-    return client
 
 
 def assert_503_form(response, headers, *, target: str, typed: str):

@@ -11,12 +11,12 @@ import zstandard
 from django.urls import reverse
 
 from acs_client.codec import decode
-from playground import vectors, views
+from playground import vectors
 from playground.models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
 from playground.services.vectors import steering_vector_create
 
-from .conftest import recorded
-from .test_views import HTMX, MODEL, finished_run
+from .conftest import HTMX, recorded
+from .test_views import finished_run
 
 CAPTURE_REQUEST = {
     "model": "smollm2-135m",
@@ -28,15 +28,7 @@ CAPTURE_REQUEST = {
 BF16_RELATIVE = 2.0**-8
 
 
-@pytest.fixture(autouse=True)
-def model_list(monkeypatch):
-    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
+pytestmark = pytest.mark.usefixtures("listed_model")
 
 
 def raw_rows(response: dict) -> np.ndarray:
@@ -132,32 +124,30 @@ def save_url(run):
     return reverse("playground:vector_from_run", args=[run.id])
 
 
-def test_run_page_offers_to_save_with_positions_labelled_and_the_first_left_out(
-    user_client, capture_run
-):
-    page = user_client.get(reverse("playground:run_detail", args=[capture_run.id]))
+def test_run_page_offers_to_save_with_positions_labelled_and_the_first_left_out(ada, capture_run):
+    page = ada.get(reverse("playground:run_detail", args=[capture_run.id]))
     body = page.content.decode()
     assert "Save as steering vector" in body
     assert 'name="positions"' in body and 'value="1-4"' in body
     assert "leaves out position 0" in body
 
 
-def test_saving_from_a_run_without_htmx_redirects_to_the_library(user_client, capture_run):
-    response = user_client.post(
+def test_saving_from_a_run_without_htmx_redirects_to_the_library(ada, capture_run):
+    response = ada.post(
         save_url(capture_run), {"name": "greeting", "layer": "8", "positions": "1-4"}
     )
     assert response.status_code == 302 and response.url.endswith("/playground/#vectors")
     vector = SteeringVector.objects.get(name="greeting")
     assert_stored(vector, raw_rows(recorded("capture.json"))[2, 1:5].mean(axis=0))
-    library = user_client.get(reverse("playground:page")).content.decode()
+    library = ada.get(reverse("playground:page")).content.decode()
     assert "greeting" in library and "Mean of a capture" in library
     assert f"/playground/runs/{capture_run.id}/" in library and "positions 1, 2, 3, 4" in library
 
 
 def test_saving_from_a_run_with_htmx_answers_in_place_and_refreshes_the_library(
-    user_client, capture_run, other_capture
+    ada, capture_run, other_capture
 ):
-    response = user_client.post(
+    response = ada.post(
         save_url(capture_run),
         {"name": "contrast", "layer": "4", "positions": "1, 3", "subtract_run": other_capture.pk},
         **HTMX,
@@ -180,21 +170,21 @@ def test_saving_from_a_run_with_htmx_answers_in_place_and_refreshes_the_library(
         ({"name": "", "layer": "4", "positions": "1"}, "This field is required"),
     ],
 )
-def test_save_form_errors_are_shown_next_to_the_field(user_client, capture_run, data, message):
-    htmx = user_client.post(save_url(capture_run), data, **HTMX)
+def test_save_form_errors_are_shown_next_to_the_field(ada, capture_run, data, message):
+    htmx = ada.post(save_url(capture_run), data, **HTMX)
     assert htmx.status_code == 200 and message in htmx.content.decode()
-    plain = user_client.post(save_url(capture_run), data)
+    plain = ada.post(save_url(capture_run), data)
     assert plain.status_code == 400 and message in plain.content.decode()
     assert not SteeringVector.objects.exists()
 
 
-def test_subtracting_a_capture_without_the_layer_is_a_field_error(user_client, capture_run):
+def test_subtracting_a_capture_without_the_layer_is_a_field_error(ada, capture_run):
     partial = finished_run(
         capture_run.user,
         request={**CAPTURE_REQUEST, "output_residual_stream": [0, 8, 12]},
         response=recorded("capture.json"),
     )
-    response = user_client.post(
+    response = ada.post(
         save_url(capture_run),
         {"name": "x", "layer": "4", "positions": "1", "subtract_run": partial.pk},
         **HTMX,
@@ -203,22 +193,20 @@ def test_subtracting_a_capture_without_the_layer_is_a_field_error(user_client, c
     assert not SteeringVector.objects.exists()
 
 
-def test_another_users_runs_can_be_neither_saved_nor_subtracted(
-    user_client, capture_run, other_user
-):
+def test_another_users_runs_can_be_neither_saved_nor_subtracted(ada, capture_run, other_user):
     theirs = finished_run(
         other_user, request=dict(CAPTURE_REQUEST), response=recorded("capture.json")
     )
     data = {"name": "x", "layer": "4", "positions": "1"}
-    assert user_client.post(save_url(theirs), data).status_code == 404
-    response = user_client.post(save_url(capture_run), {**data, "subtract_run": theirs.pk})
+    assert ada.post(save_url(theirs), data).status_code == 404
+    response = ada.post(save_url(capture_run), {**data, "subtract_run": theirs.pk})
     assert response.status_code == 400 and "Select a valid choice" in response.content.decode()
     assert not SteeringVector.objects.exists()
 
 
-def test_a_run_without_a_capture_cannot_be_saved(user_client, approved_user):
+def test_a_run_without_a_capture_cannot_be_saved(ada, approved_user):
     run = finished_run(approved_user)
-    response = user_client.post(save_url(run), {"name": "x", "layer": "0", "positions": "1"})
+    response = ada.post(save_url(run), {"name": "x", "layer": "0", "positions": "1"})
     assert response.status_code == 404
 
 
@@ -230,13 +218,13 @@ def rename(client, vector, name, **headers):
     return client.post(url, {f"rename-{vector.pk}-name": name}, **headers)
 
 
-def test_rename_with_htmx_refreshes_the_library_and_without_redirects(user_client, approved_user):
+def test_rename_with_htmx_refreshes_the_library_and_without_redirects(ada, approved_user):
     vector = library_vector(approved_user)
-    response = rename(user_client, vector, "candour", **HTMX)
+    response = rename(ada, vector, "candour", **HTMX)
     assert response.status_code == 204 and "vectorsChanged" in response.headers["HX-Trigger"]
     vector.refresh_from_db()
     assert vector.name == "candour"
-    response = rename(user_client, vector, "frankness")
+    response = rename(ada, vector, "frankness")
     assert response.status_code == 302 and response.url.endswith("#vectors")
     vector.refresh_from_db()
     assert vector.name == "frankness"
@@ -246,38 +234,38 @@ def test_rename_with_htmx_refreshes_the_library_and_without_redirects(user_clien
     "name, message",
     [("", "This field is required"), ("x" * 101, "at most 100 characters")],
 )
-def test_rename_errors_are_shown_next_to_the_name(user_client, approved_user, name, message):
+def test_rename_errors_are_shown_next_to_the_name(ada, approved_user, name, message):
     vector = library_vector(approved_user)
-    htmx = rename(user_client, vector, name, **HTMX)
+    htmx = rename(ada, vector, name, **HTMX)
     assert htmx.status_code == 200 and message in htmx.content.decode()
     assert 'id="vectors"' in htmx.content.decode()
-    plain = rename(user_client, vector, name)
+    plain = rename(ada, vector, name)
     assert plain.status_code == 400 and message in plain.content.decode()
     vector.refresh_from_db()
     assert vector.name == "honesty"
 
 
-def test_delete_asks_for_confirmation_then_deletes(user_client, approved_user):
+def test_delete_asks_for_confirmation_then_deletes(ada, approved_user):
     vector = library_vector(approved_user)
     url = reverse("playground:vector_delete", args=[vector.pk])
-    confirm = user_client.get(url)
+    confirm = ada.get(url)
     assert confirm.status_code == 200 and "Delete the vector “honesty”?" in confirm.content.decode()
     assert SteeringVector.objects.filter(pk=vector.pk).exists()
-    response = user_client.post(url, **HTMX)
+    response = ada.post(url, **HTMX)
     assert response.status_code == 204 and "vectorsChanged" in response.headers["HX-Trigger"]
     assert not SteeringVector.objects.filter(pk=vector.pk).exists()
 
 
-def test_runs_that_used_a_deleted_vector_stay_readable(user_client, approved_user, no_enqueue):
+def test_runs_that_used_a_deleted_vector_stay_readable(ada, approved_user, no_enqueue):
     vector = library_vector(approved_user)
-    user_client.post(
+    ada.post(
         reverse("playground:steer"),
         {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
          "steer-scales": "2", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 1,
          "steer-logprobs": 2},
     )  # fmt: skip
     steered = Run.objects.get(scale=2.0)
-    user_client.post(reverse("playground:vector_delete", args=[vector.pk]))
+    ada.post(reverse("playground:vector_delete", args=[vector.pk]))
     Run.objects.filter(group=steered.group).update(
         status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json")
     )
@@ -285,17 +273,17 @@ def test_runs_that_used_a_deleted_vector_stay_readable(user_client, approved_use
     assert steered.vector is None and steered.meta["vector_name"] == "honesty"
     # The request still holds the vector's values, so the run can be read and re-run.
     assert steered.request["apply_steering_vectors"][0]["layer_indices"] == [3]
-    assert user_client.get(reverse("playground:run_detail", args=[steered.id])).status_code == 200
-    group = user_client.get(reverse("playground:group_detail", args=[steered.group]))
+    assert ada.get(reverse("playground:run_detail", args=[steered.id])).status_code == 200
+    group = ada.get(reverse("playground:group_detail", args=[steered.group]))
     assert group.status_code == 200
 
 
-def test_another_users_vector_cannot_be_renamed_or_deleted(user_client, other_user):
+def test_another_users_vector_cannot_be_renamed_or_deleted(ada, other_user):
     vector = library_vector(other_user)
-    assert rename(user_client, vector, "mine").status_code == 404
+    assert rename(ada, vector, "mine").status_code == 404
     url = reverse("playground:vector_delete", args=[vector.pk])
-    assert user_client.get(url).status_code == 404
-    assert user_client.post(url).status_code == 404
+    assert ada.get(url).status_code == 404
+    assert ada.post(url).status_code == 404
     vector.refresh_from_db()
     assert vector.name == "honesty"
 
@@ -310,9 +298,9 @@ def completion(vector=None, **fields):
     return {**data, **fields}
 
 
-def test_completion_form_steers_with_a_library_vector(user_client, approved_user, no_enqueue):
+def test_completion_form_steers_with_a_library_vector(ada, approved_user, no_enqueue):
     vector = library_vector(approved_user)
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:run_submit"),
         completion(vector, steer_layers="3, 7", steer_scale="-2.5"),
         **HTMX,
@@ -326,25 +314,25 @@ def test_completion_form_steers_with_a_library_vector(user_client, approved_user
     original = np.linspace(-1, 1, 576, dtype=np.float32)
     assert rows.shape == (2, 576)
     assert np.all(np.abs(rows - original) <= BF16_RELATIVE * np.abs(original))
-    page = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    page = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert "Steered with <strong>honesty</strong> × -2.5 at layers 3, 7" in page
 
 
-def test_steering_defaults_to_the_vectors_own_layer(user_client, approved_user, no_enqueue):
+def test_steering_defaults_to_the_vectors_own_layer(ada, approved_user, no_enqueue):
     vector = library_vector(approved_user, layer=9)
-    user_client.post(reverse("playground:run_submit"), completion(vector, steer_scale="4"))
+    ada.post(reverse("playground:run_submit"), completion(vector, steer_scale="4"))
     assert Run.objects.get().request["apply_steering_vectors"][0]["layer_indices"] == [9]
 
 
-def test_without_a_vector_nothing_is_steered(user_client, no_enqueue):
-    user_client.post(reverse("playground:run_submit"), completion(steer_scale="4"))
+def test_without_a_vector_nothing_is_steered(ada, no_enqueue):
+    ada.post(reverse("playground:run_submit"), completion(steer_scale="4"))
     run = Run.objects.get()
     assert "apply_steering_vectors" not in run.request and run.vector is None
 
 
-def test_steering_controls_are_collapsed_until_used(user_client, approved_user):
+def test_steering_controls_are_collapsed_until_used(ada, approved_user):
     library_vector(approved_user)
-    page = user_client.get(reverse("playground:page")).content.decode()
+    page = ada.get(reverse("playground:page")).content.decode()
     assert '<details id="completion-steering"' in page
     opening = page.split('<details id="completion-steering"')[1].split(">")[0]
     assert " open" not in opening
@@ -359,11 +347,9 @@ def test_steering_controls_are_collapsed_until_used(user_client, approved_user):
         ({"steer_scale": "4", "steer_layers": "3, 3"}, "steer_layers", "3 is listed more"),
     ],
 )
-def test_steering_field_errors(user_client, approved_user, fields, field, message):
+def test_steering_field_errors(ada, approved_user, fields, field, message):
     vector = library_vector(approved_user)
-    response = user_client.post(
-        reverse("playground:run_submit"), completion(vector, **fields), **HTMX
-    )
+    response = ada.post(reverse("playground:run_submit"), completion(vector, **fields), **HTMX)
     body = response.content.decode()
     assert message in body.split(f'id="id_{field}"')[1]
     assert (
@@ -371,43 +357,37 @@ def test_steering_field_errors(user_client, approved_user, fields, field, messag
         and "open>" in body.split('<details id="completion-steering"')[1].split("<summary>")[0]
     )
     assert not Run.objects.exists()
-    plain = user_client.post(reverse("playground:run_submit"), completion(vector, **fields))
+    plain = ada.post(reverse("playground:run_submit"), completion(vector, **fields))
     assert plain.status_code == 400 and message in plain.content.decode()
 
 
-def test_layers_without_a_vector_and_a_vector_of_another_model_are_refused(
-    user_client, approved_user
-):
-    response = user_client.post(
+def test_layers_without_a_vector_and_a_vector_of_another_model_are_refused(ada, approved_user):
+    response = ada.post(
         reverse("playground:run_submit"), completion(steer_layers="3", steer_scale="4")
     )
     assert (
         response.status_code == 400 and "Pick a vector to steer with" in response.content.decode()
     )
     other_model = library_vector(approved_user, model="llama-8b", hidden=4096)
-    response = user_client.post(
-        reverse("playground:run_submit"), completion(other_model, steer_scale="4")
-    )
+    response = ada.post(reverse("playground:run_submit"), completion(other_model, steer_scale="4"))
     assert response.status_code == 400 and "was made for llama-8b" in response.content.decode()
     assert not Run.objects.exists()
 
 
-def test_another_users_vector_cannot_steer(user_client, other_user):
+def test_another_users_vector_cannot_steer(ada, other_user):
     theirs = library_vector(other_user)
-    response = user_client.post(
-        reverse("playground:run_submit"), completion(theirs, steer_scale="4")
-    )
+    response = ada.post(reverse("playground:run_submit"), completion(theirs, steer_scale="4"))
     assert response.status_code == 400 and "Select a valid choice" in response.content.decode()
     assert not Run.objects.exists()
 
 
-def test_edit_and_rerun_keeps_the_steering(user_client, approved_user, no_enqueue):
+def test_edit_and_rerun_keeps_the_steering(ada, approved_user, no_enqueue):
     vector = library_vector(approved_user)
-    user_client.post(
+    ada.post(
         reverse("playground:run_submit"), completion(vector, steer_layers="5", steer_scale="6")
     )
     run = Run.objects.get()
-    page = user_client.get(reverse("playground:run_edit", args=[run.id])).content.decode()
+    page = ada.get(reverse("playground:run_edit", args=[run.id])).content.decode()
     steering = page.split('<details id="completion-steering"')[1].split("</details>")[0]
     assert f'<option value="{vector.pk}" selected>' in steering
     assert 'value="5"' in steering and 'value="6.0"' in steering

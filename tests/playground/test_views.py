@@ -20,35 +20,12 @@ from playground import forms, selectors, streams, views
 from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
 from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
 
-from .conftest import recorded
+from .conftest import HTMX, MODEL, recorded
 
-MODEL = {
-    "id": "smollm2-135m",
-    "object": "model",
-    "status": "live",
-    "capabilities": {
-        "max_model_len": 8192,
-        "max_logprobs": 20,
-        "full_vocab_max_prompt_tokens": 256,
-        "activations": True,
-        "n_layers": 30,
-        "hidden_size": 576,
-        "max_steering_vectors": 8,
-    },
-}
-HTMX = {"HTTP_HX_REQUEST": "true"}
 EVIL = "<script>alert('pwned')</script><b>bold</b>"
 
 
-@pytest.fixture(autouse=True)
-def model_list(monkeypatch):
-    monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
-
-
-@pytest.fixture
-def user_client(client, approved_user):
-    client.force_login(approved_user)
-    return client
+pytestmark = pytest.mark.usefixtures("listed_model")
 
 
 def finished_run(user, *, request=None, response=None, **fields):
@@ -69,8 +46,8 @@ def evil_response():
     return response
 
 
-def test_page_lists_every_request_field_with_limits(user_client):
-    page = user_client.get(reverse("playground:page")).content.decode()
+def test_page_lists_every_request_field_with_limits(ada):
+    page = ada.get(reverse("playground:page")).content.decode()
     for name in (
         "prompt", "several_prompts", "max_tokens", "temperature", "top_p", "top_k", "seed",
         "stop", "name=\"n\"", "logprobs", "prompt_logprobs", "echo", "stream", "capture",
@@ -81,10 +58,10 @@ def test_page_lists_every_request_field_with_limits(user_client):
     assert '<option value="smollm2-135m" selected>' in page
 
 
-def test_model_without_activations_disables_capture_with_the_reason(user_client, monkeypatch):
+def test_model_without_activations_disables_capture_with_the_reason(ada, monkeypatch):
     plain = {**MODEL, "capabilities": {**MODEL["capabilities"], "activations": False}}
     monkeypatch.setattr(views, "model_cards", lambda: [plain])
-    page = user_client.get(reverse("playground:page")).content.decode()
+    page = ada.get(reverse("playground:page")).content.decode()
     assert "smollm2-135m does not support activation capture or steering." in page
     assert 'name="capture" disabled' in page or 'disabled id="id_capture"' in page
 
@@ -96,7 +73,7 @@ def test_page_needs_an_approved_login(client, pending_user):
 
 
 def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
-    user_client, approved_user, other_user
+    ada, approved_user, other_user
 ):
     earlier = finished_run(approved_user)
     latest = Run.objects.create(
@@ -105,7 +82,7 @@ def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
     )  # fmt: skip
     Run.objects.create(user=approved_user, kind=RunKind.SWEEP, request={"prompt": "steer"})
     Run.objects.create(user=other_user, request={"prompt": "theirs"})
-    response = user_client.get(reverse("playground:page"))
+    response = ada.get(reverse("playground:page"))
     assert "no-store" in response["Cache-Control"]
     body = response.content.decode()
     panel = body[body.index('<div id="run-area">') :]
@@ -115,16 +92,16 @@ def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
     assert f'data-run-id="{earlier.id}"' not in body
 
 
-def test_page_without_runs_says_where_the_run_will_appear(user_client):
-    body = user_client.get(reverse("playground:page")).content.decode()
+def test_page_without_runs_says_where_the_run_will_appear(ada):
+    body = ada.get(reverse("playground:page")).content.decode()
     assert "The run's status and output appear here." in body and "data-run-id" not in body
 
 
 def test_htmx_submit_creates_the_run_and_returns_its_panel(
-    user_client, no_enqueue, django_capture_on_commit_callbacks
+    ada, no_enqueue, django_capture_on_commit_callbacks
 ):
     with django_capture_on_commit_callbacks(execute=True):
-        response = user_client.post(
+        response = ada.post(
             reverse("playground:run_submit"),
             {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": "8", "stream": "on",
              "include_usage": "on", "logprobs": "3", "stop": "\n\nEND", "seed": "7"},
@@ -143,8 +120,8 @@ def test_htmx_submit_creates_the_run_and_returns_its_panel(
     assert no_enqueue == [str(run.id)]
 
 
-def test_plain_submit_redirects_to_the_permalink(user_client, no_enqueue):
-    response = user_client.post(
+def test_plain_submit_redirects_to_the_permalink(ada, no_enqueue):
+    response = ada.post(
         reverse("playground:run_submit"), {"model": "smollm2-135m", "prompt": "Hello"}
     )
     run = Run.objects.get()
@@ -163,8 +140,8 @@ def test_plain_submit_redirects_to_the_permalink(user_client, no_enqueue):
         ({"capture": "layers", "capture_layers": "30"}, "capture_layers", "No such layer: 30."),
     ],
 )
-def test_invalid_htmx_submit_shows_the_error_next_to_the_field(user_client, data, field, message):
-    response = user_client.post(
+def test_invalid_htmx_submit_shows_the_error_next_to_the_field(ada, data, field, message):
+    response = ada.post(
         reverse("playground:run_submit"),
         {"model": "smollm2-135m", "prompt": "Hi", **data},
         **HTMX,
@@ -176,13 +153,13 @@ def test_invalid_htmx_submit_shows_the_error_next_to_the_field(user_client, data
     assert not Run.objects.exists()
 
 
-def test_invalid_plain_submit_renders_the_page_with_400(user_client):
-    response = user_client.post(reverse("playground:run_submit"), {"model": "smollm2-135m"})
+def test_invalid_plain_submit_renders_the_page_with_400(ada):
+    response = ada.post(reverse("playground:run_submit"), {"model": "smollm2-135m"})
     assert response.status_code == 400
     assert "This field is required." in response.content.decode()
 
 
-def test_another_users_run_is_404_everywhere(user_client, other_user):
+def test_another_users_run_is_404_everywhere(ada, other_user):
     request = {"model": "m", "prompt": "x", "output_residual_stream": [0, 4, 8]}
     run = finished_run(other_user, response=recorded("capture.json"), request=request)
     urls = [
@@ -194,9 +171,9 @@ def test_another_users_run_is_404_everywhere(user_client, other_user):
         reverse("playground:group_detail", args=[run.id]),
     ]
     for url in urls:
-        assert user_client.get(url).status_code == 404, url
-        assert user_client.get(url, **HTMX).status_code == 404, url
-    assert user_client.post(reverse("playground:run_rerun", args=[run.id])).status_code == 404
+        assert ada.get(url).status_code == 404, url
+        assert ada.get(url, **HTMX).status_code == 404, url
+    assert ada.post(reverse("playground:run_rerun", args=[run.id])).status_code == 404
 
 
 @pytest.mark.django_db(transaction=True)
@@ -209,14 +186,14 @@ async def test_another_users_run_events_are_404(
     assert response.status_code == 404
 
 
-def test_another_users_vector_is_404_and_not_selectable(user_client, other_user, no_enqueue):
+def test_another_users_vector_is_404_and_not_selectable(ada, other_user, no_enqueue):
     vector = steering_vector_create(
         user=other_user, name="theirs", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip
     url = reverse("playground:vector_download", args=[vector.pk])
-    assert user_client.get(url).status_code == 404
-    response = user_client.post(
+    assert ada.get(url).status_code == 404
+    response = ada.post(
         reverse("playground:steer"),
         {
             "steer-vector": vector.pk,
@@ -234,7 +211,7 @@ def test_another_users_vector_is_404_and_not_selectable(user_client, other_user,
     assert not Run.objects.exists()
 
 
-def test_model_output_with_html_is_shown_as_text_everywhere(user_client, approved_user):
+def test_model_output_with_html_is_shown_as_text_everywhere(ada, approved_user):
     run = finished_run(
         approved_user,
         request={"model": "smollm2-135m", "prompt": EVIL, "logprobs": 5, "prompt_logprobs": 3},
@@ -246,11 +223,11 @@ def test_model_output_with_html_is_shown_as_text_everywhere(user_client, approve
         error_code="invalid_request", error_message=EVIL,
     )  # fmt: skip
     pages = [
-        user_client.get(reverse("playground:run_detail", args=[run.id])),
-        user_client.get(reverse("playground:run_detail", args=[run.id]), **HTMX),
-        user_client.get(reverse("playground:run_history")),
-        user_client.get(reverse("playground:page")),
-        user_client.get(reverse("playground:run_figure", args=[run.id, "topk"]) + "?position=5"),
+        ada.get(reverse("playground:run_detail", args=[run.id])),
+        ada.get(reverse("playground:run_detail", args=[run.id]), **HTMX),
+        ada.get(reverse("playground:run_history")),
+        ada.get(reverse("playground:page")),
+        ada.get(reverse("playground:run_figure", args=[run.id, "topk"]) + "?position=5"),
     ]
     for page in pages:
         body = page.content.decode()
@@ -262,14 +239,14 @@ def test_model_output_with_html_is_shown_as_text_everywhere(user_client, approve
     assert "\\u0026lt;script\\u0026gt;" in detail  # figure JSON keeps the token escaped
 
 
-def test_run_page_shows_request_response_timings_usage_and_figures(user_client, approved_user):
+def test_run_page_shows_request_response_timings_usage_and_figures(ada, approved_user):
     request = {"model": "smollm2-135m", "prompt": "The capital of France is", "logprobs": 5,
                "prompt_logprobs": 3, "max_tokens": 6}  # fmt: skip
     usage = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
     run = finished_run(
         approved_user, request=request, gateway_ms=14.5, upstream_ms=11.25, usage=usage
     )
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert "14.5 ms" in body and "11.3 ms" in body
     assert "5 prompt + 6 completion = 11 tokens" in body
     assert "&quot;prompt_logprobs&quot;: 3" in body
@@ -278,84 +255,82 @@ def test_run_page_shows_request_response_timings_usage_and_figures(user_client, 
     assert "Copy as Python (openai SDK)" in body and "Edit and re-run" in body
 
 
-def test_run_panel_times_are_utc_to_the_second(user_client, approved_user):
+def test_run_panel_times_are_utc_to_the_second(ada, approved_user):
     queued = dt.datetime(2026, 12, 1, 14, 3, 59, 744861, tzinfo=dt.UTC)
     run = finished_run(approved_user, queued_at=queued)
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert "2026-12-01 14:03:59 UTC" in body
     assert "744861" not in body
 
 
-def test_a_choice_that_ended_at_once_says_why_it_is_empty(user_client, approved_user):
+def test_a_choice_that_ended_at_once_says_why_it_is_empty(ada, approved_user):
     response = recorded("completion_logprobs.json")
     response["choices"][0].update(text="", finish_reason="stop")
     response["choices"][0]["logprobs"] = None
     request = {"model": "smollm2-135m", "prompt": "x", "stop": [" "]}
     run = finished_run(approved_user, request=request, response=response)
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert "the model stopped at its first token" in body
     assert "held a stop string of the request" in body
     full = finished_run(approved_user)
-    body = user_client.get(reverse("playground:run_detail", args=[full.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[full.id])).content.decode()
     assert "data-empty-choice" not in body
 
 
-def test_htmx_run_panel_is_a_partial(user_client, approved_user):
+def test_htmx_run_panel_is_a_partial(ada, approved_user):
     run = finished_run(approved_user)
-    partial = user_client.get(reverse("playground:run_detail", args=[run.id]), **HTMX)
+    partial = ada.get(reverse("playground:run_detail", args=[run.id]), **HTMX)
     assert "<html" not in partial.content.decode()
     assert 'class="run-panel"' in partial.content.decode()
-    full = user_client.get(reverse("playground:run_detail", args=[run.id]))
+    full = ada.get(reverse("playground:run_detail", args=[run.id]))
     assert "<html" in full.content.decode()
 
 
-def test_history_with_and_without_htmx(user_client, approved_user):
+def test_history_with_and_without_htmx(ada, approved_user):
     finished_run(approved_user)
-    partial = user_client.get(reverse("playground:run_history"), **HTMX).content.decode()
-    full = user_client.get(reverse("playground:run_history")).content.decode()
+    partial = ada.get(reverse("playground:run_history"), **HTMX).content.decode()
+    full = ada.get(reverse("playground:run_history")).content.decode()
     assert "<html" not in partial and 'id="history"' in partial
     assert "<html" in full and "The capital of France is" in full
 
 
-def test_capture_run_has_activation_figures_and_downloads(user_client, approved_user):
+def test_capture_run_has_activation_figures_and_downloads(ada, approved_user):
     run = finished_run(
         approved_user,
         request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
                  "output_residual_stream": [0, 4, 8]},
         response=recorded("capture.json"),
     )  # fmt: skip
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     for name in ("heatmap", "norm_by_layer", "cosine", "pca"):
         assert f'data-plot="{name}"' in body
-    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    download = ada.get(reverse("playground:run_activations", args=[run.id]))
     loaded = load_activations(download.content)
     tensor = loaded.captures[0].activations
     assert tensor.shape == (3, 5, 576) and tensor.dtype == np.float32
     captured = decode(recorded("capture.json")["activations"]["residual_stream"])
     assert np.array_equal(tensor, captured)
     assert loaded.layers == [0, 4, 8] and loaded.metadata["kind"] == "run"
-    figure = user_client.get(
-        reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=2", **HTMX
-    )
+    figure = ada.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=2", **HTMX)
     assert "PCA of positions, layer 8" in figure.content.decode()
-    bad = user_client.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=9")
+    bad = ada.get(reverse("playground:run_figure", args=[run.id, "pca"]) + "?pca_row=9")
     assert bad.status_code == 404
 
 
-def test_rerun_sends_the_same_request_again(user_client, approved_user, no_enqueue):
+def test_rerun_sends_the_same_request_again(ada, approved_user, no_enqueue):
     run = finished_run(approved_user)
-    response = user_client.post(reverse("playground:run_rerun", args=[run.id]), **HTMX)
+    response = ada.post(reverse("playground:run_rerun", args=[run.id]), **HTMX)
     again = Run.objects.exclude(pk=run.pk).get()
     assert again.request == {**run.request, "return_token_ids": True}
     assert again.status == RunStatus.QUEUED
     assert str(again.id) in response.content.decode()
 
 
-def test_edit_and_rerun_fills_the_form_from_the_request(user_client, approved_user):
+def test_edit_and_rerun_fills_the_form_from_the_request(ada, approved_user):
     request = {"model": "smollm2-135m", "prompt": ["one", "two"], "max_tokens": 5,
                "stop": ["x", "y"], "output_residual_stream": [1, 2], "n": 1}  # fmt: skip
     run = finished_run(approved_user, request=request)
-    body = user_client.get(reverse("playground:run_edit", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_edit", args=[run.id])).content.decode()
     assert ">\none\ntwo</textarea>" in body and ">\nx\ny</textarea>" in body
     assert 'value="1, 2"' in body and 'id="id_several_prompts" checked' in body
 
@@ -463,12 +438,12 @@ async def test_sse_of_a_run_whose_stream_expired_ends_at_once(
     assert json.loads(body.split("data: ")[1]) == {"type": "end", "status": "failed"}
 
 
-def test_upload_rejects_a_wrong_shape_with_a_clear_error(user_client):
+def test_upload_rejects_a_wrong_shape_with_a_clear_error(ada):
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((2, 576), dtype=np.float32))
     buffer.name = "v.npy"
     buffer.seek(0)
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:vector_upload"),
         {"upload-name": "v", "upload-layer": 3, "upload-file": buffer},
         **HTMX,
@@ -480,10 +455,10 @@ def test_upload_rejects_a_wrong_shape_with_a_clear_error(user_client):
     assert not SteeringVector.objects.exists()
 
 
-def test_upload_rejects_a_file_that_is_not_npy(user_client):
+def test_upload_rejects_a_file_that_is_not_npy(ada):
     garbage = io.BytesIO(b"not numpy")
     garbage.name = "v.npy"
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:vector_upload"),
         {"upload-name": "v", "upload-layer": 3, "upload-file": garbage},
     )
@@ -491,10 +466,10 @@ def test_upload_rejects_a_file_that_is_not_npy(user_client):
     assert "This is not a .npy file" in response.content.decode()
 
 
-def _upload(user_client, content: bytes, headers):
+def _upload(ada, content: bytes, headers):
     upload = io.BytesIO(content)
     upload.name = "v.npy"
-    return user_client.post(
+    return ada.post(
         reverse("playground:vector_upload"),
         {"upload-name": "v", "upload-layer": 3, "upload-file": upload},
         **headers,
@@ -508,14 +483,12 @@ def _npy(array) -> bytes:
 
 
 @pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
-def test_an_npy_header_claiming_2_to_the_40_values_is_refused_before_reading_them(
-    user_client, headers
-):
+def test_an_npy_header_claiming_2_to_the_40_values_is_refused_before_reading_them(ada, headers):
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
         header, {"descr": "<f4", "fortran_order": False, "shape": (2**40,)}
     )
-    response = _upload(user_client, header.getvalue() + b"\0" * 64, headers)
+    response = _upload(ada, header.getvalue() + b"\0" * 64, headers)
     assert response.status_code == (200 if headers else 400)
     assert "The array has shape [1099511627776]; this model needs [576] or [1, 576]." in (
         response.content.decode()
@@ -523,8 +496,8 @@ def test_an_npy_header_claiming_2_to_the_40_values_is_refused_before_reading_the
     assert not SteeringVector.objects.exists()
 
 
-def test_an_npy_file_with_fewer_values_than_its_header_says_is_a_field_error(user_client):
-    response = _upload(user_client, _npy(np.zeros(576, dtype=np.float32))[:-8], {})
+def test_an_npy_file_with_fewer_values_than_its_header_says_is_a_field_error(ada):
+    response = _upload(ada, _npy(np.zeros(576, dtype=np.float32))[:-8], {})
     assert response.status_code == 400
     assert "The file holds fewer values than its header&#x27;s shape [576] says." in (
         response.content.decode()
@@ -540,19 +513,17 @@ def test_an_npy_file_with_fewer_values_than_its_header_says_is_a_field_error(use
         (-np.inf, "Value 7 is -inf; every value must be finite."),
     ],
 )
-def test_an_upload_whose_value_is_not_finite_once_stored_names_the_first_one(
-    user_client, value, message
-):
+def test_an_upload_whose_value_is_not_finite_once_stored_names_the_first_one(ada, value, message):
     array = np.full(576, 0.5)
     array[7] = array[9] = value
-    response = _upload(user_client, _npy(array), HTMX)
+    response = _upload(ada, _npy(array), HTMX)
     assert message in response.content.decode()
     assert not SteeringVector.objects.exists()
 
 
 @pytest.mark.parametrize("headers", [{}, HTMX], ids=["plain", "htmx"])
-def test_several_prompts_of_only_a_newline_is_a_field_error(user_client, headers):
-    response = user_client.post(
+def test_several_prompts_of_only_a_newline_is_a_field_error(ada, headers):
+    response = ada.post(
         reverse("playground:run_submit"),
         {"model": "smollm2-135m", "prompt": "\n", "several_prompts": "on", "max_tokens": "4"},
         **headers,
@@ -564,12 +535,12 @@ def test_several_prompts_of_only_a_newline_is_a_field_error(user_client, headers
     assert not Run.objects.exists()
 
 
-def test_upload_saves_a_one_by_hidden_vector(user_client, approved_user):
+def test_upload_saves_a_one_by_hidden_vector(ada, approved_user):
     buffer = io.BytesIO()
     np.save(buffer, np.full((1, 576), 0.5, dtype=np.float32))
     buffer.name = "v.npy"
     buffer.seek(0)
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:vector_upload"),
         {"upload-name": "half", "upload-layer": 3, "upload-file": buffer},
         **HTMX,
@@ -577,15 +548,15 @@ def test_upload_saves_a_one_by_hidden_vector(user_client, approved_user):
     vector = SteeringVector.objects.get(user=approved_user)
     assert vector.norm == pytest.approx(0.5 * 576**0.5) and vector.hidden_size == 576
     assert "half" in response.content.decode()
-    download = user_client.get(reverse("playground:vector_download", args=[vector.pk]))
+    download = ada.get(reverse("playground:vector_download", args=[vector.pk]))
     assert np.load(io.BytesIO(download.content)).tolist() == [0.5] * 576
 
 
-def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueue, monkeypatch):
+def test_contrast_form_queues_two_captures(ada, approved_user, no_enqueue, monkeypatch):
     # Each prompt two tokens (the form refuses one: see test_contrast_vectors).
     two = PromptTokens(ids=[40, 1234], strings=["I", " love"])
     monkeypatch.setattr(forms, "tokenize", lambda model_id, texts: [two for _ in texts])
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:vector_contrast"),
         {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "I love",
          "contrast-negative": "I hate", "contrast-method": "contrast_mean"},
@@ -600,7 +571,7 @@ def test_contrast_form_queues_two_captures(user_client, approved_user, no_enqueu
     assert 'hx-trigger="load delay:700ms"' in response.content.decode()
 
 
-def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_user):
+def test_contrast_panel_polls_until_the_vector_is_saved(ada, approved_user):
     group = uuid.uuid4()
     for role in ("positive", "negative"):
         finished_run(
@@ -609,24 +580,22 @@ def test_contrast_panel_polls_until_the_vector_is_saved(user_client, approved_us
         )  # fmt: skip
     url = reverse("playground:group_detail", args=[group])
     # Both captures succeeded, but their worker has not saved the vector yet.
-    assert 'data-finished="false"' in user_client.get(url, **HTMX).content.decode()
+    assert 'data-finished="false"' in ada.get(url, **HTMX).content.decode()
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32),
     )  # fmt: skip
     Run.objects.filter(group=group).update(vector=vector)
-    body = user_client.get(url, **HTMX).content.decode()
+    body = ada.get(url, **HTMX).content.decode()
     assert 'data-finished="true"' in body and "vector-ready" in body
 
 
-def test_steering_runs_baseline_and_steered_with_the_same_seed(
-    user_client, approved_user, no_enqueue
-):
+def test_steering_runs_baseline_and_steered_with_the_same_seed(ada, approved_user, no_enqueue):
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
-    user_client.post(
+    ada.post(
         reverse("playground:steer"),
         {
             "steer-vector": vector.pk,
@@ -651,12 +620,12 @@ def test_steering_runs_baseline_and_steered_with_the_same_seed(
     assert runs[0].group == runs[1].group
 
 
-def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_enqueue):
+def test_absolute_scale_steers_at_several_layers(ada, approved_user, no_enqueue):
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
         vector=np.full(576, 2.0, dtype=np.float32),
     )  # fmt: skip
-    user_client.post(
+    ada.post(
         reverse("playground:steer"),
         {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
          "steer-scales": "2", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 11,
@@ -667,13 +636,13 @@ def test_absolute_scale_steers_at_several_layers(user_client, approved_user, no_
     assert steered["layer_indices"] == [3, 5] and steered["activations"]["shape"] == [2, 576]
 
 
-def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, approved_user):
+def test_typical_norm_scale_is_only_for_the_vectors_own_layer(ada, approved_user):
     # The typical norm was measured at the vector's layer; another layer's can differ a lot.
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:steer"),
         {"steer-vector": vector.pk, "steer-prompt": "I", "steer-scale_unit": "typical",
          "steer-scales": "1", "steer-max_tokens": 4, "steer-temperature": 0, "steer-seed": 1,
@@ -684,12 +653,12 @@ def test_typical_norm_scale_is_only_for_the_vectors_own_layer(user_client, appro
     assert not Run.objects.exists()
 
 
-def test_typical_norm_scale_needs_a_contrast_vector(user_client, approved_user):
+def test_typical_norm_scale_needs_a_contrast_vector(ada, approved_user):
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="upload",
         vector=np.ones(576, dtype=np.float32),
     )  # fmt: skip
-    response = user_client.post(
+    response = ada.post(
         reverse("playground:steer"),
         {
             "steer-vector": vector.pk,
@@ -734,7 +703,7 @@ def score_of(user, group, runs) -> SteeringScore:
     )
 
 
-def test_comparison_page_shows_both_texts_and_the_difference(user_client, approved_user):
+def test_comparison_page_shows_both_texts_and_the_difference(ada, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000001"
     runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
@@ -742,20 +711,20 @@ def test_comparison_page_shows_both_texts_and_the_difference(user_client, approv
                      meta={"target_token": "'s"})
         for scale, name in ((0.0, "steer_baseline.json"), (4.0, "steer_steered.json"))
     ]  # fmt: skip
-    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    body = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     # Until the runs are compared on the same tokens, the panel keeps polling.
     assert 'data-finished="false"' in body and 'data-plot="diff-4"' not in body
     score_of(approved_user, group, runs)
-    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    body = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert "Baseline (scale 0)" in body and "Steered, scale 4" in body
     assert "&#x27;s a great idea." in body
     assert 'data-plot="diff-4"' in body and 'data-finished="true"' in body
     assert "-0.500 nats/token" in body and "0.375 nats/token" in body
-    partial = user_client.get(reverse("playground:group_detail", args=[group]), **HTMX)
+    partial = ada.get(reverse("playground:group_detail", args=[group]), **HTMX)
     assert "<html" not in partial.content.decode()
 
 
-def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_user):
+def test_sweep_page_plots_target_logprob_against_scale(ada, approved_user):
     group = "6f1d7f5e-0000-4000-8000-000000000002"
     runs = [
         finished_run(approved_user, group=group, scale=scale, response=recorded(name),
@@ -764,13 +733,11 @@ def test_sweep_page_plots_target_logprob_against_scale(user_client, approved_use
                             (4.0, "steer_steered.json"))
     ]  # fmt: skip
     score_of(approved_user, group, runs)
-    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    body = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'data-plot="sweep"' in body
 
 
-def test_page_shows_the_latest_comparison_in_the_steering_area(
-    user_client, approved_user, other_user
-):
+def test_page_shows_the_latest_comparison_in_the_steering_area(ada, approved_user, other_user):
     older = "6f1d7f5e-0000-4000-8000-000000000003"
     for scale in (0.0, 4.0):
         finished_run(approved_user, group=older, scale=scale, kind=RunKind.STEERING_STEERED)
@@ -783,7 +750,7 @@ def test_page_shows_the_latest_comparison_in_the_steering_area(
                        status=RunStatus.RUNNING, request={"prompt": "steer"})  # fmt: skip
     Run.objects.create(user=other_user, group=uuid.uuid4(), scale=0, kind=RunKind.SWEEP,
                        request={"prompt": "theirs"})  # fmt: skip
-    body = user_client.get(reverse("playground:page")).content.decode()
+    body = ada.get(reverse("playground:page")).content.decode()
     area = body[body.index('<div id="steering-area"') :]
     area = area[: area.index("</section>")]
     # Still running: the panel polls for the rest; the older comparison is only in History.
@@ -792,9 +759,9 @@ def test_page_shows_the_latest_comparison_in_the_steering_area(
     assert area.count('class="card"') == 4 and older not in area
 
 
-def test_page_without_comparisons_has_an_empty_steering_area(user_client, approved_user):
+def test_page_without_comparisons_has_an_empty_steering_area(ada, approved_user):
     finished_run(approved_user)
-    body = user_client.get(reverse("playground:page")).content.decode()
+    body = ada.get(reverse("playground:page")).content.decode()
     assert '<div id="steering-area" aria-live="polite"></div>' in body
 
 
@@ -812,54 +779,52 @@ def _figure_json(body: str, name: str) -> str:
     return body.split(f'<script id="{name}" type="application/json">')[1].split("</script>")[0]
 
 
-def test_every_per_choice_figure_follows_the_chosen_choice(user_client, approved_user):
+def test_every_per_choice_figure_follows_the_chosen_choice(ada, approved_user):
     request = {"model": "smollm2-135m", "prompt": "The capital of France is", "logprobs": 5,
                "prompt_logprobs": 3, "max_tokens": 6, "n": 2}  # fmt: skip
     run = finished_run(approved_user, request=request, response=_two_choices())
     url = reverse("playground:run_detail", args=[run.id])
-    first = user_client.get(url).content.decode()
+    first = ada.get(url).content.decode()
     assert "data-choice-select" in first and "Lyon-marker" not in _figure_json(first, "tokens")
-    chosen = user_client.get(url + "?choice=1", **HTMX).content.decode()
+    chosen = ada.get(url + "?choice=1", **HTMX).content.decode()
     assert "Lyon-marker" in _figure_json(chosen, "tokens")
     assert "Lyon-marker" in chosen.split('data-picker="topk"')[1].split("</select>")[0]
     assert '<input type="hidden" name="choice" value="1">' in chosen
     figure_url = reverse("playground:run_figure", args=[run.id, "topk"])
-    topk = user_client.get(figure_url + "?position=5&choice=1", **HTMX).content.decode()
+    topk = ada.get(figure_url + "?position=5&choice=1", **HTMX).content.decode()
     assert "Lyon-marker" in topk
     for bad in ("2", "x", "-1"):
-        missing = user_client.get(url + f"?choice={bad}")
+        missing = ada.get(url + f"?choice={bad}")
         assert missing.status_code == 404
-        assert user_client.get(figure_url + f"?position=5&choice={bad}").status_code == 404
+        assert ada.get(figure_url + f"?position=5&choice={bad}").status_code == 404
 
 
-def test_norm_heatmap_colour_can_be_log_or_clipped(user_client, approved_user):
+def test_norm_heatmap_colour_can_be_log_or_clipped(ada, approved_user):
     run = finished_run(
         approved_user,
         request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
                  "output_residual_stream": [0, 4, 8]},
         response=recorded("capture.json"),
     )  # fmt: skip
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert 'name="colour"' in body
     url = reverse("playground:run_figure", args=[run.id, "heatmap"])
     for colour, shown in (("log", "log₁₀"), ("clip", "clipped at the 95th percentile")):
-        partial = user_client.get(url + f"?colour={colour}", **HTMX).content.decode()
+        partial = ada.get(url + f"?colour={colour}", **HTMX).content.decode()
         title = json.loads(_figure_json(partial, "heatmap"))["layout"]["title"]["text"]
         assert title == (
             f"Residual-stream norm ‖h‖ by layer × position ({shown}), "
             "positions 1–4 (first token excluded)"
         )
-    assert user_client.get(url + "?colour=sepia").status_code == 404
+    assert ada.get(url + "?colour=sepia").status_code == 404
 
 
-def test_sweep_keeps_scales_as_entered_and_scores_the_target(
-    user_client, approved_user, no_enqueue
-):
+def test_sweep_keeps_scales_as_entered_and_scores_the_target(ada, approved_user, no_enqueue):
     vector = steering_vector_create(
         user=approved_user, name="v", model="smollm2-135m", layer=3, method="contrast_last",
         vector=np.full(576, 2.0, dtype=np.float32), layer_typical_norm=96.0,
     )  # fmt: skip
-    user_client.post(
+    ada.post(
         reverse("playground:steer"),
         {
             "steer-vector": vector.pk,
@@ -886,7 +851,7 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     Run.objects.update(status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json"))
     runs = sorted(Run.objects.all(), key=lambda r: r.scale)
     score_of(approved_user, runs[0].group, runs)
-    body = user_client.get(reverse("playground:group_detail", args=[runs[0].group])).content
+    body = ada.get(reverse("playground:group_detail", args=[runs[0].group])).content
     body = body.decode()
     assert "Steered, scale -1.5 × typical norm" in body and "scale -3" not in body
     diff = json.loads(_figure_json(body, "diff-1.5"))["layout"]["title"]["text"]
@@ -898,12 +863,12 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(
     )
 
 
-def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no_enqueue):
+def test_comparison_page_shows_what_each_arm_sent(ada, approved_user, no_enqueue):
     vector = steering_vector_create(
         user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
         vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
     )  # fmt: skip
-    user_client.post(
+    ada.post(
         reverse("playground:steer"),
         {"steer-vector": vector.pk, "steer-prompt": "I think", "steer-scale_unit": "absolute",
          "steer-scales": "6", "steer-max_tokens": 7, "steer-temperature": 0.5, "steer-seed": 13,
@@ -911,7 +876,7 @@ def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no
         **HTMX,
     )  # fmt: skip
     group = Run.objects.first().group
-    body = user_client.get(reverse("playground:group_detail", args=[group])).content.decode()
+    body = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert "Vector <strong>calm</strong> (‖v‖ = 12.00, built for layer 4)" in body
     assert "uploaded as <code>calm.npy</code>" in body
     rows = re.findall(r"<tr><td><a [^>]+>(baseline|steered)</a></td>(.*?)</tr>", body, re.S)
@@ -939,7 +904,7 @@ def test_comparison_page_shows_what_each_arm_sent(user_client, approved_user, no
     ]
 
 
-def test_position_lists_show_tokens_as_the_figures_do(user_client, approved_user):
+def test_position_lists_show_tokens_as_the_figures_do(ada, approved_user):
     response = recorded("completion_logprobs.json")
     run = finished_run(
         approved_user,
@@ -947,13 +912,13 @@ def test_position_lists_show_tokens_as_the_figures_do(user_client, approved_user
                  "logprobs": 5, "prompt_logprobs": 3},
         response=response,
     )  # fmt: skip
-    body = user_client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
+    body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     # The newlines of " Paris.\n\nThe answer" are ⏎ in the list, as on the charts.
     assert '<option value="7" >7 ⏎</option>' in body and "7: \n" not in body
     assert '<option value="1" >1 ·capital</option>' in body
 
 
-def test_run_download_names_the_steering_applied_and_its_vector(user_client, approved_user):
+def test_run_download_names_the_steering_applied_and_its_vector(ada, approved_user):
     vector = steering_vector_create(
         user=approved_user, name="calm", model="smollm2-135m", layer=4, method="upload",
         vector=np.full(576, 0.5, dtype=np.float32), details={"filename": "calm.npy"},
@@ -966,7 +931,7 @@ def test_run_download_names_the_steering_applied_and_its_vector(user_client, app
                  "output_residual_stream": [0, 4, 8], "apply_steering_vectors": [steering]},
         response=recorded("capture.json"), vector=vector, request_id="req-77",
     )  # fmt: skip
-    download = user_client.get(reverse("playground:run_activations", args=[run.id]))
+    download = ada.get(reverse("playground:run_activations", args=[run.id]))
     loaded = load_activations(download.content)
     [applied] = loaded.steering
     assert (applied["layer_indices"], applied["scale"], applied["norm_match"]) == ([4], 2.5, True)

@@ -9,7 +9,6 @@ Run by `make test-vllm` (part of `make test`), not by the web suite: `pytest tes
 
 from pathlib import Path
 
-import httpx
 import pytest
 from django.db import connections
 
@@ -17,7 +16,7 @@ from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import probes_clear, registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
-from tests.gateway.conftest import SETTLED_HOOKS
+from tests.gateway.conftest import gateway_client
 from testsupport.servers import serve_in_thread, stop_server
 from testsupport.vllm_lens import MODEL, vllm_lens_server
 
@@ -92,12 +91,7 @@ def models(transactional_db, vllm_lens, engine_url, tokenizer_json, weights_dir,
 
 @pytest.fixture
 def client(gateway_url, api_secret, models):
-    with httpx.Client(
-        base_url=gateway_url,
-        headers={"Authorization": f"Bearer {api_secret}"},
-        timeout=600,
-        event_hooks=SETTLED_HOOKS,
-    ) as http:
+    with gateway_client(gateway_url, api_secret, timeout=600) as http:
         yield http
 
 
