@@ -93,7 +93,8 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     # vLLM's: each choice also carries `prompt_token_ids` and the generated `token_ids` (in a
     # stream, the prompt's in the first chunk and each chunk's new ids): the tokens exactly,
-    # where text or logprobs strings can name several tokenizations.
+    # where text or logprobs strings can name several tokenizations. Not with echo
+    # (check_field_pairs).
     return_token_ids: bool = False
     user: str | None = None
 
@@ -181,14 +182,24 @@ def check_stop_strings(stop: list[str]) -> None:
         )
 
 
-def check_streamed_fields(*, stream: bool, prompt_logprobs: int | None) -> None:
-    """Prompt logprobs come with a whole answer only: vLLM refuses them with stream: true;
-    RuleBroken otherwise."""
+def check_field_pairs(
+    *, stream: bool, prompt_logprobs: int | None, echo: bool, return_token_ids: bool
+) -> None:
+    """Fields vLLM does not answer together: prompt logprobs come with a whole answer only
+    (vLLM refuses them with stream: true), and under `return_token_ids` vLLM leaves the echoed
+    prompt out of `text` (its ids are in `prompt_token_ids`), where echo promises it in front;
+    RuleBroken naming the pair otherwise."""
     if stream and prompt_logprobs is not None:
         raise RuleBroken(
             "'prompt_logprobs' cannot be streamed; set stream: false, or leave "
             "prompt_logprobs out.",
             field="prompt_logprobs",
+        )
+    if echo and return_token_ids:
+        raise RuleBroken(
+            "'echo' with 'return_token_ids': vLLM then leaves the prompt out of the text; "
+            "send one of them (the prompt's ids come in prompt_token_ids).",
+            field="echo",
         )
 
 

@@ -112,8 +112,8 @@ class CompletionChoice(RelayedBody):
     prompt_token_ids: list[int] | None = None
     """With `return_token_ids`: the prompt's token ids (in a stream, in the first chunk)."""
     token_ids: list[int] | None = None
-    """With `return_token_ids`: the generated tokens' ids, the prompt's first under `echo`
-    (in a stream, each chunk's new ones)."""
+    """With `return_token_ids`: the generated tokens' ids (in a stream, each chunk's new
+    ones)."""
 
 
 class TokenUsage(RelayedBody):

@@ -489,13 +489,10 @@ class Scheduler:
             )
             delta.logprobs.append(self.loaded.token_strings[token], logprob, top, offset)
         if params.return_token_ids:
-            # As vLLM: the prompt's ids in the first delta, and under echo in front of the
-            # generated ids too.
+            # As vLLM: the prompt's ids in the first delta (never with echo: check_field_pairs).
             delta.token_ids = [token]
             if first is not None:
                 delta.prompt_token_ids = list(sequence.prompt_ids)
-                if params.echo:
-                    delta.token_ids = [*sequence.prompt_ids, token]
         if stop_hit is not None:
             delta.finish_reason, delta.stop_reason = "stop", stop_hit
         elif token in self.loaded.eos_token_ids and not params.ignore_eos:

@@ -17,9 +17,9 @@ from acs_client.protocol import (
     OUTPUT_WORK_CAP,
     RuleBroken,
     check_capture_request,
+    check_field_pairs,
     check_output_work,
     check_steering_positions,
-    check_streamed_fields,
     quartile_layers,
 )
 from api.errors import ApiError
@@ -301,9 +301,12 @@ class CompletionForm(SubmitOnceForm):
         if max_tokens:
             self._rule(check_output_work, sequences=len(prompts) * n, max_tokens=max_tokens)
         self._rule(
-            check_streamed_fields,
+            check_field_pairs,
             stream=bool(data.get("stream")),
             prompt_logprobs=data.get("prompt_logprobs"),
+            echo=bool(data.get("echo")),
+            # Asked for by the playground itself, only without echo (run_tokens.with_token_ids).
+            return_token_ids=False,
         )
         if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
             self.add_error(

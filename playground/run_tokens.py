@@ -5,8 +5,8 @@ its request asked for, so that every position of every figure can be named by it
 Stored in `Run.tokens` as
 `{"prompts": [{"ids", "strings"}], "completions": [{"ids", "strings", "source"} | None]}`:
 one entry per prompt of the request and per choice of the response. A completion's tokens
-are the ids the response names (`source` "token_ids": every run asks for them with
-`return_token_ids`, see `with_token_ids`), each decoded alone; else, for answers without
+are the ids the response names (`source` "token_ids": every run without echo asks for them
+with `return_token_ids`, see `with_token_ids`), each decoded alone; else, for answers without
 them, the response's logprobs strings (`source` "logprobs": an id is None where several
 tokens decode to the same string); else unknown (None). The returned text is never
 tokenized again: its canonical tokens need not be the ones sampled (two "\n" tokens, ids
@@ -50,14 +50,14 @@ async def _run_tokens(request: dict, response: dict) -> dict:
 
 
 async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -> dict | None:
-    echoed = len(prompt["ids"]) if request.get("echo") else 0
     if choice.get("token_ids") is not None:
-        ids = choice["token_ids"][echoed:]
+        ids = choice["token_ids"]
         [strings] = await token_strings(model, [ids])
         if strings is not None:
             return {"ids": ids, "strings": strings, "source": "token_ids"}
     logprobs = choice.get("logprobs") or {}
     if logprobs.get("tokens") is not None:
+        echoed = len(prompt["ids"]) if request.get("echo") else 0
         strings = logprobs["tokens"][echoed:]
         ids = await token_ids_of_strings(model, strings)
         return {"ids": ids or [None] * len(strings), "strings": strings, "source": "logprobs"}
@@ -66,7 +66,10 @@ async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -
 
 def with_token_ids(request: dict) -> dict:
     """`request` asking the API for its tokens' ids (`return_token_ids`), which name every
-    generated position exactly (see the module's docstring)."""
+    generated position exactly (see the module's docstring); unchanged with echo, which the API
+    refuses beside them (`check_field_pairs`: vLLM drops the echoed text)."""
+    if request.get("echo"):
+        return request
     return {**request, "return_token_ids": True}
 
 

@@ -42,6 +42,7 @@ BAD_REQUESTS = [
     ({"output_residual_stream": True, "n": 2}, "invalid_request", "needs n = 1"),
     ({"output_residual_stream": True, "prompt": ["a", "b"]}, "invalid_request", "one prompt"),
     ({"output_residual_stream": True, "stream": True}, "invalid_request", "cannot be streamed"),
+    ({"echo": True, "return_token_ids": True}, "invalid_request", "'echo' with 'return_token_ids'"),
     ({"prompt": "word " * 300, "prompt_logprobs": -1}, "full_vocab_prompt_too_long", "256"),
     (steer(activations=codec((1, HIDDEN)), layer_indices=[31]), "invalid_request", "layer 31"),
     (steer(activations=codec((1, 100))), "invalid_request", "hidden size 100"),

@@ -91,6 +91,11 @@ def lying_steering(shape, frame_values):
             "invalid_request",
             "'prompt_logprobs' cannot be streamed",
         ),
+        (
+            {"echo": True, "return_token_ids": True},
+            "invalid_request",
+            "'echo' with 'return_token_ids'",
+        ),
         ({"output_residual_stream": [4]}, "invalid_request", "Layer 4"),
         ({"output_residual_stream": [1, 1]}, "invalid_request", "twice"),
         (

@@ -132,3 +132,32 @@ def test_an_answer_without_token_ids_or_logprobs_leaves_its_tokens_unknown(
     run = run_execute(run_id=run.id, final_attempt=True)
     assert run.tokens["completions"] == [None]
     assert run.tokens["prompts"][0]["ids"] == PROMPT_IDS
+
+
+def test_an_echoed_run_does_not_ask_for_token_ids_and_names_its_tokens_by_logprobs(
+    approved_user, gateway, no_enqueue
+):
+    """The API refuses echo beside `return_token_ids` (vLLM leaves the echoed prompt out of
+    the text then): an echoed run asks without them, and its generated tokens are the echoed
+    logprobs' strings after the prompt's."""
+    echoed = answer(logprobs=True)
+    choice = echoed["choices"][0]
+    del choice["token_ids"], choice["prompt_token_ids"]
+    prompt = [VOCABULARY[i] for i in PROMPT_IDS]
+    choice["text"] = PROMPT + "\n\n"
+    offsets = [len("".join(prompt[:i])) for i in range(len(prompt))]
+    choice["logprobs"] = {
+        "tokens": [*prompt, "\n", "\n"],
+        "token_logprobs": [None] + [-1.0] * (len(prompt) - 1) + [-0.5, -0.7],
+        "top_logprobs": [None] * (len(prompt) + 2),
+        "text_offset": [*offsets, len(PROMPT), len(PROMPT) + 1],
+    }
+    gateway.handler = lambda sent: httpx.Response(200, json=echoed)
+    request = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 2, "logprobs": 0,
+               "echo": True}  # fmt: skip
+    run = run_execute(run_id=run_create(user=approved_user, request=request).id, final_attempt=True)
+    sent = httpx.Response(200, content=gateway.requests[0].content).json()
+    assert "return_token_ids" not in sent and sent["echo"] is True
+    assert run.tokens["completions"] == [
+        {"ids": [NEWLINE, NEWLINE], "strings": ["\n", "\n"], "source": "logprobs"}
+    ]

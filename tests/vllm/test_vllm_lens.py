@@ -361,10 +361,11 @@ def test_vllms_own_error_bodies_map_to_the_contracts_codes(vllm_lens, fields, co
     assert error.message == answer.json()["error"]["message"]
 
 
-def test_token_ids_are_the_engines_as_vllm_returns_them(client, models):
+def test_token_ids_are_the_engines_as_vllm_returns_them(client, models, vllm_lens):
     """vLLM's own `return_token_ids`, which the playground labels every token from: the
-    engine answers it the same way (prompt ids, generated ids, the prompt's first under
-    echo)."""
+    engine answers it the same way (prompt ids, generated ids). With echo, vLLM leaves the
+    prompt out of `text` and of `token_ids`, where echo promises it in front: the gateway
+    refuses the pair for every upstream."""
     body = {
         "prompt": "The capital of France is",
         "max_tokens": 4,
@@ -378,7 +379,13 @@ def test_token_ids_are_the_engines_as_vllm_returns_them(client, models):
     agreed = assert_same_generation(ours, theirs)
     assert ours["token_ids"][:agreed] == theirs["token_ids"][:agreed]
     assert len(ours["token_ids"]) == len(theirs["token_ids"]) == 4
-    echoed = client.post(
-        "/v1/completions", json={"model": models["vllm"], **body, "logprobs": None, "echo": True}
+    echoed = {**body, "model": MODEL, "logprobs": None, "echo": True}
+    direct = httpx.post(
+        f"{vllm_lens.url}/v1/completions", json=echoed, headers=vllm_lens.headers(), timeout=60
     ).json()["choices"][0]
-    assert echoed["token_ids"] == ours["prompt_token_ids"] + ours["token_ids"]
+    assert not direct["text"].startswith(body["prompt"])
+    assert direct["token_ids"] == ours["token_ids"]
+    for model in models.values():
+        refused = client.post("/v1/completions", json={**echoed, "model": model})
+        assert refused.status_code == 400
+        assert "'echo' with 'return_token_ids'" in refused.json()["error"]["message"]
