@@ -195,6 +195,7 @@ STEERING_NOTEBOOK = '''MODEL = {model!r}
 PROMPT = {prompt!r}
 SAMPLING = {sampling!r}
 LAYERS = {layers!r}
+POSITIONS = {positions!r}  # the prompt's positions steered (None: every position)
 TARGET = {target!r}  # its logprob after the prompt is scored at each scale ("": none)
 # (scale as entered{unit}, scale sent)
 SCALES = {scales!r}
@@ -203,7 +204,7 @@ vector = np.load({vector_file!r})
 
 
 def steering(scale):
-    return [steering_vector(vector, layers=LAYERS, scale=scale)]
+    return [steering_vector(vector, layers=LAYERS, scale=scale, positions=POSITIONS)]
 
 
 def generate(scale):
@@ -264,6 +265,7 @@ def steering_notebook(runs, *, base_url: str) -> str:
             if key in request
         },
         layers=first.meta.get("layers"),
+        positions=(request.get("apply_steering_vectors") or [{}])[0].get("position_indices"),
         target=first.meta.get("target_token", ""),
         unit=unit,
         scales=[

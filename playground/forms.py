@@ -29,8 +29,7 @@ from api.schemas import DEFAULT_MAX_TOKENS
 from .figures import TYPICAL_NORM_DEFINITION
 from .models import SteeringVector, VectorMethod
 from .run_tokens import numbered_tokens, shown_tokens, tokenize
-from .services.vectors import VectorError, vector_from_npy
-from .vectors import steering_entry
+from .services.vectors import VectorError, steering_entry, vector_from_npy
 
 DEFAULT_MAX_LOGPROBS = 100
 MAX_SWEEP_SCALES = 12
@@ -92,6 +91,41 @@ def position_list(text: str, *, count: int) -> list[int]:
     repeated = next((p for i, p in enumerate(positions) if p in positions[:i]), None)
     if repeated is not None:
         raise forms.ValidationError(f"Positions: {repeated} is listed more than once.")
+    return positions
+
+
+def steering_positions_field() -> forms.CharField:
+    """The field of the prompt positions to steer at (`steering_position_list` reads it)."""
+    return forms.CharField(
+        required=False,
+        max_length=LIST_FIELD_MAX_CHARS,
+        label="Steering positions",
+        help_text="The prompt's positions to add the vector at, e.g. 1-3, 5 (0: its first "
+        "token); empty: every position. Generated tokens cannot be steered by position, and "
+        "position 0 only with max_tokens 1.",
+    )
+
+
+def steering_position_list(
+    text: str, *, model_id: str, prompts: list[str], max_tokens: int
+) -> list[int]:
+    """The positions `text` names, checked against the shortest prompt's tokens as the API
+    checks them (`check_steering_positions`); a ValidationError listing that prompt's tokens
+    by position otherwise."""
+    try:
+        tokenized = tokenize(model_id, [(prompt, True) for prompt in prompts])
+    except ApiError as error:
+        raise forms.ValidationError(
+            f"The prompt could not be tokenized ({error.code}: {error.message})."
+        ) from None
+    shortest = min(tokenized, key=lambda tokens: len(tokens.ids))
+    tokens = f"The prompt's tokens: {numbered_tokens(shortest)}."
+    try:
+        positions = position_list(text, count=len(shortest.ids) + max_tokens)
+        check_steering_positions(positions, prompt_tokens=len(shortest.ids), max_tokens=max_tokens)
+    except (forms.ValidationError, RuleBroken) as error:
+        message = error.messages[0] if isinstance(error, forms.ValidationError) else error
+        raise forms.ValidationError(f"{message} {tokens}") from None
     return positions
 
 
@@ -215,14 +249,7 @@ class CompletionForm(SubmitOnceForm):
         label="Steering scale",
         help_text=f"The vector is multiplied by this before it is added; within ±{MAX_SCALE:g}.",
     )
-    steer_positions = forms.CharField(
-        required=False,
-        max_length=LIST_FIELD_MAX_CHARS,
-        label="Steering positions",
-        help_text="The prompt's positions to add the vector at, e.g. 1-3, 5 (0: its first "
-        "token); empty: every position. Generated tokens cannot be steered by position, and "
-        "position 0 only with max_tokens 1.",
-    )
+    steer_positions = steering_positions_field()
 
     def __init__(
         self,
@@ -379,30 +406,16 @@ class CompletionForm(SubmitOnceForm):
             self._clean_steering_positions(data)
 
     def _clean_steering_positions(self, data: dict) -> None:
-        """The steering positions, checked against the shortest prompt's tokens as the API
-        checks them (`check_steering_positions`); an error lists that prompt's tokens by
-        position. Sets `steer_position_list`."""
+        """Sets `steer_position_list` (see `steering_position_list`), or a field error."""
         try:
-            prompts = tokenize(self.capabilities.id, [(text, True) for text in data["prompts"]])
-        except ApiError as error:
-            self.add_error(
-                "steer_positions",
-                f"The prompt could not be tokenized ({error.code}: {error.message}).",
+            data["steer_position_list"] = steering_position_list(
+                data["steer_positions"],
+                model_id=self.capabilities.id,
+                prompts=data["prompts"],
+                max_tokens=data.get("max_tokens") or DEFAULT_MAX_TOKENS,
             )
-            return
-        shortest = min(prompts, key=lambda tokens: len(tokens.ids))
-        max_tokens = data.get("max_tokens") or DEFAULT_MAX_TOKENS
-        tokens = f"The prompt's tokens: {numbered_tokens(shortest)}."
-        try:
-            positions = position_list(data["steer_positions"], count=len(shortest.ids) + max_tokens)
-            check_steering_positions(
-                positions, prompt_tokens=len(shortest.ids), max_tokens=max_tokens
-            )
-        except (forms.ValidationError, RuleBroken) as error:
-            message = error.messages[0] if isinstance(error, forms.ValidationError) else error
-            self.add_error("steer_positions", f"{message} {tokens}")
-            return
-        data["steer_position_list"] = positions
+        except forms.ValidationError as error:
+            self.add_error("steer_positions", error)
 
     def to_request(self) -> dict:
         """The request body exactly as it will be sent (empty fields left out)."""
@@ -587,6 +600,7 @@ class SteeringForm(SubmitOnceForm):
         max_length=LIST_FIELD_MAX_CHARS,
         help_text="Layers to add the vector at; empty: the vector's own layer.",
     )
+    positions = steering_positions_field()
     scale_unit = forms.ChoiceField(
         choices=[("absolute", "Absolute scale"), ("typical", "× layer's typical norm")],
         initial="absolute",
@@ -635,6 +649,16 @@ class SteeringForm(SubmitOnceForm):
             )
         except forms.ValidationError as error:
             self.add_error("layers", error)
+        if data.get("positions") and data.get("prompt") and data.get("max_tokens"):
+            try:
+                data["position_list"] = steering_position_list(
+                    data["positions"],
+                    model_id=vector.model,
+                    prompts=[data["prompt"]],
+                    max_tokens=data["max_tokens"],
+                )
+            except forms.ValidationError as error:
+                self.add_error("positions", error)
         try:
             scales = _float_list(
                 data.get("scales") or "", field="Scales", max_count=MAX_SWEEP_SCALES

@@ -82,7 +82,8 @@ def steering_score_for_group(*, group) -> SteeringScore | None:
 
 def steering_arm(run: Run) -> dict:
     """What one arm of a steering comparison sent: its prompt, the steering applied (layers,
-    scale as entered and as sent, norm_match) and the sampling settings."""
+    prompt positions or None for every position, scale as entered and as sent, norm_match)
+    and the sampling settings."""
     request = run.request
     prompt = request.get("prompt", "")
     steering = (request.get("apply_steering_vectors") or [{}])[0]
@@ -90,6 +91,7 @@ def steering_arm(run: Run) -> dict:
         "run": run,
         "prompt": prompt[0] if isinstance(prompt, list) else prompt,
         "layers": steering.get("layer_indices") or [],
+        "position_indices": steering.get("position_indices"),
         "scale_sent": steering.get("scale", 1.0),
         "scale_entered": run.scale_label or "0",
         "norm_match": bool(steering.get("norm_match", False)),

@@ -10,26 +10,11 @@ from accounts.models import User
 
 from . import figures
 from .models import Run, SteeringVector, VectorMethod
-from .services.vectors import steering_activations, steering_vector_create
+from .services.vectors import steering_vector_create
 
 
 class CaptureError(ValueError):
     """A capture that cannot give the asked-for mean; the message names the problem."""
-
-
-def steering_entry(
-    vector: SteeringVector, *, layers: list[int], scale: float, positions: list[int] | None = None
-) -> dict:
-    """The `apply_steering_vectors` entry adding `scale` × `vector` to the outputs of blocks
-    `layers`, at `positions` (None: at every position)."""
-    entry = {
-        "activations": steering_activations(vector, layers),
-        "layer_indices": layers,
-        "scale": scale,
-    }
-    if positions:
-        entry["position_indices"] = positions
-    return entry
 
 
 def steered_positions(run: Run) -> list[str] | None:

@@ -634,6 +634,7 @@ def steering_submit(request):
             kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
             target_token=data.get("target_token") or "",
             submit_token=data["submit_token"],
+            positions=data.get("position_list"),
         )
     except TaskQueueUnreachable as error:
         return _queue_unreachable(request, error, **shown)
@@ -678,6 +679,7 @@ def _group_context(runs: list[Run]) -> dict:
     context["arms"] = [
         {
             **selectors.steering_arm(run),
+            "positions": steered_positions(run),
             "summary": (
                 figures.same_token_summary(compared[str(run.pk)])
                 if str(run.pk) in compared

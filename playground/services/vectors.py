@@ -274,9 +274,11 @@ def steering_runs_create(
     submit_token: uuid.UUID | None = None,
     entered_scales: list[float] | None = None,
     scale_unit: str = "absolute",
+    positions: list[int] | None = None,
 ) -> uuid.UUID:
     """Queue a baseline (scale 0) and one steered run per scale, all with the same request
-    and seed, adding `vector` at `layers`. Returns the group id of the comparison (that of
+    and seed, adding `vector` at `layers` and at the prompt's `positions` (None: at every
+    position). Returns the group id of the comparison (that of
     the first comparison, when `submit_token` was submitted before).
 
     `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
@@ -286,14 +288,13 @@ def steering_runs_create(
 
     def create() -> uuid.UUID:
         group = uuid.uuid4()
-        activations = steering_activations(vector, layers)
         with transaction.atomic():
             for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
                 request = dict(base_request)
                 if kind == RunKind.SWEEP and target_token:
                     request = with_target_scored(request, target_token)
                 request["apply_steering_vectors"] = [
-                    {"activations": activations, "layer_indices": layers, "scale": scale}
+                    steering_entry(vector, layers=layers, scale=scale, positions=positions)
                 ]
                 run_kind = kind
                 if kind == RunKind.STEERING_STEERED and scale == 0.0:
@@ -318,6 +319,21 @@ def steering_runs_create(
     return submitted_once(
         user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
     )
+
+
+def steering_entry(
+    vector: SteeringVector, *, layers: list[int], scale: float, positions: list[int] | None = None
+) -> dict:
+    """The `apply_steering_vectors` entry adding `scale` × `vector` to the outputs of blocks
+    `layers`, at `positions` (None: at every position)."""
+    entry = {
+        "activations": steering_activations(vector, layers),
+        "layer_indices": layers,
+        "scale": scale,
+    }
+    if positions:
+        entry["position_indices"] = positions
+    return entry
 
 
 def steering_activations(vector: SteeringVector, layers: list[int]) -> dict:

@@ -1,14 +1,15 @@
-"""The completion form offers the API's steering by position (issue 37, item 5; it steered
-every position only): positions of the prompt, checked as the API checks them (not a
-generated token's, position 0 only with max_tokens 1), errors listing the prompt's tokens
-by position, a helper that shows them, and the run page naming the positions steered by
-their tokens."""
+"""The completion form and the steering comparison / sweep form offer the API's steering by
+position (issue 37, item 5; they steered every position only): positions of the prompt,
+checked as the API checks them (not a generated token's, position 0 only with max_tokens 1),
+errors listing the prompt's tokens by position, a helper that shows them, and the run and
+comparison pages naming the positions steered by their tokens."""
 
 import pytest
 from django.urls import reverse
 
 from api.errors import ApiError
-from playground import forms, views
+from playground import exports, forms, views
+from playground.models import RunStatus
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -100,3 +101,59 @@ def test_the_prompts_tokens_are_shown_with_and_without_htmx(ada, monkeypatch):
     monkeypatch.setattr(views, "tokenize", unreachable)
     refused = ada.get(url, {"prompt": PROMPT}, **HTMX).content.decode()
     assert "could not be tokenized (tokenizer_unavailable: no tokenizer)" in refused
+
+
+def steer(client, vector, headers=HTMX, **fields):
+    data = {"steer-vector": vector.pk, "steer-prompt": PROMPT, "steer-scale_unit": "absolute",
+            "steer-scales": "2, 4", "steer-max_tokens": 4, "steer-temperature": 0,
+            "steer-seed": 1, "steer-logprobs": 2}  # fmt: skip
+    data.update({f"steer-{name}": value for name, value in fields.items()})
+    return client.post(reverse("playground:steer"), data, **headers)
+
+
+def test_a_sweep_steers_the_prompt_positions_asked_for_in_every_arm(ada, approved_user, no_enqueue):
+    vector = library_vector(approved_user)
+    page = ada.get(reverse("playground:page")).content.decode()
+    assert 'name="steer-positions"' in page
+    assert steer(ada, vector, positions="3-4").status_code == 200
+    runs = list(approved_user.playground_runs.order_by("scale"))
+    assert [run.scale for run in runs] == [0.0, 2.0, 4.0]
+    for run in runs:
+        (steering,) = run.request["apply_steering_vectors"]
+        assert steering["position_indices"] == [3, 4] and steering["layer_indices"] == [3]
+    # The comparison page names them by their tokens in every arm, and its notebook code
+    # sends them again.
+    prompt = word_tokens(PROMPT, True)
+    for run in runs:
+        run.tokens = {"prompts": [{"ids": prompt.ids, "strings": prompt.strings}]}
+        run.status = RunStatus.SUCCEEDED
+        run.save(update_fields=["tokens", "status"])
+    group = reverse("playground:group_detail", args=[runs[0].group])
+    html = ada.get(group).content.decode()
+    assert html.count("<td>3 ·France, 4 ·is</td>") == 3
+    notebook = exports.steering_notebook(runs, base_url="http://testserver")
+    assert "POSITIONS = [3, 4]" in notebook and "positions=POSITIONS" in notebook
+
+
+def test_a_sweep_without_positions_steers_every_position(ada, approved_user, no_enqueue):
+    vector = library_vector(approved_user)
+    steer(ada, vector)
+    for run in approved_user.playground_runs.all():
+        assert "position_indices" not in run.request["apply_steering_vectors"][0]
+
+
+@pytest.mark.parametrize(
+    ("positions", "message"),
+    [
+        ("5", "Position 5 is a generated token&#x27;s"),
+        ("0", "Position 0 would also be steered at every generated"),
+    ],
+)
+def test_sweep_positions_the_api_would_refuse_are_field_errors_listing_the_tokens(
+    ada, approved_user, no_enqueue, positions, message
+):
+    vector = library_vector(approved_user)
+    for headers in (HTMX, {}):
+        html = steer(ada, vector, headers, positions=positions).content.decode()
+        assert message in html and f"The prompt&#x27;s tokens: {TOKENS}." in html
+    assert not approved_user.playground_runs.exists()

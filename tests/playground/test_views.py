@@ -881,10 +881,12 @@ def test_comparison_page_shows_what_each_arm_sent(ada, approved_user, no_enqueue
     assert "uploaded as <code>calm.npy</code>" in body
     rows = re.findall(r"<tr><td><a [^>]+>(baseline|steered)</a></td>(.*?)</tr>", body, re.S)
     cells = {arm: re.findall(r"<td[^>]*>(.*?)</td>", row) for arm, row in rows}
-    # prompt, layers, scale as entered, scale sent, norm_match, seed, temperature, max_tokens
-    assert cells["baseline"][:8] == [
+    # prompt, layers, positions, scale as entered, scale sent, norm_match, seed, temperature,
+    # max_tokens
+    assert cells["baseline"][:9] == [
         "<code>I think</code>",
         "4, 9",
+        "every",
         "0",
         "0",
         "no",
@@ -892,9 +894,10 @@ def test_comparison_page_shows_what_each_arm_sent(ada, approved_user, no_enqueue
         "0.5",
         "7",
     ]
-    assert cells["steered"][:8] == [
+    assert cells["steered"][:9] == [
         "<code>I think</code>",
         "4, 9",
+        "every",
         "6",
         "6",
         "no",
