@@ -15,10 +15,11 @@ from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, result_unstorable
 from infra.database import written_through_reconnects
+from infra.lifecycle import WorkStatus
 from infra.tasks import task_send
 from metering.models import UsageRecord
 
-from ..models import CompletionJob, CompletionJobStatus
+from ..models import CompletionJob
 from .idempotency import IdempotencyKeyReused, request_fingerprint
 from .queue import job_claim, jobs_recover, worker_lost_error
 
@@ -74,8 +75,8 @@ def completion_job_execute(*, job_id, now=None) -> None:
     job = job_claim(
         CompletionJob,
         job_id=job_id,
-        from_status=CompletionJobStatus.QUEUED,
-        to_status=CompletionJobStatus.RUNNING,
+        from_status=WorkStatus.QUEUED,
+        to_status=WorkStatus.RUNNING,
         lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
         now=now,
     )
@@ -113,10 +114,8 @@ def completion_job_execute(*, job_id, now=None) -> None:
     retry_after = headers.get("Retry-After")
     if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
         written_through_reconnects(
-            lambda: CompletionJob.objects.filter(
-                pk=job.pk, status=CompletionJobStatus.RUNNING
-            ).update(
-                status=CompletionJobStatus.QUEUED,
+            lambda: CompletionJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+                status=WorkStatus.QUEUED,
                 lease_expires_at=timezone.now()
                 + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
             )
@@ -158,8 +157,8 @@ def _completion_job_stored(job: CompletionJob, *, status: int, body: dict, heade
 def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
     """Store a running job's outcome (DataError when the database cannot hold `body`)."""
     with transaction.atomic():
-        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
-            status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
+        CompletionJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+            status=WorkStatus.SUCCEEDED if status < 400 else WorkStatus.FAILED,
             finished_at=timezone.now(),
             lease_expires_at=None,
             result_status=status,
@@ -174,11 +173,11 @@ def completion_jobs_recover_stuck(*, now=None) -> int:
     now = now or timezone.now()
     return jobs_recover(
         CompletionJob,
-        waiting=CompletionJobStatus.QUEUED,
+        waiting=WorkStatus.QUEUED,
         lease_seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS,
         task=COMPLETION_JOB_RUN_TASK,
         fail_fields=lambda attempts: {
-            "status": CompletionJobStatus.FAILED,
+            "status": WorkStatus.FAILED,
             "finished_at": now,
             "result_status": 500,
             "result_body": worker_lost_error(attempts),

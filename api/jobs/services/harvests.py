@@ -18,12 +18,13 @@ from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
+from infra.lifecycle import ACTIVE, ENDED, WorkStatus
 from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
 
 from ..capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
-from ..models import HARVEST_ACTIVE_STATUSES, HARVEST_ENDED_STATUSES, HarvestJob, HarvestJobStatus
+from ..models import HarvestJob
 from ..storage import harvest_files_delete
 from .harvest_output import HarvestOutput, batch_request_id
 from .idempotency import IdempotencyKeyReused, request_fingerprint
@@ -52,12 +53,12 @@ def harvest_job_submit(
     add_special_tokens: bool,
     idempotency_key: str = "",
 ) -> tuple[HarvestJob, bool]:
-    """Create a pending harvest job for validated input and count it against the key's
+    """Create a queued harvest job for validated input and count it against the key's
     monthly harvest quota: `(job, True)`. With an `idempotency_key` this user already
     submitted the same request under, `(that job, False)`, consuming nothing; under another
     request, `IdempotencyKeyReused` (concurrent submits with one key create exactly one
     job: a unique constraint decides). Raises `HarvestLimitReached` when the key already has
-    ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY pending or running jobs (checked under a lock on the
+    ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY queued or running jobs (checked under a lock on the
     key, so concurrent submits cannot overshoot), `BudgetExceeded` (harvest_quota_exceeded)
     when the quota is spent; neither consumes quota."""
     fingerprint = request_fingerprint(
@@ -75,7 +76,7 @@ def harvest_job_submit(
                 earlier := _harvest_job_named(key.user_id, idempotency_key, fingerprint)
             ):
                 return earlier, False
-            active = HarvestJob.objects.filter(key=key, status__in=HARVEST_ACTIVE_STATUSES)
+            active = HarvestJob.objects.filter(key=key, status__in=ACTIVE)
             if (count := active.count()) >= settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY:
                 raise HarvestLimitReached(
                     f"This key already has {count} harvest jobs pending or running; "
@@ -114,23 +115,23 @@ def _harvest_job_named(user_id, idempotency_key: str, fingerprint: str) -> Harve
 
 
 def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
-    """Cancel a pending or running job (a running worker stops before its next batch and
+    """Cancel a queued or running job (a running worker stops before its next batch and
     keeps the batches it wrote as the job's files) and give its harvest-quota slot back, or
     raise `HarvestNotCancellable`."""
     now = now or timezone.now()
     # A running job keeps its worker's lease until the worker stops (`_harvest_continue`):
     # until then it may still add the batches it wrote (`HarvestJob.is_stopping`).
-    cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
-        status=HarvestJobStatus.CANCELLED,
+    cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+        status=WorkStatus.CANCELLED,
         completed_at=now,
         lease_expires_at=Case(
-            When(status=HarvestJobStatus.RUNNING, then=F("lease_expires_at")), default=None
+            When(status=WorkStatus.RUNNING, then=F("lease_expires_at")), default=None
         ),
     )
     job.refresh_from_db()
     if not cancelled:
         raise HarvestNotCancellable(
-            f"The job is {job.status}; only pending or running jobs can be cancelled."
+            f"The job is {job.public_status}; only pending or running jobs can be cancelled."
         )
     _harvest_quota_give_back(job)
     return job
@@ -158,10 +159,10 @@ class _HarvestRefused(Exception):
 
 
 def harvest_job_execute(*, job_id, now=None) -> None:
-    """Capture every prompt of a pending job through the model's activation upstream, a batch
+    """Capture every prompt of a queued job through the model's activation upstream, a batch
     of ACS_HARVEST_BATCH_SIZE prompts at a time, writing one safetensors shard per batch,
     then `stats.safetensors`, then `manifest.json` last. Does nothing if the job is not
-    pending.
+    queued.
 
     Before each batch the worker checks for cancellation and renews its lease, re-checks the
     key and its account (a key revoked or paused, or an account suspended, fails the job
@@ -170,7 +171,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     ACS_HARVEST_MAX_JOB_BYTES, fails the job with that code and keeps what was written (with
     its stats and a manifest) for download: a paused service fails a harvest rather than
     holding its job slot for the hour the pause lasts at least. A retryable upstream error
-    (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
+    (Retry-After) puts the job back to queued after that delay, up to ACS_JOB_MAX_ATTEMPTS
     attempts; any other error fails it with a message. Every attempt resumes after the last
     shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
     for but had not recorded is captured again at no second charge."""
@@ -178,8 +179,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     job = job_claim(
         HarvestJob,
         job_id=job_id,
-        from_status=HarvestJobStatus.PENDING,
-        to_status=HarvestJobStatus.RUNNING,
+        from_status=WorkStatus.QUEUED,
+        to_status=WorkStatus.RUNNING,
         lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
         now=now,
     )
@@ -198,8 +199,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
             and error.retry_after
             and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS
         ):
-            if HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-                status=HarvestJobStatus.PENDING,
+            if HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+                status=WorkStatus.QUEUED,
                 lease_expires_at=timezone.now()
                 + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
             ):
@@ -214,8 +215,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
             ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
         )
         return
-    HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-        status=HarvestJobStatus.DONE,
+    HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+        status=WorkStatus.SUCCEEDED,
         prompts_done=job.n_prompts,
         completed_at=timezone.now(),
         lease_expires_at=None,
@@ -226,8 +227,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
 def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
     """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
     the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
-    failed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-        status=HarvestJobStatus.FAILED,
+    failed = HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+        status=WorkStatus.FAILED,
         completed_at=timezone.now(),
         lease_expires_at=None,
         error=error.body()["error"],
@@ -240,7 +241,7 @@ def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
 def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
     """Record the shards written (the progress a later attempt resumes from) and renew the
     lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
-    renewed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+    renewed = HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
         prompts_done=output.prompts_written,
         shards=output.shards,
         lease_expires_at=timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
@@ -298,7 +299,7 @@ def _harvest_continue(job: HarvestJob, output: HarvestOutput) -> None:
         kept = {}
         if output.shards:
             kept = {"files": output.finish(), "prompts_done": output.prompts_written}
-        HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
+        HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.CANCELLED).update(
             lease_expires_at=None, **kept
         )
         raise
@@ -357,17 +358,17 @@ def _capture(job: HarvestJob, *, model, token_lists, first_index) -> list[Captur
 
 
 def harvest_jobs_recover_stuck(*, now=None) -> int:
-    """Put harvest jobs whose worker died back to pending (to resume after their last
-    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send pending
+    """Put harvest jobs whose worker died back to queued (to resume after their last
+    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send queued
     jobs no worker took within a lease; see `jobs_recover`."""
     now = now or timezone.now()
     return jobs_recover(
         HarvestJob,
-        waiting=HarvestJobStatus.PENDING,
+        waiting=WorkStatus.QUEUED,
         lease_seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS,
         task=HARVEST_JOB_RUN_TASK,
         fail_fields=lambda attempts: {
-            "status": HarvestJobStatus.FAILED,
+            "status": WorkStatus.FAILED,
             "completed_at": now,
             "error": worker_lost_error(attempts)["error"],
         },
@@ -380,11 +381,11 @@ def harvest_jobs_expire(*, now=None) -> int:
     ago and mark them expired (their prompts go too); returns how many."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
-    ended = HarvestJob.objects.filter(status__in=HARVEST_ENDED_STATUSES, completed_at__lt=cutoff)
+    ended = HarvestJob.objects.filter(status__in=ENDED, completed_at__lt=cutoff)
     expired = 0
     for job in ended.only("pk"):
         harvest_files_delete(job.storage_prefix)
         expired += ended.filter(pk=job.pk).update(
-            status=HarvestJobStatus.EXPIRED, files=[], shards=[], prompts=[]
+            status=WorkStatus.EXPIRED, files=[], shards=[], prompts=[]
         )
     return expired
