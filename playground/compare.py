@@ -25,10 +25,11 @@ import numpy as np
 import plotly.graph_objects as go
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsClient
-from infra.lifecycle import WorkStatus
+from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
 
 from . import exports, figures, scoring
@@ -164,10 +165,7 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
     A's settings, then under B's) with the user's playground key, and keep the ids sent and
     the raw answers; an error fails it with a message a person can read. None if it could
     not be claimed."""
-    claimed = RunComparison.objects.filter(pk=comparison_id, status=WorkStatus.QUEUED).update(
-        status=WorkStatus.RUNNING
-    )
-    if not claimed:
+    if not work_claim(RunComparison, pk=comparison_id, now=timezone.now()):
         return None
     comparison = RunComparison.objects.select_related("user", "run_a", "run_b").get(
         pk=comparison_id

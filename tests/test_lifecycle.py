@@ -1,14 +1,21 @@
 """One lifecycle for background work (`infra.lifecycle`): every table of it takes its statuses
 from WorkStatus, the migrations that brought harvest jobs and job submissions to it map every
-old status (and back), and the words a person or an API client reads did not change."""
+old status (and back), the words a person or an API client reads did not change, and the beat
+sweeps recover or fail the stuck rows of every table through it."""
 
+import datetime as dt
 import importlib
+import uuid
 
 import pytest
 from django.apps import apps
+from django.utils import timezone
 
+from api.jobs import tasks as jobs_tasks
 from api.jobs.models import CompletionJob, HarvestJob
+from infra import lifecycle
 from infra.lifecycle import WorkStatus
+from playground import tasks as playground_tasks
 from playground.models import JobKind, JobSubmission, Run, RunComparison, SteeringScore
 
 WORK_TABLES = (CompletionJob, HarvestJob, Run, SteeringScore, RunComparison, JobSubmission)
@@ -89,3 +96,79 @@ def test_the_harvest_api_and_the_jobs_page_keep_their_words(approved_user, api_k
         "succeeded": "Submitted",
         "failed": "Refused",
     }
+
+
+def test_one_sweep_fails_the_stuck_rows_of_every_table(
+    approved_user, api_key, settings, monkeypatch
+):
+    """A row of each table whose worker died long ago (a job after its last attempt) is
+    failed as worker_lost by the beat sweeps, and each through `infra.lifecycle`."""
+    long_ago = timezone.now() - dt.timedelta(days=1)
+    given_up = {"attempts": settings.ACS_JOB_MAX_ATTEMPTS, "lease_expires_at": long_ago}
+    user, running = approved_user, {"status": WorkStatus.RUNNING}
+    run_a, run_b = (
+        Run.objects.create(user=user, request={}, started_at=long_ago, **running) for _ in range(2)
+    )
+    rows = [
+        CompletionJob.objects.create(
+            user=user, key=api_key, idempotency_key="k", request_hash="h", request={},
+            **running, **given_up,
+        ),
+        harvest_job(user, api_key, **running, **given_up),
+        run_a,
+        SteeringScore.objects.create(group=uuid.uuid4(), user=user, created_at=long_ago, **running),
+        RunComparison.objects.create(
+            user=user, run_a=run_a, run_b=run_b, created_at=long_ago, **running
+        ),
+        JobSubmission.objects.create(
+            user=user, kind=JobKind.COMPLETION, request={}, created_at=long_ago, **running
+        ),
+    ]  # fmt: skip
+    failed_through_lifecycle = []
+    fail = lifecycle._failed
+
+    def recorded(rows, row, *args):
+        failed_through_lifecycle.append(type(row))
+        return fail(rows, row, *args)
+
+    monkeypatch.setattr(lifecycle, "_failed", recorded)
+
+    jobs_tasks.jobs_sweep_task()
+    playground_tasks.runs_sweep_task()
+
+    assert set(failed_through_lifecycle) == set(WORK_TABLES)
+    for row in rows:
+        row.refresh_from_db()
+        assert row.status == WorkStatus.FAILED, row
+    assert rows[0].error["code"] == rows[1].error["code"] == "worker_lost"
+    assert [row.error_code for row in rows[2:5]] == ["worker_lost"] * 3
+    assert rows[5].error_code == "not_sent"
+
+
+def test_the_jobs_sweep_requeues_a_job_whose_worker_died_and_resends_it(
+    approved_user, api_key, sent_tasks_of_lifecycle
+):
+    job = harvest_job(
+        approved_user,
+        api_key,
+        status=WorkStatus.RUNNING,
+        attempts=1,
+        lease_expires_at=timezone.now() - dt.timedelta(seconds=1),
+    )
+    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now()) is False
+    jobs_tasks.jobs_sweep_task()
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (WorkStatus.QUEUED, 1)
+    assert sent_tasks_of_lifecycle == [("api.jobs.tasks.harvest_job_run_task", str(job.pk))]
+    lease = dt.timedelta(minutes=1)
+    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now(), lease=lease)
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (WorkStatus.RUNNING, 2)
+    assert job.lease_expires_at == job.started_at + lease
+
+
+@pytest.fixture
+def sent_tasks_of_lifecycle(monkeypatch):
+    sent = []
+    monkeypatch.setattr(lifecycle, "task_send", lambda name, *args: sent.append((name, *args)))
+    return sent

@@ -1,10 +1,10 @@
 """Completion jobs and harvest jobs: /v1 work that outlives the connection that asked for it.
 
 Both belong to the user of the key that created them: any key of that user may read them, any
-other user gets 404. Workers claim a job with a conditional status update and hold it for a
-lease. `lease_expires_at` of a running job is when the periodic sweep assumes its worker died
-(it re-queues or fails the job); of a waiting job, when the sweep re-sends its message if no
-worker took it.
+other user gets 404. Their lifecycle is `infra.lifecycle`'s: workers claim a job with a
+conditional status update and hold it for a lease. `lease_expires_at` of a running job is
+when the periodic sweep assumes its worker died (it re-queues or fails the job); of a queued
+job, when the sweep re-sends its message if no worker took it.
 """
 
 import uuid

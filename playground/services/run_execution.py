@@ -7,13 +7,12 @@ import time
 
 from django.conf import settings
 from django.db import DataError, connection, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
-from infra.lifecycle import WorkStatus
+from infra.lifecycle import WorkStatus, work_claim
 
 from .. import streams
 from ..models import Run, RunKind
@@ -36,9 +35,7 @@ def run_claim(*, run_id) -> Run | None:
             # leaves the run queued again, so it need not wait for the WAL flush.
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO OFF")
-        claimed = Run.objects.filter(pk=run_id, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.RUNNING, started_at=timezone.now(), attempts=F("attempts") + 1
-        )
+        claimed = work_claim(Run, pk=run_id, now=timezone.now())
     if not claimed:
         return None
     return Run.objects.select_related("user").get(pk=run_id)

@@ -6,10 +6,11 @@ import logging
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
-from infra.lifecycle import WorkStatus
+from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
@@ -81,10 +82,7 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     playground key and store the per-token logprobs and KL divergences (see
     `_steering_compare`); an error fails it with a message a person can read. Returns None
     if it could not be claimed."""
-    claimed = SteeringScore.objects.filter(pk=score_id, status=WorkStatus.QUEUED).update(
-        status=WorkStatus.RUNNING
-    )
-    if not claimed:
+    if not work_claim(SteeringScore, pk=score_id, now=timezone.now()):
         return None
     score = SteeringScore.objects.select_related("user").get(pk=score_id)
     runs = Run.objects.filter(group=score.group, status=WorkStatus.SUCCEEDED).order_by("scale")
@@ -240,13 +238,21 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
 def scorings_fail_stuck(model, *, message: str, now=None) -> int:
     """Fail the scorings of `model` (SteeringScore, RunComparison) still queued or running
     after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker died, or none took them) with
-    worker_lost and `message`, so their pages stop waiting. Returns how many."""
+    worker_lost and `message`, so their pages stop waiting. Returns how many; see
+    `work_sweep`."""
     now = now or timezone.now()
-    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return model.objects.filter(
-        status__in=(WorkStatus.QUEUED, WorkStatus.RUNNING), created_at__lt=cutoff
-    ).update(
-        status=WorkStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now
+    too_old = Q(created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS))
+    return work_sweep(
+        model,
+        running_lost=too_old,
+        queued_lost=too_old,
+        # Queued ones too: their pages say the scoring did not finish.
+        failed=lambda _scoring, _code: {
+            "error_code": "worker_lost",
+            "error_message": message,
+            "finished_at": now,
+        },
+        now=now,
     )
 
 

@@ -6,12 +6,12 @@ import uuid
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsApiError, AcsClient
-from infra.lifecycle import WorkStatus
+from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from ..models import JobKind, JobSubmission
@@ -82,10 +82,7 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
     `SubmissionRetry` for an answer that asks to retry within
     `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
     the final attempt. Returns None if the submission could not be claimed."""
-    claimed = JobSubmission.objects.filter(pk=submission_id, status=WorkStatus.QUEUED).update(
-        status=WorkStatus.RUNNING, attempts=F("attempts") + 1
-    )
-    if not claimed:
+    if not work_claim(JobSubmission, pk=submission_id, now=timezone.now()):
         return None
     submission = JobSubmission.objects.select_related("user").get(pk=submission_id)
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(submission.user))
@@ -129,14 +126,20 @@ def _job_submission_refuse(submission: JobSubmission, *, code: str, message: str
 def job_submissions_fail_stuck(*, now=None) -> int:
     """Refuse submissions still queued or sending after `PLAYGROUND_RUN_STUCK_SECONDS` (no
     worker took them, or their worker died mid-send), so the Jobs page stops waiting for
-    them. Returns how many. Run by beat with the runs sweep."""
-    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return JobSubmission.objects.filter(
-        status__in=(WorkStatus.QUEUED, WorkStatus.RUNNING),
-        created_at__lt=cutoff,
-    ).update(
-        status=WorkStatus.FAILED,
-        error_code="not_sent",
-        error_message="No worker sent this job in time; check the jobs below, then submit again.",
-        sent_at=now or timezone.now(),
+    them. Returns how many. Run by beat with the runs sweep; see `work_sweep`."""
+    now = now or timezone.now()
+    too_old = Q(created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS))
+    return work_sweep(
+        JobSubmission,
+        running_lost=too_old,
+        queued_lost=too_old,
+        # Either way, all the Jobs page can say is that the job was not sent.
+        failed=lambda _submission, _code: {
+            "error_code": "not_sent",
+            "error_message": (
+                "No worker sent this job in time; check the jobs below, then submit again."
+            ),
+            "sent_at": now,
+        },
+        now=now,
     )

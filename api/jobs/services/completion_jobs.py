@@ -8,20 +8,20 @@ from datetime import timedelta
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import DataError, IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import ApiKey
 from api.auth import key_recheck
 from api.completions import completion_run
-from api.errors import ApiError, result_unstorable
+from api.errors import ApiError, result_unstorable, worker_lost
 from infra.database import written_through_reconnects
-from infra.lifecycle import WorkStatus
+from infra.lifecycle import Resend, WorkStatus, work_claim, work_sweep
 from infra.tasks import task_send
 from metering.models import UsageRecord
 
 from ..models import CompletionJob
 from .idempotency import IdempotencyKeyReused, request_fingerprint
-from .queue import job_claim, jobs_recover, worker_lost_error
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +72,10 @@ def completion_job_execute(*, job_id, now=None) -> None:
     with result_unstorable (it ran and was billed once). Does nothing if the job is not
     queued."""
     now = now or timezone.now()
-    job = job_claim(
-        CompletionJob,
-        job_id=job_id,
-        from_status=WorkStatus.QUEUED,
-        to_status=WorkStatus.RUNNING,
-        lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
-        now=now,
-    )
-    if job is None:
+    lease = timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
+    if not work_claim(CompletionJob, pk=job_id, now=now, lease=lease):
         return
+    job = CompletionJob.objects.select_related("key", "key__user").get(pk=job_id)
     billed = _attempt_billed(job)
     if billed is not None:
         # An earlier attempt's completion ran and was billed, and its result was lost with
@@ -169,19 +163,20 @@ def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, heade
 
 def completion_jobs_recover_stuck(*, now=None) -> int:
     """Re-queue (or fail, after ACS_JOB_MAX_ATTEMPTS attempts) completion jobs whose worker
-    died, and re-send queued jobs no worker took within a lease; see `jobs_recover`."""
+    died, and re-send queued jobs no worker took within a lease; see `work_sweep`."""
     now = now or timezone.now()
-    return jobs_recover(
+    return work_sweep(
         CompletionJob,
-        waiting=WorkStatus.QUEUED,
-        lease_seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS,
-        task=COMPLETION_JOB_RUN_TASK,
-        fail_fields=lambda attempts: {
-            "status": WorkStatus.FAILED,
+        running_lost=Q(lease_expires_at__lt=now),
+        queued_lost=Q(lease_expires_at__lt=now),
+        failed=lambda job, _code: {
             "finished_at": now,
             "result_status": 500,
-            "result_body": worker_lost_error(attempts),
+            "result_body": worker_lost(job.attempts).body(),
         },
+        resend=Resend(
+            COMPLETION_JOB_RUN_TASK, timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
+        ),
         now=now,
     )
 

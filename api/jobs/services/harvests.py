@@ -8,17 +8,17 @@ from datetime import timedelta
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, F, When
+from django.db.models import Case, F, Q, When
 from django.utils import timezone
 
 from accounts.models import ApiKey
 from api.auth import key_recheck
-from api.errors import ApiError, metering_refusal
+from api.errors import ApiError, metering_refusal, worker_lost
 from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
-from infra.lifecycle import ACTIVE, ENDED, WorkStatus
+from infra.lifecycle import ACTIVE, ENDED, Resend, WorkStatus, work_claim, work_sweep
 from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
@@ -28,7 +28,6 @@ from ..models import HarvestJob
 from ..storage import harvest_files_delete
 from .harvest_output import HarvestOutput, batch_request_id
 from .idempotency import IdempotencyKeyReused, request_fingerprint
-from .queue import job_claim, jobs_recover, worker_lost_error
 
 logger = logging.getLogger(__name__)
 
@@ -176,16 +175,10 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
     for but had not recorded is captured again at no second charge."""
     now = now or timezone.now()
-    job = job_claim(
-        HarvestJob,
-        job_id=job_id,
-        from_status=WorkStatus.QUEUED,
-        to_status=WorkStatus.RUNNING,
-        lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
-        now=now,
-    )
-    if job is None:
+    lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
+    if not work_claim(HarvestJob, pk=job_id, now=now, lease=lease):
         return
+    job = HarvestJob.objects.select_related("key", "key__user").get(pk=job_id)
     try:
         files = _harvest(job)
     except _HarvestStopped:
@@ -360,18 +353,19 @@ def _capture(job: HarvestJob, *, model, token_lists, first_index) -> list[Captur
 def harvest_jobs_recover_stuck(*, now=None) -> int:
     """Put harvest jobs whose worker died back to queued (to resume after their last
     recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send queued
-    jobs no worker took within a lease; see `jobs_recover`."""
+    jobs no worker took within a lease; see `work_sweep`."""
     now = now or timezone.now()
-    return jobs_recover(
+    return work_sweep(
         HarvestJob,
-        waiting=WorkStatus.QUEUED,
-        lease_seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS,
-        task=HARVEST_JOB_RUN_TASK,
-        fail_fields=lambda attempts: {
-            "status": WorkStatus.FAILED,
+        running_lost=Q(lease_expires_at__lt=now),
+        queued_lost=Q(lease_expires_at__lt=now),
+        failed=lambda job, _code: {
             "completed_at": now,
-            "error": worker_lost_error(attempts)["error"],
+            "error": worker_lost(job.attempts).body()["error"],
         },
+        resend=Resend(
+            HARVEST_JOB_RUN_TASK, timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
+        ),
         now=now,
     )
 
