@@ -1,14 +1,14 @@
 """The one lifecycle of background work (completion and harvest jobs, playground runs, scores,
 comparisons and job submissions, and so the grids made of runs): its status vocabulary, the
-claim a worker makes (`work_claim`) and the sweep of rows that can no longer finish on their
+claim a worker makes (`work_claim`), the lease it renews (`work_heartbeat`), giving a row back
+to be retried later (`work_requeue`) and the sweep of rows that can no longer finish on their
 own (`work_sweep`). Takes model classes as arguments: imports no app's models.
 
 A row moves queued → running → succeeded | failed | cancelled; an ended row whose stored
 output was deleted after its retention is expired. Every move is a conditional update on the
 status it leaves, so two workers (or a worker and a cancel, or a worker and the sweep) never
-both move one row. Where a page or the API words a status
-otherwise (the harvest API's "pending" and "done", the Jobs page's "Submitted"), the model
-says so next to its table."""
+both move one row. Where a page or the API words a status otherwise (the harvest API's
+"pending" and "done", the Jobs page's "Submitted"), the model says so next to its table."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +50,28 @@ def work_claim(model, *, pk, now: datetime, lease: timedelta | None = None) -> b
     if lease is not None:
         fields["lease_expires_at"] = now + lease
     return bool(model.objects.filter(pk=pk, status=WorkStatus.QUEUED).update(**fields))
+
+
+def work_heartbeat(model, *, pk, lease: timedelta, now: datetime, **progress) -> bool:
+    """Renew the lease of running row `pk` until `now + lease`, writing `progress` (what the
+    worker records as it goes) with it; False when the row is no longer running (cancelled,
+    or taken back by the sweep): its worker should stop."""
+    renewed = model.objects.filter(pk=pk, status=WorkStatus.RUNNING).update(
+        lease_expires_at=now + lease, **progress
+    )
+    return bool(renewed)
+
+
+def work_requeue(model, *, pk, task: str, delay_s: int, lease: timedelta, now: datetime) -> bool:
+    """Put running row `pk` back to queued and send `task` for it in `delay_s` seconds (what
+    an upstream asking to retry then wants); the sweep re-sends it if no worker took it
+    `lease` after that. False, sending nothing, when the row is no longer running."""
+    requeued = model.objects.filter(pk=pk, status=WorkStatus.RUNNING).update(
+        status=WorkStatus.QUEUED, lease_expires_at=now + timedelta(seconds=delay_s) + lease
+    )
+    if requeued:
+        task_send(task, str(pk), countdown=delay_s)
+    return bool(requeued)
 
 
 @dataclass(frozen=True)

@@ -170,5 +170,30 @@ def test_the_jobs_sweep_requeues_a_job_whose_worker_died_and_resends_it(
 @pytest.fixture
 def sent_tasks_of_lifecycle(monkeypatch):
     sent = []
-    monkeypatch.setattr(lifecycle, "task_send", lambda name, *args: sent.append((name, *args)))
+    monkeypatch.setattr(
+        lifecycle, "task_send", lambda name, *args, countdown=None: sent.append((name, *args))
+    )
     return sent
+
+
+def test_a_heartbeat_renews_a_running_lease_and_tells_a_cancelled_worker_to_stop(
+    approved_user, api_key, sent_tasks_of_lifecycle
+):
+    now, lease = timezone.now(), dt.timedelta(minutes=1)
+    job = harvest_job(approved_user, api_key, status=WorkStatus.RUNNING)
+    assert lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now, prompts_done=1)
+    job.refresh_from_db()
+    assert (job.lease_expires_at, job.prompts_done) == (now + lease, 1)
+
+    assert lifecycle.work_requeue(HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now)
+    job.refresh_from_db()
+    assert job.status == WorkStatus.QUEUED
+    assert job.lease_expires_at == now + dt.timedelta(seconds=30) + lease
+    assert sent_tasks_of_lifecycle == [("t", str(job.pk))]
+
+    HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.CANCELLED)
+    assert not lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now)
+    assert not lifecycle.work_requeue(
+        HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now
+    )
+    assert len(sent_tasks_of_lifecycle) == 1

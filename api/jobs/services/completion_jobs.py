@@ -16,7 +16,7 @@ from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, result_unstorable, worker_lost
 from infra.database import written_through_reconnects
-from infra.lifecycle import Resend, WorkStatus, work_claim, work_sweep
+from infra.lifecycle import Resend, WorkStatus, work_claim, work_requeue, work_sweep
 from infra.tasks import task_send
 from metering.models import UsageRecord
 
@@ -108,13 +108,15 @@ def completion_job_execute(*, job_id, now=None) -> None:
     retry_after = headers.get("Retry-After")
     if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
         written_through_reconnects(
-            lambda: CompletionJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
-                status=WorkStatus.QUEUED,
-                lease_expires_at=timezone.now()
-                + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+            lambda: work_requeue(
+                CompletionJob,
+                pk=job.pk,
+                task=COMPLETION_JOB_RUN_TASK,
+                delay_s=int(retry_after),
+                lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+                now=timezone.now(),
             )
         )
-        task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
     try:
         _completion_job_stored(job, status=status, body=body, headers=headers)

@@ -18,7 +18,16 @@ from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
-from infra.lifecycle import ACTIVE, ENDED, Resend, WorkStatus, work_claim, work_sweep
+from infra.lifecycle import (
+    ACTIVE,
+    ENDED,
+    Resend,
+    WorkStatus,
+    work_claim,
+    work_heartbeat,
+    work_requeue,
+    work_sweep,
+)
 from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
@@ -192,12 +201,14 @@ def harvest_job_execute(*, job_id, now=None) -> None:
             and error.retry_after
             and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS
         ):
-            if HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
-                status=WorkStatus.QUEUED,
-                lease_expires_at=timezone.now()
-                + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
-            ):
-                task_send(HARVEST_JOB_RUN_TASK, str(job.pk), countdown=error.retry_after)
+            work_requeue(
+                HarvestJob,
+                pk=job.pk,
+                task=HARVEST_JOB_RUN_TASK,
+                delay_s=error.retry_after,
+                lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+                now=timezone.now(),
+            )
             return
         _harvest_fail(job, error)
         return
@@ -234,10 +245,13 @@ def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
 def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
     """Record the shards written (the progress a later attempt resumes from) and renew the
     lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
-    renewed = HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+    renewed = work_heartbeat(
+        HarvestJob,
+        pk=job.pk,
+        lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+        now=timezone.now(),
         prompts_done=output.prompts_written,
         shards=output.shards,
-        lease_expires_at=timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
     )
     if not renewed:
         raise _HarvestStopped
