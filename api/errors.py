@@ -284,6 +284,14 @@ def unexpected_error(error: Exception, request_id: str) -> ApiError:
     return ApiError("internal_error", f"Internal error; quote request id {request_id}.")
 
 
+def worker_lost(attempts: int) -> ApiError:
+    """The error of a job given up after its worker died `attempts` times."""
+    return ApiError(
+        "worker_lost",
+        f"The worker running this job stopped {attempts} times; the job was given up.",
+    )
+
+
 def result_unstorable(error: Exception, *, request_id: str) -> ApiError:
     """The error of a job or playground run whose completion ran (and was billed) but whose
     result the database refused, such as text holding \u0000, which PostgreSQL's JSON cannot

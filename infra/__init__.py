@@ -1,3 +1,4 @@
 """What every app stands on and nothing of the apps: Redis clients (`redis`), Celery sends
 (`tasks`), the database faults a process lives through (`database`), work that outlives a
-request (`background`) and answers to htmx (`htmx`). Imports no project app."""
+request (`background`), the lifecycle of background work (`lifecycle`) and answers to htmx
+(`htmx`). Imports no project app."""

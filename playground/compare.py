@@ -25,13 +25,15 @@ import numpy as np
 import plotly.graph_objects as go
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsClient
+from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
 
 from . import exports, figures, scoring
-from .models import Run, RunComparison, RunStatus
+from .models import Run, RunComparison
 from .services.keys import worker_secret
 from .services.scores import (
     ScoreUnavailable,
@@ -66,7 +68,7 @@ def run_sequence(run: Run) -> TokenSequence | None:
     whose tokenizer could not be reached)."""
     tokens = run.tokens or {}
     prompt = (tokens.get("prompts") or [None])[0]
-    if run.status != RunStatus.SUCCEEDED or not prompt:
+    if run.status != WorkStatus.SUCCEEDED or not prompt:
         return None
     completion = (tokens.get("completions") or [None])[0] or {"ids": [], "strings": []}
     return TokenSequence(
@@ -141,8 +143,8 @@ def comparison_queue(*, user: User, run_a: Run, run_b: Run) -> RunComparison:
             comparison = comparison_for_runs(run_a=run_a, run_b=run_b)
         return comparison
     with transaction.atomic():
-        requeued = RunComparison.objects.filter(pk=comparison.pk, status=RunStatus.FAILED).update(
-            status=RunStatus.QUEUED, error_code="", error_message="", finished_at=None
+        requeued = RunComparison.objects.filter(pk=comparison.pk, status=WorkStatus.FAILED).update(
+            status=WorkStatus.QUEUED, error_code="", error_message="", finished_at=None
         )
         if requeued:
             _comparison_send_on_commit(comparison)
@@ -163,10 +165,7 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
     A's settings, then under B's) with the user's playground key, and keep the ids sent and
     the raw answers; an error fails it with a message a person can read. None if it could
     not be claimed."""
-    claimed = RunComparison.objects.filter(pk=comparison_id, status=RunStatus.QUEUED).update(
-        status=RunStatus.RUNNING
-    )
-    if not claimed:
+    if not work_claim(RunComparison, pk=comparison_id, now=timezone.now()):
         return None
     comparison = RunComparison.objects.select_related("user", "run_a", "run_b").get(
         pk=comparison_id
@@ -240,7 +239,7 @@ def logprob_differences(results: dict) -> dict[str, dict]:
 
 
 def _captured(run: Run) -> bool:
-    return run.status == RunStatus.SUCCEEDED and bool(
+    return run.status == WorkStatus.SUCCEEDED and bool(
         ((run.response or {}).get("activations") or {}).get("residual_stream")
     )
 
@@ -381,7 +380,7 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         # Each of the two requests scores both sequences, one token generated per prompt.
         context["scoring_tokens"] = 2 * (len(sequences["a"].ids) + len(sequences["b"].ids) + 2)
     comparison = context["comparison"]
-    if comparison is not None and comparison.status == RunStatus.SUCCEEDED:
+    if comparison is not None and comparison.status == WorkStatus.SUCCEEDED:
         context["notebook"] = exports.compare_notebook(
             run_a, run_b, comparison.results, base_url=settings.SITE_URL
         )

@@ -13,9 +13,10 @@ import json
 
 from django.http import HttpResponse
 
+from infra.lifecycle import WorkStatus
+
 from . import figures, scoring, selectors
 from .downloads import vector_provenance
-from .models import RunStatus
 
 
 def records_csv(records: list[dict]) -> str:
@@ -142,12 +143,12 @@ def steering_export(runs, score) -> dict:
     same-token means, with their definitions: the JSON download, whose `arms` the CSV
     holds."""
     compared = {}
-    if score is not None and score.status == RunStatus.SUCCEEDED:
+    if score is not None and score.status == WorkStatus.SUCCEEDED:
         compared = {entry["run"]: entry for entry in score.results["runs"]}
     target = runs[0].meta.get("target_token", "")
     arms = []
     for run in sorted(runs, key=lambda run: run.scale_entered or 0.0):
-        succeeded = run.status == RunStatus.SUCCEEDED
+        succeeded = run.status == WorkStatus.SUCCEEDED
         logprob, missing = (None, "")
         if succeeded and target:
             logprob, missing = figures.target_logprob(run.response, target)

@@ -7,6 +7,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from infra.lifecycle import ACTIVE, WorkStatus
+
 
 class RunKind(models.TextChoices):
     COMPLETION = "completion", "Completion"
@@ -16,13 +18,6 @@ class RunKind(models.TextChoices):
     SWEEP = "sweep", "Scale sweep"
     PATCHING_CAPTURE = "patching_capture", "Patching capture"
     PATCHED = "patched", "Patched run"
-
-
-class RunStatus(models.TextChoices):
-    QUEUED = "queued", "Queued"
-    RUNNING = "running", "Running"
-    SUCCEEDED = "succeeded", "Succeeded"
-    FAILED = "failed", "Failed"
 
 
 class Run(models.Model):
@@ -50,7 +45,7 @@ class Run(models.Model):
     )
     request = models.JSONField()
     status = models.CharField(
-        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
     )
     attempts = models.PositiveSmallIntegerField(default=0)
     response = models.JSONField(null=True, blank=True)
@@ -108,7 +103,7 @@ class Run(models.Model):
 
     @property
     def is_finished(self):
-        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
 
     @property
     def scale_entered(self) -> float | None:
@@ -159,7 +154,7 @@ class SteeringScore(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="steering_scores"
     )
     status = models.CharField(
-        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
     )
     results = models.JSONField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True)
@@ -172,7 +167,7 @@ class SteeringScore(models.Model):
 
     @property
     def is_finished(self):
-        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
 
 
 class VectorMethod(models.TextChoices):
@@ -223,18 +218,20 @@ class JobKind(models.TextChoices):
     HARVEST = "harvest", "Harvest job"
 
 
-class JobSubmissionStatus(models.TextChoices):
-    QUEUED = "queued", "Queued"
-    SENDING = "sending", "Sending"
-    SUBMITTED = "submitted", "Submitted"
-    REFUSED = "refused", "Refused"
+_SUBMISSION_STATUS_LABELS = {
+    WorkStatus.QUEUED: "Queued",
+    WorkStatus.RUNNING: "Sending",
+    WorkStatus.SUCCEEDED: "Submitted",
+    WorkStatus.FAILED: "Refused",
+}
 
 
 class JobSubmission(models.Model):
     """A completion or harvest job asked for on the Jobs page. A worker sends `request` to
     /v1 with the user's playground key, exactly as an outside client would (so budgets,
     limits and revocation apply the same way), and keeps the API's `job_id`, or the error
-    the API refused it with. Status moves queued → sending → submitted | refused."""
+    the API refused it with. Status moves queued → running (being sent) → succeeded (the
+    API took it) | failed (the API refused it); `status_label` says so to a person."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(
@@ -242,9 +239,7 @@ class JobSubmission(models.Model):
     )
     kind = models.CharField(max_length=10, choices=JobKind.choices)
     request = models.JSONField()
-    status = models.CharField(
-        max_length=10, choices=JobSubmissionStatus.choices, default=JobSubmissionStatus.QUEUED
-    )
+    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
     attempts = models.PositiveSmallIntegerField(default=0)
     job_id = models.UUIDField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True)
@@ -270,7 +265,12 @@ class JobSubmission(models.Model):
 
     @property
     def is_pending(self):
-        return self.status in (JobSubmissionStatus.QUEUED, JobSubmissionStatus.SENDING)
+        return self.status in ACTIVE
+
+    @property
+    def status_label(self) -> str:
+        """The status as the Jobs page words it: what happened to the sending."""
+        return _SUBMISSION_STATUS_LABELS[self.status]
 
 
 class RunComparison(models.Model):
@@ -286,7 +286,7 @@ class RunComparison(models.Model):
     run_a = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
     run_b = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
     status = models.CharField(
-        max_length=10, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
     )
     results = models.JSONField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True)
@@ -304,4 +304,4 @@ class RunComparison(models.Model):
 
     @property
     def is_finished(self):
-        return self.status in (RunStatus.SUCCEEDED, RunStatus.FAILED)
+        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)

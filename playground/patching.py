@@ -38,9 +38,10 @@ from django.utils import timezone
 from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
+from infra.lifecycle import WorkStatus
 
 from . import figures
-from .models import Run, RunKind, RunStatus
+from .models import Run, RunKind
 from .services.runs import run_create, submitted_once
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def patched_runs_create(*, group) -> int:
         clean, corrupted = captures.get("clean"), captures.get("corrupted")
         if clean is None or corrupted is None or clean.meta.get("cancelled"):
             return 0
-        if clean.status != RunStatus.SUCCEEDED or corrupted.status != RunStatus.SUCCEEDED:
+        if clean.status != WorkStatus.SUCCEEDED or corrupted.status != WorkStatus.SUCCEEDED:
             return 0
         if Run.objects.filter(group=group, kind=RunKind.PATCHED).exists():
             return 0
@@ -278,7 +279,7 @@ def patching_grids_resume_stalled(*, now=None) -> int:
         Run.objects.filter(
             kind=RunKind.PATCHING_CAPTURE,
             meta__role="clean",
-            status=RunStatus.SUCCEEDED,
+            status=WorkStatus.SUCCEEDED,
             finished_at__lt=cutoff,
         )
         .exclude(meta__has_key="cancelled")
@@ -301,8 +302,8 @@ def patching_grid_cancel(*, user: User, group) -> int:
         if clean is None or clean.user_id != user.pk:
             return 0
         Run.objects.filter(pk=clean.pk).update(meta={**clean.meta, "cancelled": True})
-        return Run.objects.filter(group=group, status=RunStatus.QUEUED).update(
-            status=RunStatus.FAILED,
+        return Run.objects.filter(group=group, status=WorkStatus.QUEUED).update(
+            status=WorkStatus.FAILED,
             error_code=CANCELLED_CODE,
             error_message="Cancelled with its patching grid before it was sent.",
             finished_at=now,

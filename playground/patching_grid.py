@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from accounts.models import User
+from infra.lifecycle import WorkStatus
 
 from . import exports, figures, selectors
-from .models import Run, RunKind, RunStatus
+from .models import Run, RunKind
 from .patching import CANCELLED_CODE, spec_targets
 from .patching_metrics import (
     METRIC_DEFINITIONS,
@@ -27,9 +28,9 @@ from .patching_metrics import (
 
 def _outcome(run: Run) -> str:
     """The run's outcome: ran (succeeded), failed, cancelled (never sent) or pending."""
-    if run.status == RunStatus.SUCCEEDED:
+    if run.status == WorkStatus.SUCCEEDED:
         return "ran"
-    if run.status == RunStatus.FAILED:
+    if run.status == WorkStatus.FAILED:
         return "cancelled" if run.error_code == CANCELLED_CODE else "failed"
     return "pending"
 
@@ -103,7 +104,7 @@ class PatchingGrid:
 
     def scores(self, run: Run | None) -> list[float] | None:
         """The target scores of a succeeded run (see `patching_metrics.target_scores`)."""
-        if run is None or run.status != RunStatus.SUCCEEDED:
+        if run is None or run.status != WorkStatus.SUCCEEDED:
             return None
         return target_scores(run.response, len(self.spec["clean_ids"]), self.targets)
 
@@ -226,7 +227,7 @@ class PatchingGrid:
 
     @property
     def capture_failed(self) -> bool:
-        return any(run.status == RunStatus.FAILED for run in (self.clean, self.corrupted))
+        return any(run.status == WorkStatus.FAILED for run in (self.clean, self.corrupted))
 
     @property
     def finished(self) -> bool:

@@ -4,8 +4,10 @@ marked on the dose–response chart in place, with no request."""
 
 from django.urls import reverse
 
+from infra.lifecycle import WorkStatus
+
 from . import figures
-from .models import Run, RunStatus
+from .models import Run
 
 
 def sweep_steps(runs: list[Run], compared: dict[str, dict]) -> list[dict]:
@@ -17,7 +19,7 @@ def sweep_steps(runs: list[Run], compared: dict[str, dict]) -> list[dict]:
     for run in sorted(runs, key=lambda run: run.scale_entered or 0.0):
         entry = compared.get(str(run.pk))
         summary = figures.same_token_summary(entry) if entry else None
-        succeeded = run.status == RunStatus.SUCCEEDED
+        succeeded = run.status == WorkStatus.SUCCEEDED
         steps.append(
             {
                 "run": str(run.pk),

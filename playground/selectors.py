@@ -11,11 +11,11 @@ from django.utils import timezone
 
 from .models import (
     JobSubmission,
-    JobSubmissionStatus,
     Run,
     RunKind,
     SteeringScore,
     SteeringVector,
+    WorkStatus,
 )
 
 # Runs of activation patching grids, which have their own pages (`patching_views`).
@@ -122,9 +122,9 @@ def job_submissions_shown(*, user, limit: int = 10) -> list[JobSubmission]:
     in the last day (with its error), newest first. Submitted ones are listed as jobs."""
     return list(
         JobSubmission.objects.filter(user=user)
-        .exclude(status=JobSubmissionStatus.SUBMITTED)
+        .exclude(status=WorkStatus.SUCCEEDED)
         .exclude(
-            status=JobSubmissionStatus.REFUSED,
+            status=WorkStatus.FAILED,
             created_at__lt=timezone.now() - REFUSED_SUBMISSION_SHOWN,
         )
         .defer("request")[:limit]

@@ -3,8 +3,10 @@
 from celery import shared_task
 from django.conf import settings
 
+from infra.lifecycle import WorkStatus
+
 from . import compare, patching
-from .models import RunKind, RunStatus
+from .models import RunKind
 from .services.run_execution import RunRetry, run_execute
 from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
@@ -23,7 +25,7 @@ def run_execute_task(self, run_id: str) -> None:
     if (
         run is not None
         and run.kind == RunKind.PATCHING_CAPTURE
-        and run.status == RunStatus.SUCCEEDED
+        and run.status == WorkStatus.SUCCEEDED
     ):
         patching.patched_runs_create_or_fail(group=run.group)
 

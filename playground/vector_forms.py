@@ -2,9 +2,11 @@
 
 from django import forms
 
+from infra.lifecycle import WorkStatus
+
 from .figures import Capture
 from .forms import position_list, positions_text
-from .models import Run, RunStatus, SteeringVector
+from .models import Run, SteeringVector
 from .vectors import default_positions
 
 # The runs offered to subtract: the user's latest captures of the same model.
@@ -47,7 +49,7 @@ class SaveVectorForm(forms.Form):
         captures = (
             Run.objects.filter(
                 user=run.user_id,
-                status=RunStatus.SUCCEEDED,
+                status=WorkStatus.SUCCEEDED,
                 request__has_key="output_residual_stream",
                 request__model=run.request_model,
             )

@@ -22,6 +22,7 @@ from acs_client.codec import decode
 from api.errors import ApiError
 from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
+from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
 
 from . import compare, exports, figures, scoring, scrub, selectors, streams
@@ -34,7 +35,7 @@ from .forms import (
     UploadVectorForm,
 )
 from .history import HistoryFilterForm, runs_page
-from .models import Run, RunKind, RunStatus, VectorMethod
+from .models import Run, RunKind, VectorMethod
 from .run_figures import (
     ACTIVATIONS,
     BY_NAME,
@@ -307,7 +308,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
         "choices": [],
         "shown_choice": choice,
     }
-    if run.status != RunStatus.SUCCEEDED or not run.response:
+    if run.status != WorkStatus.SUCCEEDED or not run.response:
         return context
     response = run.response
     context["response_json"] = _pretty_response(response)
@@ -388,7 +389,7 @@ def _choice_param(request, run: Run) -> int:
     if "choice" not in request.GET:
         return 0
     choices = (
-        len((run.response or {}).get("choices") or []) if run.status == RunStatus.SUCCEEDED else 0
+        len((run.response or {}).get("choices") or []) if run.status == WorkStatus.SUCCEEDED else 0
     )
     return _int_param(request, "choice", upper=max(choices, 1))
 
@@ -419,7 +420,7 @@ def run_figure(request, run_id, name):
     """One figure of a run (`run_figures.FIGURES`) for the picks of the query (htmx partial);
     `activations` and `lens`, a section of them. A pick no picker offers is a 404."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    if run.status != RunStatus.SUCCEEDED:
+    if run.status != WorkStatus.SUCCEEDED:
         raise Http404("The run has no result.")
     kind = BY_NAME.get(name)
     if kind is None and name not in (ACTIVATIONS, LENS):
@@ -483,7 +484,7 @@ def run_activations_download(request, run_id):
     """The captured residual stream with its metadata, in the harvest shards' safetensors
     format (read with `acs_client.downloads.load_activations`)."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    if run.status != RunStatus.SUCCEEDED or not (run.response.get("activations") or {}):
+    if run.status != WorkStatus.SUCCEEDED or not (run.response.get("activations") or {}):
         raise Http404("This run captured no activations.")
     response = HttpResponse(run_activations_bytes(run), content_type="application/octet-stream")
     response["Content-Disposition"] = f'attachment; filename="run-{run.id}-activations.safetensors"'
@@ -662,10 +663,10 @@ def _group_context(runs: list[Run]) -> dict:
         context["vector"] = next((run.vector for run in runs if run.vector_id), None)
         # The vector is saved just after the second capture succeeds: keep the panel polling
         # until it is there (or a capture failed), or it would never say the vector is ready.
-        failed = any(run.status == RunStatus.FAILED for run in runs)
+        failed = any(run.status == WorkStatus.FAILED for run in runs)
         context["finished"] = context["finished"] and (context["vector"] is not None or failed)
         return context
-    succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
+    succeeded = [run for run in runs if run.status == WorkStatus.SUCCEEDED]
     baseline = next((run for run in succeeded if run.scale == 0), None)
     context["baseline"] = baseline
     context["notebook"] = exports.steering_notebook(runs, base_url=settings.SITE_URL)
@@ -674,7 +675,7 @@ def _group_context(runs: list[Run]) -> dict:
     score = selectors.steering_score_for_group(group=runs[0].group)
     context["score"] = score
     compared = {}
-    if score is not None and score.status == RunStatus.SUCCEEDED:
+    if score is not None and score.status == WorkStatus.SUCCEEDED:
         compared = {entry["run"]: entry for entry in score.results["runs"]}
     context["arms"] = [
         {

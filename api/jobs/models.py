@@ -1,10 +1,10 @@
 """Completion jobs and harvest jobs: /v1 work that outlives the connection that asked for it.
 
 Both belong to the user of the key that created them: any key of that user may read them, any
-other user gets 404. Workers claim a job with a conditional status update and hold it for a
-lease. `lease_expires_at` of a running job is when the periodic sweep assumes its worker died
-(it re-queues or fails the job); of a waiting job, when the sweep re-sends its message if no
-worker took it.
+other user gets 404. Their lifecycle is `infra.lifecycle`'s: workers claim a job with a
+conditional status update and hold it for a lease. `lease_expires_at` of a running job is
+when the periodic sweep assumes its worker died (it re-queues or fails the job); of a queued
+job, when the sweep re-sends its message if no worker took it.
 """
 
 import uuid
@@ -14,12 +14,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-
-class CompletionJobStatus(models.TextChoices):
-    QUEUED = "queued", "Queued"
-    RUNNING = "running", "Running"
-    SUCCEEDED = "succeeded", "Succeeded"
-    FAILED = "failed", "Failed"
+from infra.lifecycle import ACTIVE, WorkStatus
 
 
 class CompletionJob(models.Model):
@@ -36,9 +31,7 @@ class CompletionJob(models.Model):
     request_hash = models.CharField(max_length=64)
     request = models.JSONField()
     workload = models.CharField(max_length=16, blank=True)
-    status = models.CharField(
-        max_length=10, choices=CompletionJobStatus.choices, default=CompletionJobStatus.QUEUED
-    )
+    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
     attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -66,32 +59,17 @@ class CompletionJob(models.Model):
 
     @property
     def is_finished(self):
-        return self.status in (CompletionJobStatus.SUCCEEDED, CompletionJobStatus.FAILED)
+        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
 
     @property
     def error(self):
         """The error object of a failed job, else None."""
-        if self.status != CompletionJobStatus.FAILED or not isinstance(self.result_body, dict):
+        if self.status != WorkStatus.FAILED or not isinstance(self.result_body, dict):
             return None
         return self.result_body.get("error")
 
 
-class HarvestJobStatus(models.TextChoices):
-    PENDING = "pending", "Pending"
-    RUNNING = "running", "Running"
-    DONE = "done", "Done"
-    FAILED = "failed", "Failed"
-    CANCELLED = "cancelled", "Cancelled"
-    # Ended more than ACS_HARVEST_RETENTION_SECONDS ago: its files are deleted.
-    EXPIRED = "expired", "Expired"
-
-
-HARVEST_ACTIVE_STATUSES = (HarvestJobStatus.PENDING, HarvestJobStatus.RUNNING)
-HARVEST_ENDED_STATUSES = (
-    HarvestJobStatus.DONE,
-    HarvestJobStatus.FAILED,
-    HarvestJobStatus.CANCELLED,
-)
+_HARVEST_PUBLIC_STATUS = {WorkStatus.QUEUED: "pending", WorkStatus.SUCCEEDED: "done"}
 
 
 class HarvestJob(models.Model):
@@ -114,9 +92,7 @@ class HarvestJob(models.Model):
     add_special_tokens = models.BooleanField(default=True)
     n_prompts = models.PositiveIntegerField()
     prompts_done = models.PositiveIntegerField(default=0)
-    status = models.CharField(
-        max_length=10, choices=HarvestJobStatus.choices, default=HarvestJobStatus.PENDING
-    )
+    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
     attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -158,14 +134,20 @@ class HarvestJob(models.Model):
 
     @property
     def is_active(self):
-        return self.status in HARVEST_ACTIVE_STATUSES
+        return self.status in ACTIVE
+
+    @property
+    def public_status(self) -> str:
+        """The status as /v1 names it: the API predates the one lifecycle vocabulary and
+        keeps its words ("pending" for queued, "done" for succeeded)."""
+        return _HARVEST_PUBLIC_STATUS.get(self.status, self.status)
 
     @property
     def is_stopping(self):
         """Cancelled while a worker ran it, which has not stopped yet: it may still add the
         batches it wrote to `files` (or it died, and its lease runs out)."""
         return (
-            self.status == HarvestJobStatus.CANCELLED
+            self.status == WorkStatus.CANCELLED
             and self.lease_expires_at is not None
             and self.lease_expires_at > timezone.now()
         )

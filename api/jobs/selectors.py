@@ -5,7 +5,9 @@ import uuid
 from django.conf import settings
 from django.utils import timezone
 
-from .models import HARVEST_ENDED_STATUSES, CompletionJob, HarvestJob
+from infra.lifecycle import ENDED
+
+from .models import CompletionJob, HarvestJob
 from .signing import download_expiry, download_path
 from .storage import MANIFEST_NAME, STATS_NAME
 
@@ -61,7 +63,7 @@ def harvest_download_links(*, job: HarvestJob, key_id: int | None = None, now=No
     stats_url, urls_expire_at}` (paths; the API makes them absolute), or None while the job
     has none to offer. Done jobs have files, and so do jobs that failed on a limit or were
     cancelled after writing some batches."""
-    if job.status not in HARVEST_ENDED_STATUSES or not job.files:
+    if job.status not in ENDED or not job.files:
         return None
     expires_at = download_expiry(now=now or timezone.now())
 

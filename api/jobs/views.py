@@ -17,10 +17,11 @@ from api.schemas import parse_body
 from api.selectors import model_get
 from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
+from infra.lifecycle import WorkStatus
 from metering.sql import run_db
 
 from . import selectors
-from .models import CompletionJob, HarvestJob, HarvestJobStatus
+from .models import CompletionJob, HarvestJob
 from .schemas import HarvestRequest
 from .services.completion_jobs import completion_job_submit
 from .services.harvest_output import harvest_too_large
@@ -195,7 +196,7 @@ def harvest_job_body(job: HarvestJob, *, key_id: int) -> responses.HarvestJob:
     links = selectors.harvest_download_links(job=job, key_id=key_id)
     return responses.HarvestJob(
         job_id=str(job.pk),
-        status=job.status,
+        status=job.public_status,
         model=job.model,
         layers=job.layers,
         n_prompts=job.n_prompts,
@@ -203,7 +204,7 @@ def harvest_job_body(job: HarvestJob, *, key_id: int) -> responses.HarvestJob:
         created_at=job.created_at,
         completed_at=job.completed_at,
         error=job.error,
-        message=_expiry_message() if job.status == HarvestJobStatus.EXPIRED else None,
+        message=_expiry_message() if job.status == WorkStatus.EXPIRED else None,
         result=None if links is None else _harvest_files(links),
     )
 
@@ -282,7 +283,7 @@ async def harvest_file(request, job_id, name):
     job = await run_db(selectors.harvest_job_by_id, job_id=job_id)
     if job is not None:
         await run_db(owner_recheck, user_id=job.user_id, key_id=key_id)
-    if job is not None and job.status == HarvestJobStatus.EXPIRED:
+    if job is not None and job.status == WorkStatus.EXPIRED:
         raise ApiError("not_found", _expiry_message())
     if job is None or name not in job.files:
         raise ApiError("not_found", f"No file '{name}' in this job.")

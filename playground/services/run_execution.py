@@ -7,15 +7,15 @@ import time
 
 from django.conf import settings
 from django.db import DataError, connection, transaction
-from django.db.models import F
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
+from infra.lifecycle import WorkStatus, work_claim
 
 from .. import streams
-from ..models import Run, RunKind, RunStatus
+from ..models import Run, RunKind
 from ..run_lens import run_lens
 from ..run_tokens import run_tokens
 from .keys import worker_secret
@@ -35,9 +35,7 @@ def run_claim(*, run_id) -> Run | None:
             # leaves the run queued again, so it need not wait for the WAL flush.
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO OFF")
-        claimed = Run.objects.filter(pk=run_id, status=RunStatus.QUEUED).update(
-            status=RunStatus.RUNNING, started_at=timezone.now(), attempts=F("attempts") + 1
-        )
+        claimed = work_claim(Run, pk=run_id, now=timezone.now())
     if not claimed:
         return None
     return Run.objects.select_related("user").get(pk=run_id)
@@ -63,7 +61,7 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     if run is None:
         return None
     streams.publish(
-        run.id, {"type": "status", "status": RunStatus.RUNNING, "label": RunStatus.RUNNING.label}
+        run.id, {"type": "status", "status": WorkStatus.RUNNING, "label": WorkStatus.RUNNING.label}
     )
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(run.user))
     progress = {"tokens": 0}
@@ -114,8 +112,8 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
 def _run_requeue(run: Run) -> None:
     streams.reset(run.id)
     written_through_reconnects(
-        lambda: Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(
-            status=RunStatus.QUEUED
+        lambda: Run.objects.filter(pk=run.pk, status=WorkStatus.RUNNING).update(
+            status=WorkStatus.QUEUED
         )
     )
 
@@ -201,7 +199,7 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
     now = timezone.now()
     written_through_reconnects(
         lambda: Run.objects.filter(pk=run.pk).update(
-            status=RunStatus.SUCCEEDED,
+            status=WorkStatus.SUCCEEDED,
             response=response,
             tokens=tokens,
             lens=lens,
@@ -212,7 +210,7 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
             finished_at=now,
         )
     )
-    streams.publish(run.id, {"type": "end", "status": RunStatus.SUCCEEDED})
+    streams.publish(run.id, {"type": "end", "status": WorkStatus.SUCCEEDED})
     run.refresh_from_db()
     return run
 

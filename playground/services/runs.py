@@ -12,10 +12,11 @@ from django.utils import timezone
 
 from accounts.models import User
 from infra.database import written_through_reconnects
+from infra.lifecycle import ACTIVE, WorkStatus, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 
 from .. import streams
-from ..models import Run, RunKind, RunStatus, SteeringVector
+from ..models import Run, RunKind, SteeringVector
 from ..run_tokens import with_token_ids
 from .keys import playground_key_get_or_create
 
@@ -95,9 +96,9 @@ def group_runs_dispatch(*, group) -> int:
         first = Run.objects.select_for_update().filter(group=group).order_by("queued_at", "id")
         if first.first() is None:
             return 0
-        active = Run.objects.filter(group=group, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        active = Run.objects.filter(group=group, status__in=ACTIVE)
         free = settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT - active.exclude(sent_at=None).count()
-        waiting = active.filter(status=RunStatus.QUEUED, sent_at=None).order_by("queued_at", "id")
+        waiting = active.filter(status=WorkStatus.QUEUED, sent_at=None).order_by("queued_at", "id")
         ids = [str(run_id) for run_id in waiting.values_list("pk", flat=True)[: max(free, 0)]]
         Run.objects.filter(pk__in=ids).update(sent_at=timezone.now())
     for run_id in ids:
@@ -114,7 +115,7 @@ def groups_dispatch_stalled() -> int:
     """`group_runs_dispatch` for every group with runs waiting for their turn (a worker that
     died between a run's end and the next dispatch leaves one so). Run by the sweep."""
     groups = (
-        Run.objects.filter(status=RunStatus.QUEUED, sent_at=None)
+        Run.objects.filter(status=WorkStatus.QUEUED, sent_at=None)
         .exclude(group=None)
         .values_list("group", flat=True)
         .distinct()
@@ -129,8 +130,8 @@ def runs_fail_unsent(*, run: Run, error: TaskQueueUnreachable) -> None:
     its page reads the status. Their submit token is cleared, so that the same form posted
     again (once the queue is back) queues anew instead of finding these."""
     unsent = Q(pk=run.pk) if run.group is None else Q(group=run.group)
-    Run.objects.filter(unsent, status=RunStatus.QUEUED).update(
-        status=RunStatus.FAILED,
+    Run.objects.filter(unsent, status=WorkStatus.QUEUED).update(
+        status=WorkStatus.FAILED,
         error_code=error.code,
         error_message=str(error),
         submit_token=None,
@@ -165,46 +166,52 @@ def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
     group's next run."""
     written_through_reconnects(
         lambda: Run.objects.filter(pk=run.pk).update(
-            status=RunStatus.FAILED,
+            status=WorkStatus.FAILED,
             error_code=code,
             error_message=message,
             request_id=request_id,
             finished_at=timezone.now(),
         )
     )
-    streams.publish(
-        run.id,
-        {"type": "end", "status": RunStatus.FAILED, "error": {"code": code, "message": message}},
-    )
+    return _run_failed(run)
+
+
+def _run_failed(run: Run) -> Run:
+    """End the stream of a run just failed, with its stored error, and send its group's next
+    run."""
     run.refresh_from_db()
+    error = {"code": run.error_code, "message": run.error_message}
+    streams.publish(run.id, {"type": "end", "status": WorkStatus.FAILED, "error": error})
     if run.group is not None:
         group_runs_dispatch(group=run.group)
     return run
+
+
+# Why the sweep failed a run, by the lifecycle's code: what its page says.
+_RUN_LOST_MESSAGES = {
+    "worker_lost": "The worker running this request stopped before it finished; re-run it.",
+    "not_started": "No worker picked this run up in time; re-run it.",
+}
 
 
 def runs_fail_stuck(*, now=None) -> int:
     """Fail runs that can no longer finish: running past the API's 14-minute request limit
     (their worker died; a redelivered task cannot claim a running run) or still queued as
     long after they were sent (no worker took them; a group's runs waiting for their turn are
-    not sent yet). Returns how many were failed. Run by beat every minute."""
-    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    stuck = Run.objects.filter(
-        Q(status=RunStatus.RUNNING, started_at__lt=cutoff)
-        | Q(status=RunStatus.QUEUED, sent_at__lt=cutoff)
+    not sent yet). Each ends its stream and sends its group's next run. Returns how many were
+    failed. Run by beat every minute; see `work_sweep`."""
+    now = now or timezone.now()
+    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
+    return work_sweep(
+        Run,
+        running_lost=Q(started_at__lt=cutoff),
+        queued_lost=Q(sent_at__lt=cutoff),
+        failed=lambda _run, code: {
+            "error_code": code,
+            "error_message": _RUN_LOST_MESSAGES[code],
+            "request_id": "",
+            "finished_at": now,
+        },
+        ended=_run_failed,
+        now=now,
     )
-    failed = 0
-    for run in stuck:
-        was_running = run.status == RunStatus.RUNNING
-        # Conditional, so a run that finished meanwhile is left alone.
-        if Run.objects.filter(pk=run.pk, status=run.status).update(status=RunStatus.FAILED):
-            run_fail(
-                run=run,
-                code="worker_lost" if was_running else "not_started",
-                message=(
-                    "The worker running this request stopped before it finished; re-run it."
-                    if was_running
-                    else "No worker picked this run up in time; re-run it."
-                ),
-            )
-            failed += 1
-    return failed

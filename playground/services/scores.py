@@ -6,13 +6,15 @@ import logging
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
+from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
-from ..models import Run, RunKind, RunStatus, SteeringScore
+from ..models import Run, RunKind, SteeringScore
 from .keys import worker_secret
 
 logger = logging.getLogger(__name__)
@@ -35,10 +37,10 @@ def scoring_outcome(compute, *, what: str) -> dict:
     """The fields that record a teacher-forced scoring once `compute()` (which sends its
     requests and returns the results) has run: the results and SUCCEEDED, or FAILED with the
     API's error, `not_comparable`, or `playground_error` (logged as `what`)."""
-    fields = {"status": RunStatus.FAILED, "finished_at": timezone.now()}
+    fields = {"status": WorkStatus.FAILED, "finished_at": timezone.now()}
     try:
         fields.update(results=compute())
-        fields["status"] = RunStatus.SUCCEEDED
+        fields["status"] = WorkStatus.SUCCEEDED
     except AcsApiError as error:
         fields.update(error_code=error.code, error_message=error.message)
     except ScoreUnavailable as reason:
@@ -59,7 +61,7 @@ def steering_score_queue(*, group) -> SteeringScore | None:
     runs = list(Run.objects.filter(group=group).only("status", "scale", "user_id"))
     if not runs or not all(run.is_finished for run in runs):
         return None
-    succeeded = [run for run in runs if run.status == RunStatus.SUCCEEDED]
+    succeeded = [run for run in runs if run.status == WorkStatus.SUCCEEDED]
     if not any(run.scale == 0 for run in succeeded) or all(run.scale == 0 for run in succeeded):
         return None
     try:
@@ -80,13 +82,10 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     playground key and store the per-token logprobs and KL divergences (see
     `_steering_compare`); an error fails it with a message a person can read. Returns None
     if it could not be claimed."""
-    claimed = SteeringScore.objects.filter(pk=score_id, status=RunStatus.QUEUED).update(
-        status=RunStatus.RUNNING
-    )
-    if not claimed:
+    if not work_claim(SteeringScore, pk=score_id, now=timezone.now()):
         return None
     score = SteeringScore.objects.select_related("user").get(pk=score_id)
-    runs = Run.objects.filter(group=score.group, status=RunStatus.SUCCEEDED).order_by("scale")
+    runs = Run.objects.filter(group=score.group, status=WorkStatus.SUCCEEDED).order_by("scale")
     baseline = next(run for run in runs if run.scale == 0)
     steered = [run for run in runs if run.scale != 0]
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(score.user))
@@ -239,21 +238,29 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
 def scorings_fail_stuck(model, *, message: str, now=None) -> int:
     """Fail the scorings of `model` (SteeringScore, RunComparison) still queued or running
     after `PLAYGROUND_RUN_STUCK_SECONDS` (their worker died, or none took them) with
-    worker_lost and `message`, so their pages stop waiting. Returns how many."""
+    worker_lost and `message`, so their pages stop waiting. Returns how many; see
+    `work_sweep`."""
     now = now or timezone.now()
-    cutoff = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return model.objects.filter(
-        status__in=(RunStatus.QUEUED, RunStatus.RUNNING), created_at__lt=cutoff
-    ).update(
-        status=RunStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now
+    too_old = Q(created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS))
+    return work_sweep(
+        model,
+        running_lost=too_old,
+        queued_lost=too_old,
+        # Queued ones too: their pages say the scoring did not finish.
+        failed=lambda _scoring, _code: {
+            "error_code": "worker_lost",
+            "error_message": message,
+            "finished_at": now,
+        },
+        now=now,
     )
 
 
 def scoring_fail_unsent(*, scoring, error: TaskQueueUnreachable) -> None:
     """Fail a queued scoring (SteeringScore, RunComparison) whose task the queue could not
     take (see `task_send_on_commit`), so that its page stops waiting for it."""
-    type(scoring).objects.filter(pk=scoring.pk, status=RunStatus.QUEUED).update(
-        status=RunStatus.FAILED,
+    type(scoring).objects.filter(pk=scoring.pk, status=WorkStatus.QUEUED).update(
+        status=WorkStatus.FAILED,
         error_code=error.code,
         error_message=str(error),
         finished_at=timezone.now(),

@@ -6,14 +6,15 @@ import uuid
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsApiError, AcsClient
+from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
-from ..models import JobKind, JobSubmission, JobSubmissionStatus
+from ..models import JobKind, JobSubmission
 from .keys import playground_key_get_or_create, worker_secret
 
 # The task that sends a job submission (`tasks.py`), enqueued by name.
@@ -57,8 +58,8 @@ def job_submission_refuse_unsent(*, submission: JobSubmission, error: TaskQueueU
     """Refuse a queued submission whose task the queue could not take (see
     `task_send_on_commit`). Its submit token is cleared, so that the same form posted again
     (once the queue is back) submits anew instead of finding this one."""
-    JobSubmission.objects.filter(pk=submission.pk, status=JobSubmissionStatus.QUEUED).update(
-        status=JobSubmissionStatus.REFUSED,
+    JobSubmission.objects.filter(pk=submission.pk, status=WorkStatus.QUEUED).update(
+        status=WorkStatus.FAILED,
         error_code=error.code,
         error_message=str(error),
         submit_token=None,
@@ -81,10 +82,7 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
     `SubmissionRetry` for an answer that asks to retry within
     `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
     the final attempt. Returns None if the submission could not be claimed."""
-    claimed = JobSubmission.objects.filter(
-        pk=submission_id, status=JobSubmissionStatus.QUEUED
-    ).update(status=JobSubmissionStatus.SENDING, attempts=F("attempts") + 1)
-    if not claimed:
+    if not work_claim(JobSubmission, pk=submission_id, now=timezone.now()):
         return None
     submission = JobSubmission.objects.select_related("user").get(pk=submission_id)
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(submission.user))
@@ -104,11 +102,11 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
             and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
             and not final_attempt
         ):
-            JobSubmission.objects.filter(pk=submission.pk).update(status=JobSubmissionStatus.QUEUED)
+            JobSubmission.objects.filter(pk=submission.pk).update(status=WorkStatus.QUEUED)
             raise SubmissionRetry(countdown) from error
         return _job_submission_refuse(submission, code=error.code, message=error.message)
     JobSubmission.objects.filter(pk=submission.pk).update(
-        status=JobSubmissionStatus.SUBMITTED, job_id=job_id, sent_at=timezone.now()
+        status=WorkStatus.SUCCEEDED, job_id=job_id, sent_at=timezone.now()
     )
     submission.refresh_from_db()
     return submission
@@ -116,7 +114,7 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
 
 def _job_submission_refuse(submission: JobSubmission, *, code: str, message: str):
     JobSubmission.objects.filter(pk=submission.pk).update(
-        status=JobSubmissionStatus.REFUSED,
+        status=WorkStatus.FAILED,
         error_code=code,
         error_message=message,
         sent_at=timezone.now(),
@@ -128,14 +126,20 @@ def _job_submission_refuse(submission: JobSubmission, *, code: str, message: str
 def job_submissions_fail_stuck(*, now=None) -> int:
     """Refuse submissions still queued or sending after `PLAYGROUND_RUN_STUCK_SECONDS` (no
     worker took them, or their worker died mid-send), so the Jobs page stops waiting for
-    them. Returns how many. Run by beat with the runs sweep."""
-    cutoff = (now or timezone.now()) - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
-    return JobSubmission.objects.filter(
-        status__in=(JobSubmissionStatus.QUEUED, JobSubmissionStatus.SENDING),
-        created_at__lt=cutoff,
-    ).update(
-        status=JobSubmissionStatus.REFUSED,
-        error_code="not_sent",
-        error_message="No worker sent this job in time; check the jobs below, then submit again.",
-        sent_at=now or timezone.now(),
+    them. Returns how many. Run by beat with the runs sweep; see `work_sweep`."""
+    now = now or timezone.now()
+    too_old = Q(created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS))
+    return work_sweep(
+        JobSubmission,
+        running_lost=too_old,
+        queued_lost=too_old,
+        # Either way, all the Jobs page can say is that the job was not sent.
+        failed=lambda _submission, _code: {
+            "error_code": "not_sent",
+            "error_message": (
+                "No worker sent this job in time; check the jobs below, then submit again."
+            ),
+            "sent_at": now,
+        },
+        now=now,
     )

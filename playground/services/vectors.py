@@ -14,9 +14,10 @@ from acs_client.codec import (
     encode_vector,
     float32_to_bfloat16_bits,
 )
+from infra.lifecycle import WorkStatus
 
 from .. import figures
-from ..models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
+from ..models import Run, RunKind, SteeringVector, VectorMethod
 from .runs import run_enqueue, submitted_once
 
 
@@ -212,7 +213,7 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     references = [run for run in runs if run.meta.get("role") == "reference"]
     if not positive or not negative:
         return None
-    if positive.status != RunStatus.SUCCEEDED or negative.status != RunStatus.SUCCEEDED:
+    if positive.status != WorkStatus.SUCCEEDED or negative.status != WorkStatus.SUCCEEDED:
         return None
     if not all(run.is_finished for run in references):
         return None
@@ -224,7 +225,7 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     ]
     meta = positive.meta
     vector = contrast_difference(*captures, method=meta["method"])
-    measured = [run for run in references if run.status == RunStatus.SUCCEEDED]
+    measured = [run for run in references if run.status == WorkStatus.SUCCEEDED]
     typical = None
     details = {
         "positive": positive.request["prompt"],

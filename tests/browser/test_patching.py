@@ -13,7 +13,8 @@ import subprocess
 import pytest
 from playwright.sync_api import expect
 
-from playground.models import Run, RunKind, RunStatus
+from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind
 from testsupport.servers import ENGINE_PYTHON, REPO_ROOT
 
 from .conftest import BROWSER_USER
@@ -184,7 +185,7 @@ def test_a_large_grid_is_cancelled_and_its_unsent_runs_are_never_sent(page):
     expect(grid.get_by_role("status")).not_to_contain_text("requests finished")
     group = page.locator(GRID).get_attribute("id").removeprefix("grid-")
     runs = Run.objects.filter(group=group)
-    assert not runs.filter(status__in=(RunStatus.QUEUED, RunStatus.RUNNING)).exists()
+    assert not runs.filter(status__in=(WorkStatus.QUEUED, WorkStatus.RUNNING)).exists()
     # 30 layers × 5 positions + the clean baseline and 3 repeats + 2 captures: cancelled
     # while capturing, no patched run was created; cancelled later, the queued ones were
     # never sent.

@@ -11,7 +11,8 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from accounts.models import User
-from playground.models import Run, RunKind, RunStatus, SteeringScore
+from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind, SteeringScore
 from playground.services.vectors import steering_vector_create
 from tests.conftest import make_user
 from tests.playground.conftest import recorded
@@ -37,7 +38,7 @@ def seeded_run(user, *, kind, prompt, minutes_ago, scale=None) -> Run:
     return Run(
         user=user,
         kind=kind,
-        status=RunStatus.SUCCEEDED,
+        status=WorkStatus.SUCCEEDED,
         scale=scale,
         request={"model": "smollm2-135m", "prompt": prompt},
         queued_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
@@ -88,16 +89,16 @@ def seed_a_filled_playground(user) -> None:
     ):
         Run.objects.create(
             user=user, kind=kind, group=group, scale=scale, vector=vector,
-            status=RunStatus.SUCCEEDED, response=recorded(answer),
+            status=WorkStatus.SUCCEEDED, response=recorded(answer),
             request={"model": "smollm2-135m", "prompt": f"I think that {LONG_TOKEN}",
                      "max_tokens": 8, "apply_steering_vectors": []},
         )  # fmt: skip
     # Its same-token comparison has ended, so the page does not keep polling for it.
     SteeringScore.objects.create(
-        group=group, user=user, status=RunStatus.FAILED, error_code="not_comparable"
+        group=group, user=user, status=WorkStatus.FAILED, error_code="not_comparable"
     )
     Run.objects.create(
-        user=user, kind=RunKind.COMPLETION, status=RunStatus.SUCCEEDED,
+        user=user, kind=RunKind.COMPLETION, status=WorkStatus.SUCCEEDED,
         response=recorded("capture.json"),
         request={"model": "smollm2-135m", "prompt": f"Hello world, {LONG_TOKEN}",
                  "max_tokens": 1, "output_residual_stream": [0, 4, 8]},

@@ -7,7 +7,8 @@ import uuid
 from django.db import transaction
 from django.utils import timezone
 
-from playground.models import Run, RunKind, RunStatus
+from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind
 from playground.services.runs import run_create, run_enqueue
 
 from .conftest import STUB_MODEL, make_account, wait_for
@@ -41,7 +42,7 @@ def test_another_accounts_run_starts_within_2_s_while_a_512_cell_grid_runs(
     group = _grid(account.user)
     try:
         wait_for(
-            lambda: Run.objects.filter(group=group, status=RunStatus.SUCCEEDED).count() >= 8,
+            lambda: Run.objects.filter(group=group, status=WorkStatus.SUCCEEDED).count() >= 8,
             timeout=60,
             what="the grid to run",
         )
@@ -55,20 +56,20 @@ def test_another_accounts_run_starts_within_2_s_while_a_512_cell_grid_runs(
             interval=0.02,
         )
         waited = (started.started_at - submitted).total_seconds()
-        cells_left = Run.objects.filter(group=group, status=RunStatus.QUEUED).count()
+        cells_left = Run.objects.filter(group=group, status=WorkStatus.QUEUED).count()
         finished = wait_for(
             lambda: Run.objects.filter(pk=run.pk, finished_at__isnull=False).first(),
             timeout=60,
             what="the other account's run to finish",
         )
-        assert finished.status == RunStatus.SUCCEEDED, finished.error_message
+        assert finished.status == WorkStatus.SUCCEEDED, finished.error_message
     finally:
         # The grid's remaining cells would keep the worker busy for the next tests.
-        Run.objects.filter(group=group, status=RunStatus.QUEUED).update(
-            status=RunStatus.FAILED, finished_at=timezone.now()
+        Run.objects.filter(group=group, status=WorkStatus.QUEUED).update(
+            status=WorkStatus.FAILED, finished_at=timezone.now()
         )
         wait_for(
-            lambda: not Run.objects.filter(group=group, status=RunStatus.RUNNING).exists(),
+            lambda: not Run.objects.filter(group=group, status=WorkStatus.RUNNING).exists(),
             timeout=60,
             what="the grid's last cells to end",
         )

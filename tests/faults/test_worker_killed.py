@@ -10,6 +10,7 @@ import httpx
 from django.utils import timezone
 
 from api.jobs.models import CompletionJob, HarvestJob
+from infra.lifecycle import ACTIVE, WorkStatus
 from metering import windows
 from metering.budgets import budget_release_stale
 from metering.models import BudgetReservation, ReservationStatus, UsageRecord
@@ -122,7 +123,7 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
 
     def first_shard_written():
         job = HarvestJob.objects.get(pk=job_id)
-        assert job.status in ("pending", "running"), job.error
+        assert job.status in ACTIVE, job.error
         return job.prompts_done >= 1
 
     wait_for(
@@ -145,8 +146,8 @@ def test_worker_killed_mid_harvest_reruns_it_and_bills_each_batch_once(
 
     def harvest_done():
         job = HarvestJob.objects.get(pk=job_id)
-        assert job.status in ("pending", "running", "done"), job.error
-        return job if job.status == "done" else None
+        assert job.status in (*ACTIVE, WorkStatus.SUCCEEDED), job.error
+        return job if job.status == WorkStatus.SUCCEEDED else None
 
     job = wait_for(
         harvest_done,

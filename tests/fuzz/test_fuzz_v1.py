@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 
 from acs_client.codec import encode_vector
 from api.errors import ERROR_CODES
-from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob
 from api.models import LanguageModel
 from api.openapi import openapi_document
 from api.selectors import registry_clear
+from infra.lifecycle import WorkStatus
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 
@@ -288,7 +289,7 @@ def target(gateway_url, engine_url, api_key, api_secret, redis_client):
         layers=[1],
         n_prompts=1,
         prompts_done=1,
-        status=HarvestJobStatus.DONE,
+        status=WorkStatus.SUCCEEDED,
         files=["manifest.json", "stats.safetensors"],
     )
     known = {

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from api.bodies import MAX_JSON_DEPTH
-from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob
+from infra.lifecycle import WorkStatus
 
 from .test_errors import BASE, assert_error
 
@@ -115,7 +116,7 @@ def test_harvest_download_urls_name_the_site_not_the_request_host(client, stub, 
         layers=[1],
         n_prompts=1,
         prompts_done=1,
-        status=HarvestJobStatus.DONE,
+        status=WorkStatus.SUCCEEDED,
         files=["manifest.json", "shard_00000.safetensors", "stats.safetensors"],
     )
     # An allowed host other than the site's.

@@ -16,9 +16,10 @@ from django.utils import timezone
 from acs_client import responses
 from api import openapi
 from api.jobs import tasks
-from api.jobs.models import CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.models import HarvestJob
 from api.jobs.storage import MANIFEST_NAME, STATS_NAME
 from api.models import ModelStatus
+from infra.lifecycle import WorkStatus
 from tests.jobs.conftest import media_root, sent_tasks  # noqa: F401 (fixtures)
 
 MISSING_JOB = "00000000-0000-0000-0000-000000000000"
@@ -136,13 +137,13 @@ def _harvests(answers: Answers) -> None:
     answers.send("GET", job, f"/v1/harvest/{job_id}")
     assert answers.send("DELETE", job, f"/v1/harvest/{job_id}").json()["status"] == "cancelled"
     assert answers.send("DELETE", job, f"/v1/harvest/{job_id}").status_code == 409
-    HarvestJob.objects.filter(pk=job_id).update(status=HarvestJobStatus.EXPIRED)
+    HarvestJob.objects.filter(pk=job_id).update(status=WorkStatus.EXPIRED)
     assert answers.send("GET", job, f"/v1/harvest/{job_id}").json()["message"]
     assert answers.send("GET", job, f"/v1/harvest/{MISSING_JOB}").status_code == 404
 
     done_id = answers.send("POST", "/v1/harvest", json=body).json()["job_id"]
     HarvestJob.objects.filter(pk=done_id).update(
-        status=HarvestJobStatus.DONE,
+        status=WorkStatus.SUCCEEDED,
         prompts_done=2,
         completed_at=timezone.now(),
         files=["shard-00000.safetensors", STATS_NAME, MANIFEST_NAME],
@@ -191,8 +192,12 @@ def test_the_wire_states_are_the_database_states():
         return set(get_args(model.model_fields["status"].annotation))
 
     assert states(responses.ModelStatus) == states(responses.ModelCard) == set(ModelStatus.values)
-    assert states(responses.CompletionJob) == set(CompletionJobStatus.values)
-    assert states(responses.HarvestJob) == set(HarvestJobStatus.values)
+    # A completion job is never cancelled, nor expired (it is deleted instead).
+    assert states(responses.CompletionJob) == set(WorkStatus.values) - {"cancelled", "expired"}
+    # The harvest API keeps its words for queued and succeeded (HarvestJob.public_status).
+    public = {HarvestJob(status=status).public_status for status in WorkStatus.values}
+    assert states(responses.HarvestJob) == public
+    assert public == {"pending", "running", "done", "failed", "cancelled", "expired"}
 
 
 def test_recorded_engine_answers_are_completion_responses_and_keep_what_vllm_adds():

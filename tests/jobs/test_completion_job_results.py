@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from api.jobs.models import CompletionJob, CompletionJobStatus
+from api.jobs.models import CompletionJob
 from api.jobs.services import completion_jobs
+from infra.lifecycle import WorkStatus
 from metering.models import UsageRecord
 from tests.overflow import overflowing_steering
 
@@ -37,7 +38,7 @@ def run_job(api_client, body: dict) -> CompletionJob:
 
 
 def assert_failed_once_and_billed_once(api_client, job: CompletionJob, code: str) -> dict:
-    assert (job.status, job.attempts) == (CompletionJobStatus.FAILED, 1)
+    assert (job.status, job.attempts) == (WorkStatus.FAILED, 1)
     status = api_client.get(f"/v1/completion-jobs/{job.pk}").json()
     assert status["status"] == "failed" and status["error"]["code"] == code
     result = api_client.get(f"/v1/completion-jobs/{job.pk}/result")

@@ -16,8 +16,9 @@ from api.admission import admission_counts
 from api.completions import CompletionResult
 from api.errors import ApiError
 from api.jobs import tasks
-from api.jobs.models import CompletionJob, CompletionJobStatus
+from api.jobs.models import CompletionJob
 from api.jobs.services import completion_jobs
+from infra.lifecycle import WorkStatus
 
 BODY = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 2}
 JOB_RUN = "api.jobs.tasks.completion_job_run_task"
@@ -186,7 +187,7 @@ def test_a_job_is_claimed_once(api_key, monkeypatch, sent_tasks):
     completion_jobs.completion_job_execute(job_id=job.pk)
     assert calls == [BODY]
     job.refresh_from_db()
-    assert (job.status, job.attempts) == (CompletionJobStatus.SUCCEEDED, 1)
+    assert (job.status, job.attempts) == (WorkStatus.SUCCEEDED, 1)
 
 
 def test_a_retryable_failure_requeues_the_job_after_retry_after(api_key, monkeypatch, sent_tasks):
@@ -201,12 +202,12 @@ def test_a_retryable_failure_requeues_the_job_after_retry_after(api_key, monkeyp
     monkeypatch.setattr(completion_jobs, "completion_run", saturated)
     completion_jobs.completion_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == CompletionJobStatus.QUEUED
+    assert job.status == WorkStatus.QUEUED
     assert (JOB_RUN, str(job.pk), 7) in sent_tasks
     for _ in range(2):
         completion_jobs.completion_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == CompletionJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "queue_full"
 
 
@@ -216,22 +217,22 @@ def test_the_sweep_requeues_a_job_stuck_running_then_fails_it(api_key, settings,
     )
     now = timezone.now()
     CompletionJob.objects.filter(pk=job.pk).update(
-        status=CompletionJobStatus.RUNNING, attempts=1, started_at=now, lease_expires_at=now
+        status=WorkStatus.RUNNING, attempts=1, started_at=now, lease_expires_at=now
     )
     assert completion_jobs.completion_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
     assert completion_jobs.completion_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
-    assert job.status == CompletionJobStatus.QUEUED
+    assert job.status == WorkStatus.QUEUED
     assert sent_tasks.ids(JOB_RUN).count(str(job.pk)) == 2
 
     CompletionJob.objects.filter(pk=job.pk).update(
-        status=CompletionJobStatus.RUNNING,
+        status=WorkStatus.RUNNING,
         attempts=settings.ACS_JOB_MAX_ATTEMPTS,
         lease_expires_at=now,
     )
     completion_jobs.completion_jobs_recover_stuck(now=now + timedelta(seconds=1))
     job.refresh_from_db()
-    assert job.status == CompletionJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "worker_lost"
     assert job.finished_at is not None
 
@@ -252,7 +253,7 @@ def test_jobs_are_deleted_24_hours_after_they_end(api_client, api_key, engine_mo
     job_id = _submit(api_client).json()["id"]
     ended = timezone.now()
     CompletionJob.objects.filter(pk=job_id).update(
-        status=CompletionJobStatus.SUCCEEDED, finished_at=ended, result_status=200, result_body={}
+        status=WorkStatus.SUCCEEDED, finished_at=ended, result_status=200, result_body={}
     )
     assert completion_jobs.completion_jobs_expire(now=ended + timedelta(hours=23, minutes=59)) == 0
     assert api_client.get(f"/v1/completion-jobs/{job_id}").status_code == 200
@@ -282,11 +283,11 @@ def test_the_beat_sweep_task_expires_and_recovers_jobs(api_key, sent_tasks, sett
     )
     long_ago = timezone.now() - timedelta(days=2)
     CompletionJob.objects.filter(pk=ended.pk).update(
-        status=CompletionJobStatus.SUCCEEDED, finished_at=long_ago
+        status=WorkStatus.SUCCEEDED, finished_at=long_ago
     )
     CompletionJob.objects.filter(pk=stuck.pk).update(
-        status=CompletionJobStatus.RUNNING, attempts=1, lease_expires_at=long_ago
+        status=WorkStatus.RUNNING, attempts=1, lease_expires_at=long_ago
     )
     tasks.jobs_sweep_task()
     assert not CompletionJob.objects.filter(pk=ended.pk).exists()
-    assert CompletionJob.objects.get(pk=stuck.pk).status == CompletionJobStatus.QUEUED
+    assert CompletionJob.objects.get(pk=stuck.pk).status == WorkStatus.QUEUED

@@ -16,9 +16,10 @@ from safetensors import deserialize
 from accounts.services.keys import api_key_create, api_key_disable, api_key_revoke
 from accounts.services.users import user_suspend
 from api.jobs import selectors, tasks
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import HarvestJob
 from api.jobs.services import harvests
 from api.jobs.storage import MANIFEST_NAME, harvest_file_write
+from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.models import UsagePeriod
 
@@ -201,12 +202,12 @@ def test_cancel_a_pending_job_then_cancelling_again_is_409(api_client, engine_mo
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "harvest_not_cancellable"
     harvests.harvest_job_execute(job_id=job_id)
-    assert HarvestJob.objects.get(pk=job_id).status == HarvestJobStatus.CANCELLED
+    assert HarvestJob.objects.get(pk=job_id).status == WorkStatus.CANCELLED
 
 
 def test_a_running_job_shows_progress(api_client, engine_model):
     job_id = _post(api_client).json()["job_id"]
-    HarvestJob.objects.filter(pk=job_id).update(status=HarvestJobStatus.RUNNING, prompts_done=1)
+    HarvestJob.objects.filter(pk=job_id).update(status=WorkStatus.RUNNING, prompts_done=1)
     body = api_client.get(f"/v1/harvest/{job_id}").json()
     assert body["status"] == "running"
     assert body["progress"] == {"prompts_done": 1, "n_prompts": 2}
@@ -277,7 +278,7 @@ def test_another_users_harvest_job_is_404(api_client, client, engine_model, othe
     auth = {"HTTP_AUTHORIZATION": f"Bearer {other_secret}"}
     assert client.get(f"/v1/harvest/{job_id}", **auth).status_code == 404
     assert client.delete(f"/v1/harvest/{job_id}", **auth).status_code == 404
-    assert HarvestJob.objects.get(pk=job_id).status == HarvestJobStatus.PENDING
+    assert HarvestJob.objects.get(pk=job_id).status == WorkStatus.QUEUED
 
 
 def _finished_job_with_a_manifest(api_key) -> HarvestJob:
@@ -290,7 +291,7 @@ def _finished_job_with_a_manifest(api_key) -> HarvestJob:
         layers=[1],
         n_prompts=1,
         prompts_done=1,
-        status=HarvestJobStatus.DONE,
+        status=WorkStatus.SUCCEEDED,
         completed_at=timezone.now(),
         files=[MANIFEST_NAME],
     )

@@ -13,9 +13,10 @@ from django.utils import timezone
 from accounts.services.service import service_spend_cap_set
 from api.errors import ApiError
 from api.jobs import tasks
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import HarvestJob
 from api.jobs.services import harvests
 from api.jobs.storage import harvest_file_write
+from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.models import UsagePeriod, UsageRecord
 
@@ -59,7 +60,7 @@ def test_harvest_captures_are_charged_to_the_token_windows_and_activation_quota(
     job = _submit(api_key)
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
 
     prompt_tokens = sum(_token_counts(engine_url))
     for window in _windows(api_key):
@@ -84,7 +85,7 @@ def test_a_budget_that_cannot_cover_the_next_batch_fails_the_job_keeping_what_wa
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "budget_exceeded"
     assert job.prompts_done == 1
     key_month = _windows(api_key)[0]
@@ -107,7 +108,7 @@ def test_the_activation_quota_refuses_a_batch_it_cannot_cover_whole(
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "activation_quota_exceeded"
     assert job.prompts_done == 2
     assert _windows(api_key)[0].activation_requests == 2
@@ -129,7 +130,7 @@ def test_a_failed_batch_is_not_charged_and_gives_its_activation_requests_back(
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "capture_incomplete"
     first = _token_counts(engine_url)[0]
     for window in _windows(api_key):
@@ -161,7 +162,7 @@ def test_a_paused_service_refuses_harvest_submits_and_fails_a_pending_job_with_s
     monkeypatch.setattr(harvests, "capture_batch", capture)
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "spend_cap"
     assert captured == []
     assert HarvestJob.objects.count() == 1
@@ -195,7 +196,7 @@ def test_the_worker_stops_a_job_before_its_files_pass_the_size_cap(
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "request_too_large"
     assert job.prompts_done == 1
     written = sum(
@@ -212,7 +213,7 @@ def _ended_job(api_key, *, ended_ago):
     for name in ("shard_00000.safetensors", "stats.safetensors", "manifest.json"):
         harvest_file_write(job.storage_prefix, name, b"{}")
     HarvestJob.objects.filter(pk=job.pk).update(
-        status=HarvestJobStatus.DONE,
+        status=WorkStatus.SUCCEEDED,
         completed_at=timezone.now() - ended_ago,
         files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"],
     )
@@ -260,7 +261,7 @@ def test_a_job_that_ends_without_files_gives_its_harvest_quota_back(
 
     monkeypatch.setattr(harvests, "capture_batch", upstream_lost)
     harvests.harvest_job_execute(job_id=failing.pk)
-    assert HarvestJob.objects.get(pk=failing.pk).status == HarvestJobStatus.FAILED
+    assert HarvestJob.objects.get(pk=failing.pk).status == WorkStatus.FAILED
     assert harvest_jobs_counted() == 0
 
 
@@ -292,7 +293,7 @@ def test_a_harvest_rerun_after_its_worker_died_charges_each_batch_once(
     assert harvests.harvest_jobs_recover_stuck(now=later) == 1
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
 
     assert calls == [0, 1, 1, 2]  # the second attempt resumed after the shard written
     prompt_tokens = sum(_token_counts(engine_url))

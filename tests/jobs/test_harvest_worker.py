@@ -18,8 +18,9 @@ from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from acs_client.protocol import in_vllm_xargs
 from api.jobs import selectors
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import HarvestJob
 from api.jobs.services import harvests
+from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.models import UsagePeriod, UsageRecord
 
@@ -76,7 +77,7 @@ def test_harvest_shards_equal_the_completions_capture_of_each_prompt(
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
     assert job.prompts_done == job.n_prompts == 3
     assert job.files[-1] == "manifest.json"
     manifest = json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())
@@ -122,7 +123,7 @@ def test_harvest_stats_are_the_mean_and_std_over_all_positions_but_the_first(
     job = _submit(api_key)
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
     captures = []
     for shard in json.loads(default_storage.open(job.storage_prefix + "manifest.json").read())[
         "shards"
@@ -153,7 +154,7 @@ def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards
     async def capture_then_cancel(*args, **kwargs):
         batches.append(kwargs["first_index"])
         result = await real_capture(*args, **kwargs)
-        await HarvestJob.objects.filter(pk=job.pk).aupdate(status=HarvestJobStatus.CANCELLED)
+        await HarvestJob.objects.filter(pk=job.pk).aupdate(status=WorkStatus.CANCELLED)
         return result
 
     monkeypatch.setattr(harvests, "capture_batch", capture_then_cancel)
@@ -161,7 +162,7 @@ def test_a_job_cancelled_midway_stops_before_its_next_batch_and_keeps_its_shards
 
     job.refresh_from_db()
     assert batches == [0]
-    assert job.status == HarvestJobStatus.CANCELLED
+    assert job.status == WorkStatus.CANCELLED
     assert job.files == ["shard_00000.safetensors", "stats.safetensors", "manifest.json"]
     assert job.lease_expires_at is None and not job.is_stopping  # the worker has stopped
     assert job.prompts_done == 1
@@ -184,7 +185,7 @@ def test_a_job_cancelled_before_its_first_batch_keeps_no_files(
     harvests.harvest_job_cancel(job=job)
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.CANCELLED
+    assert job.status == WorkStatus.CANCELLED
     assert job.files == []
     assert selectors.harvest_download_links(job=job) is None
 
@@ -204,7 +205,7 @@ def test_progress_is_recorded_after_every_batch(engine_model, api_key, settings,
     harvests.harvest_job_execute(job_id=job.pk)
     assert seen == [0, 1, 2]
     job.refresh_from_db()
-    assert (job.status, job.prompts_done, job.progress) == (HarvestJobStatus.DONE, 3, 1.0)
+    assert (job.status, job.prompts_done, job.progress) == (WorkStatus.SUCCEEDED, 3, 1.0)
 
 
 @pytest.mark.django_db
@@ -216,7 +217,7 @@ def test_a_prompt_longer_than_the_context_fails_the_job_with_a_message(
     job = _submit(api_key, prompts=["short", "one two three four five six seven eight nine"])
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "context_length_exceeded"
     assert "Prompt 1" in job.error["message"]
 
@@ -229,7 +230,7 @@ def test_a_capture_over_the_size_limit_fails_the_job_with_a_message(
     job = _submit(api_key, prompts=["one two", "one two three four five six"])
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "activation_prompt_too_long"
     assert "prompt 1" in job.error["message"]
 
@@ -245,7 +246,7 @@ def test_an_unreachable_upstream_puts_the_job_back_to_pending_until_attempts_run
         harvests.harvest_job_execute(job_id=job.pk)
         job.refresh_from_db()
         assert job.attempts == attempt
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "upstream_unreachable"
     retries = [c for name, _, c in sent_tasks if name.endswith("harvest_job_run_task") and c]
     assert len(retries) == settings.ACS_JOB_MAX_ATTEMPTS - 1
@@ -256,23 +257,23 @@ def test_the_sweep_requeues_a_job_whose_worker_died_then_fails_it(api_key, setti
     job = _submit(api_key)
     now = timezone.now()
     HarvestJob.objects.filter(pk=job.pk).update(
-        status=HarvestJobStatus.RUNNING, attempts=1, prompts_done=2, lease_expires_at=now
+        status=WorkStatus.RUNNING, attempts=1, prompts_done=2, lease_expires_at=now
     )
     assert harvests.harvest_jobs_recover_stuck(now=now - timedelta(seconds=1)) == 0
     assert harvests.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1)) == 1
     job.refresh_from_db()
     # Its progress is kept: the next attempt resumes after the shards it recorded.
-    assert (job.status, job.prompts_done) == (HarvestJobStatus.PENDING, 2)
+    assert (job.status, job.prompts_done) == (WorkStatus.QUEUED, 2)
     assert sent_tasks.ids("api.jobs.tasks.harvest_job_run_task")[-1] == str(job.pk)
 
     HarvestJob.objects.filter(pk=job.pk).update(
-        status=HarvestJobStatus.RUNNING,
+        status=WorkStatus.RUNNING,
         attempts=settings.ACS_JOB_MAX_ATTEMPTS,
         lease_expires_at=now,
     )
     harvests.harvest_jobs_recover_stuck(now=now + timedelta(seconds=1))
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "worker_lost"
 
 
@@ -334,14 +335,14 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
     with pytest.raises(WorkerDied):
         harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert (job.status, job.prompts_done) == (HarvestJobStatus.RUNNING, 2)
+    assert (job.status, job.prompts_done) == (WorkStatus.RUNNING, 2)
 
     lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS + 1)
     assert harvests.harvest_jobs_recover_stuck(now=timezone.now() + lease) == 1
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
     assert job.attempts == 2
     # The second attempt captured only the prompt the first had not written.
     assert captured == [0, 1, 2, 2]
@@ -362,7 +363,7 @@ def test_a_harvest_retried_after_its_worker_died_resumes_after_its_last_shard(
     clean = _submit(api_key)
     harvests.harvest_job_execute(job_id=clean.pk)
     clean.refresh_from_db()
-    assert clean.status == HarvestJobStatus.DONE, clean.error
+    assert clean.status == WorkStatus.SUCCEEDED, clean.error
     resumed_stats = _tensors_any(job.storage_prefix + "stats.safetensors")
     clean_stats = _tensors_any(clean.storage_prefix + "stats.safetensors")
     for name in ("mean", "std", "norm_mean", "positions"):

@@ -9,8 +9,9 @@ from asgiref.sync import sync_to_async
 
 from accounts.services.keys import api_key_disable, api_key_revoke
 from accounts.services.users import user_suspend
-from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob
 from api.jobs.services import completion_jobs, harvests
+from infra.lifecycle import WorkStatus
 from metering.models import UsagePeriod, UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -60,7 +61,7 @@ def test_a_completion_job_whose_access_ended_after_submit_fails_with_the_apis_co
     completion_jobs.completion_job_execute(job_id=response.json()["id"])
 
     job = CompletionJob.objects.get(pk=response.json()["id"])
-    assert job.status == CompletionJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.result_status == 401
     assert job.error["code"] == code
     assert job.result_headers == {"X-Should-Retry": "false"}
@@ -86,7 +87,7 @@ def test_a_harvest_job_whose_access_ended_after_submit_does_not_start(
     harvests.harvest_job_execute(job_id=job.pk)
 
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == code
     assert captured == []
     _nothing_billed(api_key)
@@ -113,7 +114,7 @@ def test_a_harvest_job_stops_before_its_next_batch_once_its_key_is_revoked(
 
     job.refresh_from_db()
     assert batches == [0]
-    assert job.status == HarvestJobStatus.FAILED
+    assert job.status == WorkStatus.FAILED
     assert job.error["code"] == "key_revoked"
     assert job.prompts_done == 1
     assert HarvestJob.objects.get(pk=job.pk).error["message"] == (

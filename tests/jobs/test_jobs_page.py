@@ -12,10 +12,11 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from accounts.models import UserStatus
-from api.jobs.models import CompletionJob, CompletionJobStatus, HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob
 from api.jobs.services import completion_jobs, harvests, statistics
 from api.jobs.storage import STATS_NAME, Tensor, harvest_file_write, safetensors_bytes
-from playground.models import JobKind, JobSubmission, JobSubmissionStatus
+from infra.lifecycle import WorkStatus
+from playground.models import JobKind, JobSubmission
 from tests.conftest import PASSWORD
 from tests.playground.test_views import MODEL
 
@@ -52,7 +53,7 @@ def test_the_page_needs_an_approved_login(client, pending_user):
 @pytest.mark.django_db
 def test_active_jobs_are_polled_in_place(logged_in, api_key):
     job = _harvest(api_key)
-    HarvestJob.objects.filter(pk=job.pk).update(status=HarvestJobStatus.RUNNING, prompts_done=1)
+    HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.RUNNING, prompts_done=1)
     page = logged_in.get("/jobs/")
     assert page.status_code == 200
     html = page.content.decode()
@@ -72,7 +73,7 @@ def test_active_jobs_are_polled_in_place(logged_in, api_key):
 def test_polling_stops_when_no_job_is_active(logged_in, api_key):
     job, _ = completion_jobs.completion_job_submit(key=api_key, idempotency_key="k", payload=BODY)
     CompletionJob.objects.filter(pk=job.pk).update(
-        status=CompletionJobStatus.FAILED,
+        status=WorkStatus.FAILED,
         result_status=429,
         result_body={"error": {"code": "budget_exceeded", "message": "No budget <left>."}},
     )
@@ -98,7 +99,7 @@ def test_cancel_from_the_page(logged_in, api_key):
     assert "Cancelled" in html
     assert f"Harvest job {str(job.pk)[:8]} cancelled" in html  # the message, out of band
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.CANCELLED
+    assert job.status == WorkStatus.CANCELLED
 
 
 @pytest.mark.django_db
@@ -113,12 +114,12 @@ def test_cancel_asks_first_with_js_and_on_its_own_page_without(logged_in, api_ke
     assert confirmation.status_code == 200
     assert f'<form method="post" action="{url}">' in confirmation.content.decode()
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.PENDING
+    assert job.status == WorkStatus.QUEUED
 
     done = logged_in.post(url, follow=True)
     assert f"Harvest job {str(job.pk)[:8]} cancelled" in done.content.decode()
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.CANCELLED
+    assert job.status == WorkStatus.CANCELLED
 
 
 @pytest.mark.django_db
@@ -127,9 +128,7 @@ def test_a_running_job_cancelled_from_the_page_is_followed_until_its_worker_stop
 ):
     job = _harvest(api_key)
     lease = timezone.now() + timedelta(minutes=10)
-    HarvestJob.objects.filter(pk=job.pk).update(
-        status=HarvestJobStatus.RUNNING, lease_expires_at=lease
-    )
+    HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.RUNNING, lease_expires_at=lease)
     html = logged_in.post(f"/jobs/harvest/{job.pk}/cancel", headers={"HX-Request": "true"})
     html = html.content.decode()
     assert "Cancelled" in html and "Stopping after its current batch" in html
@@ -174,7 +173,7 @@ def test_completion_result_download_is_the_stored_body(logged_in, client, api_ke
     job, _ = completion_jobs.completion_job_submit(key=api_key, idempotency_key="r", payload=BODY)
     assert logged_in.get(f"/jobs/completion/{job.pk}/result.json").status_code == 404
     CompletionJob.objects.filter(pk=job.pk).update(
-        status=CompletionJobStatus.SUCCEEDED, result_status=200, result_body={"choices": []}
+        status=WorkStatus.SUCCEEDED, result_status=200, result_body={"choices": []}
     )
     response = logged_in.get(f"/jobs/completion/{job.pk}/result.json")
     assert json.loads(response.content) == {"choices": []}
@@ -191,7 +190,7 @@ def test_a_finished_harvest_has_download_links_and_a_norm_chart(
     job = _harvest(api_key)
     harvests.harvest_job_execute(job_id=job.pk)
     job.refresh_from_db()
-    assert job.status == HarvestJobStatus.DONE, job.error
+    assert job.status == WorkStatus.SUCCEEDED, job.error
     page = logged_in.get("/jobs/")
     html = page.content.decode()
     assert f"/v1/harvest/{job.pk}/files/manifest.json?token=" in html
@@ -209,7 +208,7 @@ def _finished_harvest(api_key, norms):
     stats = {"norm_mean": Tensor.from_array(np.asarray(norms, dtype=np.float32))}
     harvest_file_write(job.storage_prefix, STATS_NAME, safetensors_bytes(stats))
     HarvestJob.objects.filter(pk=job.pk).update(
-        status=HarvestJobStatus.DONE, prompts_done=2, files=[STATS_NAME]
+        status=WorkStatus.SUCCEEDED, prompts_done=2, files=[STATS_NAME]
     )
     return job
 
@@ -394,7 +393,7 @@ def test_a_refused_submission_shows_the_apis_error(logged_in, approved_user, mod
         user=approved_user,
         kind=JobKind.HARVEST,
         request={},
-        status=JobSubmissionStatus.REFUSED,
+        status=WorkStatus.FAILED,
         error_code="harvest_quota_exceeded",
         error_message="No harvest jobs left <this month>.",
     )

@@ -3,8 +3,9 @@ active job whose next poll may bring one."""
 
 import pytest
 
-from api.jobs.models import HarvestJob, HarvestJobStatus
+from api.jobs.models import HarvestJob
 from api.jobs.services import harvests
+from infra.lifecycle import WorkStatus
 from tests.conftest import PASSWORD
 
 from .test_jobs_page import _harvest
@@ -28,7 +29,7 @@ def test_a_page_without_charts_does_not_load_plotly(logged_in):
 @pytest.mark.django_db
 def test_a_page_with_an_active_harvest_loads_plotly(logged_in, api_key):
     job = _harvest(api_key)
-    HarvestJob.objects.filter(pk=job.pk).update(status=HarvestJobStatus.RUNNING)
+    HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.RUNNING)
     assert PLOTLY in logged_in.get("/jobs/").content.decode()
 
 

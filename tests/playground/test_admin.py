@@ -12,8 +12,8 @@ from playground.models import (
     JobSubmission,
     Run,
     RunComparison,
-    RunStatus,
     SteeringScore,
+    WorkStatus,
 )
 
 
@@ -56,8 +56,8 @@ def test_each_record_is_listed_shown_and_not_editable(superuser, records, index)
     page = superuser.get(change_url)
     assert page.status_code == 200 and record.error_code in page.content.decode()
     assert 'name="status"' not in page.content.decode(), "no field is editable"
-    superuser.post(change_url, {"status": RunStatus.SUCCEEDED, "error_code": "edited"})
+    superuser.post(change_url, {"status": WorkStatus.SUCCEEDED, "error_code": "edited"})
     record.refresh_from_db()
-    assert record.error_code != "edited" and record.status == RunStatus.QUEUED
+    assert record.error_code != "edited" and record.status == WorkStatus.QUEUED
     add = superuser.get(reverse(f"admin:playground_{meta.model_name}_add"))
     assert add.status_code == 403

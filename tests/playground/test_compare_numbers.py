@@ -14,8 +14,8 @@ from django.urls import reverse
 
 from acs_client.client import AcsClient
 from acs_client.codec import encode_vector
+from infra.lifecycle import WorkStatus
 from playground import compare
-from playground.models import RunStatus
 
 from . import test_figure_numbers
 from .test_figure_numbers import (
@@ -62,7 +62,7 @@ def test_comparison_numbers_match_numpy_from_the_raw_answers(recorder, approved_
     assert raw_a["choices"][0]["text"] != raw_b["choices"][0]["text"]
     comparison = compare.comparison_queue(user=approved_user, run_a=run_a, run_b=run_b)
     comparison = compare.comparison_execute(comparison_id=comparison.pk)
-    assert comparison.status == RunStatus.SUCCEEDED, comparison.error_message
+    assert comparison.status == WorkStatus.SUCCEEDED, comparison.error_message
 
     prompt_ids, _ = prompt_pieces(tokenizer, PROMPT)
     ids = {

@@ -13,8 +13,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from acs_client.client import AcsClient
+from infra.lifecycle import WorkStatus
 from playground import compare, scoring, tasks
-from playground.models import Run, RunComparison, RunStatus
+from playground.models import Run, RunComparison
 
 from .conftest import HTMX, recorded
 
@@ -36,7 +37,7 @@ def finished_run(user, *, completion, response=None, model=MODEL, capture=None):
     return Run.objects.create(
         user=user,
         request=request,
-        status=RunStatus.SUCCEEDED,
+        status=WorkStatus.SUCCEEDED,
         response=response or recorded("completion_logprobs.json"),
         tokens={
             "prompts": [PROMPT],
@@ -133,7 +134,7 @@ def test_the_activation_difference_of_a_run_with_itself_is_zero(ada, approved_us
 def test_a_failed_run_has_no_diff_and_cannot_be_scored(ada, approved_user):
     done = finished_run(approved_user, completion=[(7042, " Paris")])
     failed = Run.objects.create(
-        user=approved_user, request={"model": MODEL, "prompt": "x"}, status=RunStatus.FAILED
+        user=approved_user, request={"model": MODEL, "prompt": "x"}, status=WorkStatus.FAILED
     )
     page = ada.get(compare_url(done, failed)).content.decode()
     assert "run B has no result (failed)" in page
@@ -173,7 +174,7 @@ def test_a_failed_scoring_can_be_queued_again(
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
     comparison = RunComparison.objects.create(
-        user=approved_user, run_a=a, run_b=b, status=RunStatus.FAILED,
+        user=approved_user, run_a=a, run_b=b, status=WorkStatus.FAILED,
         error_code="budget_exceeded", error_message="Monthly budget spent.",
     )  # fmt: skip
     page = ada.get(compare_url(a, b)).content.decode()
@@ -181,7 +182,7 @@ def test_a_failed_scoring_can_be_queued_again(
     with django_capture_on_commit_callbacks(execute=True):
         compare.comparison_queue(user=approved_user, run_a=a, run_b=b)
     comparison.refresh_from_db()
-    assert comparison.status == RunStatus.QUEUED and no_enqueue == [str(comparison.pk)]
+    assert comparison.status == WorkStatus.QUEUED and no_enqueue == [str(comparison.pk)]
 
 
 def test_run_page_and_steering_comparison_link_to_the_comparison(ada, approved_user):
@@ -232,7 +233,7 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
     )
     comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
     comparison = compare.comparison_execute(comparison_id=comparison.pk)
-    assert comparison.status == RunStatus.SUCCEEDED, comparison.error_message
+    assert comparison.status == WorkStatus.SUCCEEDED, comparison.error_message
     sequences = [PROMPT["ids"] + [7042], PROMPT["ids"] + [24196]]
     assert [body["prompt"] for body in sent] == [sequences, sequences]
     assert [body.get("apply_steering_vectors") for body in sent] == [None, steering]
@@ -245,15 +246,15 @@ def test_a_scoring_no_worker_finished_is_failed_by_the_sweep(approved_user):
     a = finished_run(approved_user, completion=[(7042, " Paris")])
     b = finished_run(approved_user, completion=[(24196, " Lyon")])
     stuck = RunComparison.objects.create(
-        user=approved_user, run_a=a, run_b=b, status=RunStatus.RUNNING,
+        user=approved_user, run_a=a, run_b=b, status=WorkStatus.RUNNING,
         created_at=timezone.now() - dt.timedelta(hours=1),
     )  # fmt: skip
     fresh = RunComparison.objects.create(user=approved_user, run_a=b, run_b=a)
     assert tasks.runs_sweep_task() == 1
     stuck.refresh_from_db()
     fresh.refresh_from_db()
-    assert (stuck.status, stuck.error_code) == (RunStatus.FAILED, "worker_lost")
-    assert fresh.status == RunStatus.QUEUED
+    assert (stuck.status, stuck.error_code) == (WorkStatus.FAILED, "worker_lost")
+    assert fresh.status == WorkStatus.QUEUED
 
 
 def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(

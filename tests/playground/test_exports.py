@@ -10,7 +10,8 @@ import io
 import pytest
 from django.urls import reverse
 
-from playground.models import Run, RunKind, RunStatus
+from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind
 
 from .conftest import recorded
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("listed_model")
 def test_every_figure_offers_its_numbers_as_csv_and_json(client, approved_user):
     client.force_login(approved_user)
     run = Run.objects.create(
-        user=approved_user, status=RunStatus.SUCCEEDED, response=recorded("capture.json"),
+        user=approved_user, status=WorkStatus.SUCCEEDED, response=recorded("capture.json"),
         request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
                  "output_residual_stream": [0, 4, 8]},
     )  # fmt: skip
@@ -38,7 +39,7 @@ def test_every_figure_offers_its_numbers_as_csv_and_json(client, approved_user):
 def test_a_comparisons_numbers_download_for_its_owner_only(client, approved_user, other_user):
     group = Run.objects.create(
         user=approved_user, kind=RunKind.STEERING_BASELINE, scale=0.0, group=None,
-        status=RunStatus.SUCCEEDED, response=recorded("steer_baseline.json"),
+        status=WorkStatus.SUCCEEDED, response=recorded("steer_baseline.json"),
         request={"model": "smollm2-135m", "prompt": "I think", "max_tokens": 4},
     )  # fmt: skip
     group.group = group.pk

@@ -29,8 +29,9 @@ from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from infra.lifecycle import WorkStatus
 from playground import views
-from playground.models import Run, RunKind, RunStatus, SteeringScore
+from playground.models import Run, RunKind, SteeringScore
 from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
@@ -149,7 +150,7 @@ def figure_of(response) -> dict:
 def run_through(user, request: dict) -> Run:
     run = run_create(user=user, request=request)
     run = run_execute(run_id=run.id, final_attempt=True)
-    assert run.status == RunStatus.SUCCEEDED, (run.error_code, run.error_message)
+    assert run.status == WorkStatus.SUCCEEDED, (run.error_code, run.error_message)
     return run
 
 
@@ -450,7 +451,7 @@ def steer(user, *, prompt, scales, kind, target=""):
         run_execute(run_id=run.id, final_attempt=True)
     score = SteeringScore.objects.get(group=group)
     score = steering_score_execute(score_id=score.pk)
-    assert score.status == RunStatus.SUCCEEDED, (score.error_code, score.error_message)
+    assert score.status == WorkStatus.SUCCEEDED, (score.error_code, score.error_message)
     return group, sorted(Run.objects.filter(group=group), key=lambda run: run.scale)
 
 

@@ -9,8 +9,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from infra.lifecycle import WorkStatus
 from playground.history import RUNS_PER_PAGE
-from playground.models import Run, RunKind, RunStatus
+from playground.models import Run, RunKind
 from playground.services.vectors import steering_vector_create
 
 from .conftest import HTMX
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("listed_model")
 
 def make_run(user, prompt, *, kind=RunKind.COMPLETION, vector=None, minutes_ago=0):
     return Run.objects.create(
-        user=user, kind=kind, vector=vector, status=RunStatus.SUCCEEDED,
+        user=user, kind=kind, vector=vector, status=WorkStatus.SUCCEEDED,
         request={"model": "smollm2-135m", "prompt": prompt},
         queued_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
     )  # fmt: skip
@@ -152,12 +153,12 @@ def test_a_steered_run_shows_its_scale_as_entered_with_its_unit(ada, approved_us
     """A scale entered as 4 × the layer's typical norm is sent as 0.843 (the vector's norm
     differs from the typical norm): the history says what was entered, as the run's page."""
     Run.objects.create(
-        user=approved_user, kind=RunKind.SWEEP, status=RunStatus.SUCCEEDED, scale=0.843213,
+        user=approved_user, kind=RunKind.SWEEP, status=WorkStatus.SUCCEEDED, scale=0.843213,
         meta={"scale_unit": "typical", "scale_entered": 4.0},
         request={"model": "smollm2-135m", "prompt": "I feel"},
     )  # fmt: skip
     Run.objects.create(
-        user=approved_user, kind=RunKind.SWEEP, status=RunStatus.SUCCEEDED, scale=-12.5,
+        user=approved_user, kind=RunKind.SWEEP, status=WorkStatus.SUCCEEDED, scale=-12.5,
         request={"model": "smollm2-135m", "prompt": "I think"},
     )  # fmt: skip
     body = ada.get(reverse(HISTORY)).content.decode()

@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from acs_client.responses import CompletionJob, HarvestJob
 from acs_portal.celery import app as celery_app
+from infra.lifecycle import WorkStatus
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
-from playground.models import JobKind, JobSubmission, JobSubmissionStatus
+from playground.models import JobKind, JobSubmission
 from playground.services.keys import playground_key_get_or_create
 from playground.services.submissions import (
     SubmissionRetry,
@@ -64,7 +65,7 @@ def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key
     assert sent.headers["authorization"] == f"Bearer {secret}"
     assert json.loads(sent.content) == COMPLETION
     submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.SUBMITTED
+    assert submission.status == WorkStatus.SUCCEEDED
     assert str(submission.job_id) == JOB_ID
 
 
@@ -92,7 +93,7 @@ def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
     assert sent.headers["idempotency-key"] == str(submission.id)
     assert json.loads(sent.content) == HARVEST
     submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.SUBMITTED
+    assert submission.status == WorkStatus.SUCCEEDED
     assert str(submission.job_id) == JOB_ID
 
 
@@ -113,7 +114,7 @@ def test_the_apis_refusal_is_kept_for_the_page(approved_user, gateway, enqueued)
     gateway.handler = lambda request: error(429, "budget_exceeded")
     job_submission_send(submission_id=submission.id, final_attempt=False)
     submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.REFUSED
+    assert submission.status == WorkStatus.FAILED
     assert submission.error_code == "budget_exceeded"
     assert submission.error_message == "budget_exceeded happened"
 
@@ -125,7 +126,7 @@ def test_a_refusal_that_asks_to_retry_queues_the_submission_again(approved_user,
         job_submission_send(submission_id=submission.id, final_attempt=False)
     assert retry.value.countdown == 2
     submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.QUEUED
+    assert submission.status == WorkStatus.QUEUED
 
 
 @pytest.mark.parametrize(
@@ -145,7 +146,7 @@ def test_a_job_is_resent_when_the_api_could_not_be_reached(
     with pytest.raises(SubmissionRetry):
         job_submission_send(submission_id=submission.id, final_attempt=False)
     submission.refresh_from_db()
-    assert submission.status == JobSubmissionStatus.QUEUED
+    assert submission.status == WorkStatus.QUEUED
 
 
 def test_a_submission_no_worker_sent_is_refused_by_the_sweep(approved_user, enqueued):
@@ -157,8 +158,8 @@ def test_a_submission_no_worker_sent_is_refused_by_the_sweep(approved_user, enqu
     assert job_submissions_fail_stuck() == 1
     stuck.refresh_from_db()
     fresh.refresh_from_db()
-    assert (stuck.status, stuck.error_code) == (JobSubmissionStatus.REFUSED, "not_sent")
-    assert fresh.status == JobSubmissionStatus.QUEUED
+    assert (stuck.status, stuck.error_code) == (WorkStatus.FAILED, "not_sent")
+    assert fresh.status == WorkStatus.QUEUED
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from django.utils import timezone
 from acs_client.client import AcsClient
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
+from infra.lifecycle import WorkStatus
 from playground import patching, patching_forms, patching_metrics, selectors, tasks, views
-from playground.models import Run, RunKind, RunStatus
+from playground.models import Run, RunKind
 from playground.vector_forms import SaveVectorForm
 
 from .conftest import HTMX, MODEL
@@ -258,7 +259,7 @@ def scoring_answer(request: dict, target_logprobs: list[list[float]]) -> dict:
 
 def succeed(run: Run, response: dict) -> None:
     Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.SUCCEEDED, response=response, request_id=f"req-{run.pk.hex[:8]}"
+        status=WorkStatus.SUCCEEDED, response=response, request_id=f"req-{run.pk.hex[:8]}"
     )
 
 
@@ -355,7 +356,7 @@ def test_the_worker_creates_the_scoring_runs_when_the_second_capture_succeeds(
     group, _, _ = captured_grid
     clean = Run.objects.get(group=group, meta__role="clean", kind=RunKind.PATCHING_CAPTURE)
     answer = dict(clean.response)
-    Run.objects.filter(pk=clean.pk).update(status=RunStatus.QUEUED, response=None)
+    Run.objects.filter(pk=clean.pk).update(status=WorkStatus.QUEUED, response=None)
     gateway.handler = lambda request: httpx.Response(200, json=answer)
     tasks.run_execute_task(str(clean.pk))
     assert Run.objects.filter(group=group, kind=RunKind.PATCHED).count() == 1 + REPEATS + 10
@@ -370,7 +371,7 @@ def test_a_grid_whose_patched_runs_cannot_be_built_stops_following_with_a_messag
     answer = dict(clean.response)
     one_layer = np.zeros((1, 6, HIDDEN), dtype=np.float32)
     answer["activations"] = {"residual_stream": encode_vector(one_layer)}
-    Run.objects.filter(pk=clean.pk).update(status=RunStatus.QUEUED, response=None)
+    Run.objects.filter(pk=clean.pk).update(status=WorkStatus.QUEUED, response=None)
     gateway.handler = lambda request: httpx.Response(200, json=answer)
     tasks.run_execute_task(str(clean.pk))
     assert not Run.objects.filter(group=group, kind=RunKind.PATCHED).exists()
@@ -403,14 +404,14 @@ def test_cancel_fails_the_queued_runs_and_says_what_ran_and_what_was_cancelled(a
     succeed(first_repeat, {"choices": []})
     for run in cells[:3]:
         succeed(run, {"choices": []})
-    Run.objects.filter(pk=cells[3].pk).update(status=RunStatus.RUNNING)
+    Run.objects.filter(pk=cells[3].pk).update(status=WorkStatus.RUNNING)
     response = ada.post(reverse("playground:patching_cancel", args=[group]), **HTMX)
     html = response.content.decode()
     assert response.status_code == 200 and "<html" not in html
     assert "Cancel the grid" not in html
     cancelled = Run.objects.filter(group=group, error_code=patching.CANCELLED_CODE)
     assert cancelled.count() == 6 + 2, "the run already being sent finishes"
-    assert Run.objects.get(pk=cells[3].pk).status == RunStatus.RUNNING
+    assert Run.objects.get(pk=cells[3].pk).status == WorkStatus.RUNNING
     # What ran and what was cancelled, not "16 of 16 requests finished".
     assert (
         "<strong>Cancelled.</strong> Ran: 2 of 2 captures, 3 of 10 cells, 2 of 4 baseline "

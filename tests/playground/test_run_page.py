@@ -9,7 +9,8 @@ import re
 import pytest
 from django.urls import reverse
 
-from playground.models import Run, RunStatus
+from infra.lifecycle import WorkStatus
+from playground.models import Run
 
 from .conftest import HTMX, recorded
 
@@ -27,7 +28,7 @@ def capture_run(approved_user):
         user=approved_user,
         request={"model": "smollm2-135m", "prompt": "Hello world, this is", "max_tokens": 1,
                  "output_residual_stream": [0, 4, 8]},
-        status=RunStatus.SUCCEEDED,
+        status=WorkStatus.SUCCEEDED,
         response=recorded("capture.json"),
         tokens={"prompts": [{"ids": [19556, 905, 28, 451, 314], "strings": PROMPT_STRINGS}],
                 "completions": [{"ids": [253], "strings": [" a"], "source": "token_ids"}]},
@@ -73,7 +74,7 @@ def test_a_steered_request_is_shown_shortened_with_a_download_of_it_whole(ada, a
     }  # fmt: skip
     request = {"model": "smollm2-135m", "prompt": "I feel", "max_tokens": 4,
                "apply_steering_vectors": [steering]}  # fmt: skip
-    run = Run.objects.create(user=approved_user, request=request, status=RunStatus.QUEUED)
+    run = Run.objects.create(user=approved_user, request=request, status=WorkStatus.QUEUED)
     page = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     download = reverse("playground:run_request", args=[run.id])
     shown = re.search(r"Request \(exactly as sent\)</summary>\s*<pre>(.*?)</pre>", page, re.S)

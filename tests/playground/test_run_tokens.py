@@ -13,8 +13,9 @@ from django.urls import reverse
 from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
+from infra.lifecycle import WorkStatus
 from playground import compare, run_tokens, vectors, views
-from playground.models import Run, RunStatus
+from playground.models import Run
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
 
@@ -84,7 +85,7 @@ def test_a_run_without_logprobs_names_its_tokens_by_the_ids_returned(
     ada, approved_user, gateway, no_enqueue
 ):
     run = run_through(approved_user, gateway, logprobs=False)
-    assert run.status == RunStatus.SUCCEEDED
+    assert run.status == WorkStatus.SUCCEEDED
     sent = httpx.Response(200, content=gateway.requests[0].content).json()
     assert sent["return_token_ids"] is True
     assert run.tokens["completions"] == [

@@ -18,8 +18,9 @@ from accounts.services.auth import api_key_authenticate
 from accounts.services.keys import api_key_revoke
 from acs_client.codec import decode
 from api.auth import access_generation_bump
+from infra.lifecycle import WorkStatus
 from playground import tasks
-from playground.models import Run, RunKind, RunStatus
+from playground.models import Run, RunKind
 from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import RunRetry, run_claim, run_execute
 from playground.services.runs import (
@@ -91,7 +92,7 @@ def test_run_is_enqueued_only_after_commit(
     enqueues[0]()
     assert no_enqueue == [str(run.id)]
     # Every run asks for its tokens' ids, which label its positions.
-    assert run.status == RunStatus.QUEUED and run.request == {**REQUEST, "return_token_ids": True}
+    assert run.status == WorkStatus.QUEUED and run.request == {**REQUEST, "return_token_ids": True}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -114,7 +115,7 @@ def test_two_workers_racing_claim_a_run_once(approved_user, no_enqueue):
         thread.join()
     winners = [claim for claim in claims if claim is not None]
     assert len(claims) == 8 and len(winners) == 1
-    assert winners[0].status == RunStatus.RUNNING
+    assert winners[0].status == WorkStatus.RUNNING
     assert run_claim(run_id=run.id) is None
 
 
@@ -123,7 +124,7 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
         200, json=recorded("completion_logprobs.json"), headers=TIMING
     )
     run = run_execute(run_id=queued_run.id, final_attempt=False)
-    assert run.status == RunStatus.SUCCEEDED
+    assert run.status == WorkStatus.SUCCEEDED
     assert run.response["choices"][0]["text"] == " Paris.\n\nThe answer"
     assert (run.gateway_ms, run.upstream_ms, run.request_id) == (14.5, 11.25, "req-9")
     assert run.usage == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
@@ -169,7 +170,7 @@ def test_transient_error_requeues_the_run_for_a_retry(queued_run, gateway, redis
     with pytest.raises(RunRetry):
         run_execute(run_id=queued_run.id, final_attempt=False)
     queued_run.refresh_from_db()
-    assert queued_run.status == RunStatus.QUEUED and queued_run.attempts == 1
+    assert queued_run.status == WorkStatus.QUEUED and queued_run.attempts == 1
     assert replay(queued_run.id) == []
 
 
@@ -188,7 +189,7 @@ def test_permanent_error_fails_the_run_with_the_api_code(
 ):
     gateway.handler = lambda request: answer
     run = run_execute(run_id=queued_run.id, final_attempt=False)
-    assert run.status == RunStatus.FAILED
+    assert run.status == WorkStatus.FAILED
     assert run.error_code == code and run.error_message == f"{code} happened"
     assert replay(run.id)[-1]["error"]["code"] == code
 
@@ -198,7 +199,7 @@ def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
 ):
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "1"})
     run = run_execute(run_id=queued_run.id, final_attempt=True)
-    assert run.status == RunStatus.FAILED and run.error_code == "circuit_open"
+    assert run.status == WorkStatus.FAILED and run.error_code == "circuit_open"
     assert run.error_message == "Gave up after 1 attempts. circuit_open happened"
 
 
@@ -212,7 +213,7 @@ def test_error_frame_after_tokens_fails_without_retry(
     gateway.handler = lambda request: httpx.Response(200, text=body)
     run = run_execute(run_id=run.id, final_attempt=False)
     assert (run.status, run.error_code, run.error_message) == (
-        RunStatus.FAILED, "vllm_engine_dead", "engine died"
+        WorkStatus.FAILED, "vllm_engine_dead", "engine died"
     )  # fmt: skip
     assert [e["type"] for e in replay(run.id)] == ["status", "token", "end"]
 
@@ -222,7 +223,7 @@ def test_unreadable_answer_fails_the_run_instead_of_leaving_it_running(
 ):
     gateway.handler = lambda request: httpx.Response(200, text="not json")
     run = run_execute(run_id=queued_run.id, final_attempt=False)
-    assert run.status == RunStatus.FAILED and run.error_code == "playground_error"
+    assert run.status == WorkStatus.FAILED and run.error_code == "playground_error"
 
 
 def test_finished_run_is_not_executed_again(queued_run, gateway, redis_client):
@@ -243,14 +244,14 @@ def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_
     gateway.handler = lambda request: next(answers)
     tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
-    assert queued_run.status == RunStatus.SUCCEEDED and queued_run.attempts == 3
+    assert queued_run.status == WorkStatus.SUCCEEDED and queued_run.attempts == 3
 
 
 def test_task_does_not_retry_a_permanent_error(queued_run, gateway, redis_client):
     gateway.handler = lambda request: error(400, "context_length_exceeded")
     tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
-    assert queued_run.status == RunStatus.FAILED and queued_run.attempts == 1
+    assert queued_run.status == WorkStatus.FAILED and queued_run.attempts == 1
     assert len(gateway.requests) == 1
 
 
@@ -258,7 +259,7 @@ def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_c
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "0"})
     tasks.run_execute_task.apply(args=[str(queued_run.id)])
     queued_run.refresh_from_db()
-    assert queued_run.status == RunStatus.FAILED
+    assert queued_run.status == WorkStatus.FAILED
     assert len(gateway.requests) == settings.PLAYGROUND_RUN_MAX_RETRIES + 1
     assert queued_run.error_message.startswith("Gave up after 4 attempts.")
 
@@ -307,19 +308,19 @@ def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
     old = now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS + 1)
     request = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1}
     dead = Run.objects.create(
-        user=approved_user, request=request, status=RunStatus.RUNNING, started_at=old
+        user=approved_user, request=request, status=WorkStatus.RUNNING, started_at=old
     )
     lost = Run.objects.create(user=approved_user, request=request, queued_at=old, sent_at=old)
     alive = Run.objects.create(
-        user=approved_user, request=request, status=RunStatus.RUNNING, started_at=now
+        user=approved_user, request=request, status=WorkStatus.RUNNING, started_at=now
     )
     assert tasks.runs_sweep_task() == 2
     for run, code in [(dead, "worker_lost"), (lost, "not_started")]:
         run.refresh_from_db()
-        assert (run.status, run.error_code) == (RunStatus.FAILED, code)
+        assert (run.status, run.error_code) == (WorkStatus.FAILED, code)
         assert run.error_message
     alive.refresh_from_db()
-    assert alive.status == RunStatus.RUNNING
+    assert alive.status == WorkStatus.RUNNING
     assert tasks.runs_sweep_task() == 0
 
 
@@ -338,7 +339,7 @@ def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_mes
 
     run = run_execute(run_id=run.id, final_attempt=False)
 
-    assert run.status == RunStatus.FAILED
+    assert run.status == WorkStatus.FAILED
     assert run.error_code == "key_revoked"
     assert run.error_message == "This API key has been revoked; create a new one."
     assert run.request_id
@@ -375,7 +376,7 @@ def test_a_groups_runs_go_to_the_workers_a_few_at_a_time(
     assert no_enqueue[-1] == str(other.pk)
     run_fail(run=runs[0], code="x", message="failed")
     assert no_enqueue[-1] == str(runs[3].pk)
-    Run.objects.filter(pk=runs[1].pk).update(status=RunStatus.SUCCEEDED)
+    Run.objects.filter(pk=runs[1].pk).update(status=WorkStatus.SUCCEEDED)
     assert group_runs_dispatch(group=group) == 1
     assert no_enqueue[-1] == str(runs[4].pk)
     assert group_runs_dispatch(group=group) == 0
@@ -384,5 +385,5 @@ def test_a_groups_runs_go_to_the_workers_a_few_at_a_time(
     later = timezone.now() + dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS + 1)
     assert runs_fail_stuck(now=later) == 4
     assert no_enqueue[-3:] == [str(run.pk) for run in runs[5:]]
-    waiting = Run.objects.filter(pk__in=[run.pk for run in runs[5:]], status=RunStatus.QUEUED)
+    waiting = Run.objects.filter(pk__in=[run.pk for run in runs[5:]], status=WorkStatus.QUEUED)
     assert waiting.exclude(sent_at=None).count() == 3

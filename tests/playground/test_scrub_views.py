@@ -7,20 +7,21 @@ import uuid
 
 from django.urls import reverse
 
+from infra.lifecycle import WorkStatus
 from playground import views
-from playground.models import Run, RunKind, RunStatus, SteeringScore
+from playground.models import Run, RunKind, SteeringScore
 
 from .conftest import HTMX, recorded
 
 
-def sweep(user, texts: dict[float, str], *, score_status=RunStatus.FAILED):
+def sweep(user, texts: dict[float, str], *, score_status=WorkStatus.FAILED):
     """A finished sweep whose run at each scale wrote `texts[scale]`."""
     group = uuid.uuid4()
     for scale, text in texts.items():
         response = recorded("completion_logprobs.json")
         response["choices"][0]["text"] = text
         Run.objects.create(
-            user=user, kind=RunKind.SWEEP, group=group, scale=scale, status=RunStatus.SUCCEEDED,
+            user=user, kind=RunKind.SWEEP, group=group, scale=scale, status=WorkStatus.SUCCEEDED,
             request={"model": "smollm2-135m", "prompt": "I feel", "max_tokens": 6},
             response=response, meta={"target_token": "", "scale_unit": "absolute"},
         )  # fmt: skip
@@ -68,6 +69,6 @@ def test_the_playground_page_scrubs_the_latest_sweep_too(ada, approved_user, mon
 
 def test_a_sweep_still_running_has_no_slider(ada, approved_user):
     group = sweep(approved_user, {0.0: " fine", 4.0: " glad", 8.0: " happy"})
-    Run.objects.filter(group=group, scale=8.0).update(status=RunStatus.RUNNING)
+    Run.objects.filter(group=group, scale=8.0).update(status=WorkStatus.RUNNING)
     page = ada.get(reverse("playground:group_detail", args=[group])).content.decode()
     assert 'type="range"' not in page

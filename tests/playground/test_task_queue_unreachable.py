@@ -19,12 +19,11 @@ from infra.tasks import TaskQueueUnreachable
 from playground import forms, patching_forms, views
 from playground.models import (
     JobSubmission,
-    JobSubmissionStatus,
     Run,
     RunComparison,
     RunKind,
-    RunStatus,
     SteeringScore,
+    WorkStatus,
 )
 from playground.services.scores import steering_score_queue
 from playground.services.vectors import steering_vector_create
@@ -77,7 +76,7 @@ def assert_503_form(response, headers, *, target: str, typed: str):
 
 
 def assert_unsent(runs):
-    assert runs and all(run.status == RunStatus.FAILED for run in runs)
+    assert runs and all(run.status == WorkStatus.FAILED for run in runs)
     assert {(run.error_code, run.error_message) for run in runs} == {("queue_unreachable", MESSAGE)}
     assert all(run.submit_token is None and run.finished_at for run in runs)
 
@@ -110,9 +109,9 @@ def test_the_same_form_sent_again_once_the_queue_is_back_queues_a_new_run(
     assert ada.post(reverse("playground:run_submit"), data).status_code == 503
     monkeypatch.setattr("infra.tasks.current_app", celery_app)  # the queue is back
     response = ada.post(reverse("playground:run_submit"), data)
-    queued = Run.objects.get(status=RunStatus.QUEUED)
+    queued = Run.objects.get(status=WorkStatus.QUEUED)
     assert response.status_code == 302 and no_enqueue == [str(queued.id)]
-    assert Run.objects.filter(status=RunStatus.FAILED).count() == 1
+    assert Run.objects.filter(status=WorkStatus.FAILED).count() == 1
 
 
 def test_a_rerun_while_the_queue_is_unreachable_is_the_runs_page_with_a_503(
@@ -120,7 +119,7 @@ def test_a_rerun_while_the_queue_is_unreachable_is_the_runs_page_with_a_503(
 ):
     run = Run.objects.create(
         user=approved_user, request={"model": "smollm2-135m", "prompt": "Hi"},
-        status=RunStatus.SUCCEEDED, response={"choices": []},
+        status=WorkStatus.SUCCEEDED, response={"choices": []},
     )  # fmt: skip
     response = ada.post(reverse("playground:run_rerun", args=[run.id]))
     assert response.status_code == 503
@@ -184,7 +183,7 @@ def test_a_same_token_scoring_while_the_queue_is_unreachable_shows_it_failed_wit
     if headers:
         assert response["HX-Retarget"] == "#comparison" and "<html" not in html
     comparison = RunComparison.objects.get()
-    assert comparison.status == RunStatus.FAILED and comparison.error_message == MESSAGE
+    assert comparison.status == WorkStatus.FAILED and comparison.error_message == MESSAGE
 
 
 def test_a_steering_score_the_queue_cannot_take_is_failed_not_left_queued(
@@ -196,12 +195,12 @@ def test_a_steering_score_the_queue_cannot_take_is_failed_not_left_queued(
     for kind, scale in ((RunKind.STEERING_BASELINE, 0.0), (RunKind.STEERING_STEERED, 4.0)):
         Run.objects.create(
             user=approved_user, kind=kind, group=group, scale=scale, request={},
-            status=RunStatus.SUCCEEDED,
+            status=WorkStatus.SUCCEEDED,
         )  # fmt: skip
     with pytest.raises(TaskQueueUnreachable):
         steering_score_queue(group=group)
     score = SteeringScore.objects.get(group=group)
-    assert score.status == RunStatus.FAILED and score.error_code == "queue_unreachable"
+    assert score.status == WorkStatus.FAILED and score.error_code == "queue_unreachable"
 
 
 JOB_POSTS = {
@@ -226,6 +225,6 @@ def test_a_job_submitted_while_the_queue_is_unreachable_is_a_503_and_refused(
     response = ada.post(f"/jobs/{kind}/", JOB_POSTS[kind], **headers)
     assert_503_form(response, headers, target="#job-forms", typed="Once upon a midnight dreary")
     submission = JobSubmission.objects.get(user=approved_user)
-    assert submission.status == JobSubmissionStatus.REFUSED
+    assert submission.status == WorkStatus.FAILED
     assert (submission.error_code, submission.error_message) == ("queue_unreachable", MESSAGE)
     assert submission.submit_token is None

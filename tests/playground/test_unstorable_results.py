@@ -6,8 +6,8 @@ import pytest
 
 from api.models import LanguageModel
 from api.selectors import registry_clear
+from infra.lifecycle import WorkStatus
 from metering.models import UsageRecord
-from playground.models import RunStatus
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
 from tests.conftest import ENGINE_MODEL_FIELDS
@@ -53,7 +53,7 @@ def test_a_steered_run_that_would_overflow_fails_with_the_apis_message(
         "apply_steering_vectors": overflowing_steering(576),
     }
     run = execute(approved_user, request)
-    assert run.status == RunStatus.FAILED
+    assert run.status == WorkStatus.FAILED
     assert run.error_code == "invalid_request"
     assert "overflows the residual stream" in run.error_message
     assert replay(run.id)[-1]["error"]["code"] == "invalid_request"
@@ -62,7 +62,7 @@ def test_a_steered_run_that_would_overflow_fails_with_the_apis_message(
 def test_a_run_whose_result_the_database_refuses_fails_once_billed_once(approved_user, live_engine):
     request = {"model": MODEL, "prompt": [81, NUL_TOKEN, 82], "max_tokens": 2, "echo": True}
     run = execute(approved_user, request)
-    assert run.status == RunStatus.FAILED
+    assert run.status == WorkStatus.FAILED
     assert run.error_code == "result_unstorable"
     assert "could not be stored" in run.error_message
     assert run.request_id in run.error_message

@@ -11,8 +11,9 @@ import zstandard
 from django.urls import reverse
 
 from acs_client.codec import decode
+from infra.lifecycle import WorkStatus
 from playground import vectors
-from playground.models import Run, RunKind, RunStatus, SteeringVector, VectorMethod
+from playground.models import Run, RunKind, SteeringVector, VectorMethod
 from playground.services.vectors import steering_vector_create
 
 from .conftest import HTMX, recorded
@@ -267,7 +268,7 @@ def test_runs_that_used_a_deleted_vector_stay_readable(ada, approved_user, no_en
     steered = Run.objects.get(scale=2.0)
     ada.post(reverse("playground:vector_delete", args=[vector.pk]))
     Run.objects.filter(group=steered.group).update(
-        status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json")
+        status=WorkStatus.SUCCEEDED, response=recorded("steer_steered.json")
     )
     steered.refresh_from_db()
     assert steered.vector is None and steered.meta["vector_name"] == "honesty"

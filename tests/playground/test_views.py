@@ -16,8 +16,9 @@ from django.urls import reverse
 from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
+from infra.lifecycle import WorkStatus
 from playground import forms, selectors, streams, views
-from playground.models import Run, RunKind, RunStatus, SteeringScore, SteeringVector
+from playground.models import Run, RunKind, SteeringScore, SteeringVector
 from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
 
 from .conftest import HTMX, MODEL, recorded
@@ -32,7 +33,7 @@ def finished_run(user, *, request=None, response=None, **fields):
     run = Run.objects.create(
         user=user,
         request=request or {"model": "smollm2-135m", "prompt": "The capital of France is"},
-        status=RunStatus.SUCCEEDED,
+        status=WorkStatus.SUCCEEDED,
         response=response or recorded("completion_logprobs.json"),
         **fields,
     )
@@ -78,7 +79,7 @@ def test_page_shows_the_latest_completion_run_in_the_run_panel_uncached(
     earlier = finished_run(approved_user)
     latest = Run.objects.create(
         user=approved_user, request={"model": "smollm2-135m", "prompt": "Hi", "stream": True},
-        status=RunStatus.RUNNING,
+        status=WorkStatus.RUNNING,
     )  # fmt: skip
     Run.objects.create(user=approved_user, kind=RunKind.SWEEP, request={"prompt": "steer"})
     Run.objects.create(user=other_user, request={"prompt": "theirs"})
@@ -219,7 +220,7 @@ def test_model_output_with_html_is_shown_as_text_everywhere(ada, approved_user):
         error_code="",
     )
     Run.objects.create(
-        user=approved_user, request={"model": "m", "prompt": "x"}, status=RunStatus.FAILED,
+        user=approved_user, request={"model": "m", "prompt": "x"}, status=WorkStatus.FAILED,
         error_code="invalid_request", error_message=EVIL,
     )  # fmt: skip
     pages = [
@@ -322,7 +323,7 @@ def test_rerun_sends_the_same_request_again(ada, approved_user, no_enqueue):
     response = ada.post(reverse("playground:run_rerun", args=[run.id]), **HTMX)
     again = Run.objects.exclude(pk=run.pk).get()
     assert again.request == {**run.request, "return_token_ids": True}
-    assert again.status == RunStatus.QUEUED
+    assert again.status == WorkStatus.QUEUED
     assert str(again.id) in response.content.decode()
 
 
@@ -430,7 +431,7 @@ async def test_sse_of_a_run_whose_stream_expired_ends_at_once(
     async_db_connections_closed, async_client, approved_user, redis_client
 ):
     run = await Run.objects.acreate(
-        user=approved_user, request={"prompt": "x"}, status=RunStatus.FAILED, error_code="x"
+        user=approved_user, request={"prompt": "x"}, status=WorkStatus.FAILED, error_code="x"
     )
     await async_client.aforce_login(approved_user)
     response = await async_client.get(reverse("playground:run_events", args=[run.id]))
@@ -699,7 +700,7 @@ def score_of(user, group, runs) -> SteeringScore:
         "requests": [{"purpose": "baseline model, baseline's tokens", "request_id": "req-1"}],
     }  # fmt: skip
     return SteeringScore.objects.create(
-        user=user, group=group, status=RunStatus.SUCCEEDED, results=results
+        user=user, group=group, status=WorkStatus.SUCCEEDED, results=results
     )
 
 
@@ -747,7 +748,7 @@ def test_page_shows_the_latest_comparison_in_the_steering_area(ada, approved_use
         finished_run(approved_user, group=sweep, scale=scale, response=recorded(name),
                      kind=RunKind.SWEEP, meta={"target_token": "'s"})  # fmt: skip
     Run.objects.create(user=approved_user, group=sweep, scale=8.0, kind=RunKind.SWEEP,
-                       status=RunStatus.RUNNING, request={"prompt": "steer"})  # fmt: skip
+                       status=WorkStatus.RUNNING, request={"prompt": "steer"})  # fmt: skip
     Run.objects.create(user=other_user, group=uuid.uuid4(), scale=0, kind=RunKind.SWEEP,
                        request={"prompt": "theirs"})  # fmt: skip
     body = ada.get(reverse("playground:page")).content.decode()
@@ -848,7 +849,7 @@ def test_sweep_keeps_scales_as_entered_and_scores_the_target(ada, approved_user,
     ]
     assert all(r.request["prompt"] == ["I feel", "I feel happy"] for r in runs)
     assert all(r.request["prompt_logprobs"] == 0 for r in runs)
-    Run.objects.update(status=RunStatus.SUCCEEDED, response=recorded("steer_steered.json"))
+    Run.objects.update(status=WorkStatus.SUCCEEDED, response=recorded("steer_steered.json"))
     runs = sorted(Run.objects.all(), key=lambda r: r.scale)
     score_of(approved_user, runs[0].group, runs)
     body = ada.get(reverse("playground:group_detail", args=[runs[0].group])).content

@@ -16,11 +16,12 @@ import pytest
 
 from acs_client.codec import decode, encode_vector
 from acs_client.downloads import HarvestDownload
-from api.jobs.models import CompletionJob, HarvestJob, HarvestJobStatus
+from api.jobs.models import CompletionJob, HarvestJob
 from api.jobs.tasks import completion_job_run_task, harvest_job_run_task
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from api.upstream import map_upstream_error
+from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.models import UsagePeriod
 from tests.gateway.conftest import wait_settled
@@ -308,7 +309,7 @@ def test_a_harvest_run_by_the_worker_gets_the_engines_rows_in_the_requests_order
         job_id = submitted.json()["job_id"]
         harvest_job_run_task.apply(args=[job_id])
         job = HarvestJob.objects.get(pk=job_id)
-        assert job.status == HarvestJobStatus.DONE, job.error
+        assert job.status == WorkStatus.SUCCEEDED, job.error
         download = HarvestDownload.open(settings.MEDIA_ROOT / job.storage_prefix)
         assert download.manifest["layers"] == [15, 7]
         harvested.append(download.captures())

@@ -8,19 +8,20 @@ from datetime import timedelta
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import DataError, IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import ApiKey
 from api.auth import key_recheck
 from api.completions import completion_run
-from api.errors import ApiError, result_unstorable
+from api.errors import ApiError, result_unstorable, worker_lost
 from infra.database import written_through_reconnects
+from infra.lifecycle import Resend, WorkStatus, work_claim, work_requeue, work_sweep
 from infra.tasks import task_send
 from metering.models import UsageRecord
 
-from ..models import CompletionJob, CompletionJobStatus
+from ..models import CompletionJob
 from .idempotency import IdempotencyKeyReused, request_fingerprint
-from .queue import job_claim, jobs_recover, worker_lost_error
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +72,10 @@ def completion_job_execute(*, job_id, now=None) -> None:
     with result_unstorable (it ran and was billed once). Does nothing if the job is not
     queued."""
     now = now or timezone.now()
-    job = job_claim(
-        CompletionJob,
-        job_id=job_id,
-        from_status=CompletionJobStatus.QUEUED,
-        to_status=CompletionJobStatus.RUNNING,
-        lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
-        now=now,
-    )
-    if job is None:
+    lease = timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
+    if not work_claim(CompletionJob, pk=job_id, now=now, lease=lease):
         return
+    job = CompletionJob.objects.select_related("key", "key__user").get(pk=job_id)
     billed = _attempt_billed(job)
     if billed is not None:
         # An earlier attempt's completion ran and was billed, and its result was lost with
@@ -113,15 +108,15 @@ def completion_job_execute(*, job_id, now=None) -> None:
     retry_after = headers.get("Retry-After")
     if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
         written_through_reconnects(
-            lambda: CompletionJob.objects.filter(
-                pk=job.pk, status=CompletionJobStatus.RUNNING
-            ).update(
-                status=CompletionJobStatus.QUEUED,
-                lease_expires_at=timezone.now()
-                + timedelta(seconds=int(retry_after) + settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+            lambda: work_requeue(
+                CompletionJob,
+                pk=job.pk,
+                task=COMPLETION_JOB_RUN_TASK,
+                delay_s=int(retry_after),
+                lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
+                now=timezone.now(),
             )
         )
-        task_send(COMPLETION_JOB_RUN_TASK, str(job.pk), countdown=int(retry_after))
         return
     try:
         _completion_job_stored(job, status=status, body=body, headers=headers)
@@ -158,8 +153,8 @@ def _completion_job_stored(job: CompletionJob, *, status: int, body: dict, heade
 def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
     """Store a running job's outcome (DataError when the database cannot hold `body`)."""
     with transaction.atomic():
-        CompletionJob.objects.filter(pk=job.pk, status=CompletionJobStatus.RUNNING).update(
-            status=CompletionJobStatus.SUCCEEDED if status < 400 else CompletionJobStatus.FAILED,
+        CompletionJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+            status=WorkStatus.SUCCEEDED if status < 400 else WorkStatus.FAILED,
             finished_at=timezone.now(),
             lease_expires_at=None,
             result_status=status,
@@ -170,19 +165,20 @@ def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, heade
 
 def completion_jobs_recover_stuck(*, now=None) -> int:
     """Re-queue (or fail, after ACS_JOB_MAX_ATTEMPTS attempts) completion jobs whose worker
-    died, and re-send queued jobs no worker took within a lease; see `jobs_recover`."""
+    died, and re-send queued jobs no worker took within a lease; see `work_sweep`."""
     now = now or timezone.now()
-    return jobs_recover(
+    return work_sweep(
         CompletionJob,
-        waiting=CompletionJobStatus.QUEUED,
-        lease_seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS,
-        task=COMPLETION_JOB_RUN_TASK,
-        fail_fields=lambda attempts: {
-            "status": CompletionJobStatus.FAILED,
+        running_lost=Q(lease_expires_at__lt=now),
+        queued_lost=Q(lease_expires_at__lt=now),
+        failed=lambda job, _code: {
             "finished_at": now,
             "result_status": 500,
-            "result_body": worker_lost_error(attempts),
+            "result_body": worker_lost(job.attempts).body(),
         },
+        resend=Resend(
+            COMPLETION_JOB_RUN_TASK, timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
+        ),
         now=now,
     )
 

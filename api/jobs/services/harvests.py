@@ -8,26 +8,35 @@ from datetime import timedelta
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, F, When
+from django.db.models import Case, F, Q, When
 from django.utils import timezone
 
 from accounts.models import ApiKey
 from api.auth import key_recheck
-from api.errors import ApiError, metering_refusal
+from api.errors import ApiError, metering_refusal, worker_lost
 from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
+from infra.lifecycle import (
+    ACTIVE,
+    ENDED,
+    Resend,
+    WorkStatus,
+    work_claim,
+    work_heartbeat,
+    work_requeue,
+    work_sweep,
+)
 from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
 
 from ..capture import CAPTURE_MAX_TOKENS, Capture, capture_batch, tokenize_batch
-from ..models import HARVEST_ACTIVE_STATUSES, HARVEST_ENDED_STATUSES, HarvestJob, HarvestJobStatus
+from ..models import HarvestJob
 from ..storage import harvest_files_delete
 from .harvest_output import HarvestOutput, batch_request_id
 from .idempotency import IdempotencyKeyReused, request_fingerprint
-from .queue import job_claim, jobs_recover, worker_lost_error
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +61,12 @@ def harvest_job_submit(
     add_special_tokens: bool,
     idempotency_key: str = "",
 ) -> tuple[HarvestJob, bool]:
-    """Create a pending harvest job for validated input and count it against the key's
+    """Create a queued harvest job for validated input and count it against the key's
     monthly harvest quota: `(job, True)`. With an `idempotency_key` this user already
     submitted the same request under, `(that job, False)`, consuming nothing; under another
     request, `IdempotencyKeyReused` (concurrent submits with one key create exactly one
     job: a unique constraint decides). Raises `HarvestLimitReached` when the key already has
-    ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY pending or running jobs (checked under a lock on the
+    ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY queued or running jobs (checked under a lock on the
     key, so concurrent submits cannot overshoot), `BudgetExceeded` (harvest_quota_exceeded)
     when the quota is spent; neither consumes quota."""
     fingerprint = request_fingerprint(
@@ -75,7 +84,7 @@ def harvest_job_submit(
                 earlier := _harvest_job_named(key.user_id, idempotency_key, fingerprint)
             ):
                 return earlier, False
-            active = HarvestJob.objects.filter(key=key, status__in=HARVEST_ACTIVE_STATUSES)
+            active = HarvestJob.objects.filter(key=key, status__in=ACTIVE)
             if (count := active.count()) >= settings.ACS_HARVEST_MAX_ACTIVE_JOBS_PER_KEY:
                 raise HarvestLimitReached(
                     f"This key already has {count} harvest jobs pending or running; "
@@ -114,23 +123,23 @@ def _harvest_job_named(user_id, idempotency_key: str, fingerprint: str) -> Harve
 
 
 def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
-    """Cancel a pending or running job (a running worker stops before its next batch and
+    """Cancel a queued or running job (a running worker stops before its next batch and
     keeps the batches it wrote as the job's files) and give its harvest-quota slot back, or
     raise `HarvestNotCancellable`."""
     now = now or timezone.now()
     # A running job keeps its worker's lease until the worker stops (`_harvest_continue`):
     # until then it may still add the batches it wrote (`HarvestJob.is_stopping`).
-    cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=HARVEST_ACTIVE_STATUSES).update(
-        status=HarvestJobStatus.CANCELLED,
+    cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+        status=WorkStatus.CANCELLED,
         completed_at=now,
         lease_expires_at=Case(
-            When(status=HarvestJobStatus.RUNNING, then=F("lease_expires_at")), default=None
+            When(status=WorkStatus.RUNNING, then=F("lease_expires_at")), default=None
         ),
     )
     job.refresh_from_db()
     if not cancelled:
         raise HarvestNotCancellable(
-            f"The job is {job.status}; only pending or running jobs can be cancelled."
+            f"The job is {job.public_status}; only pending or running jobs can be cancelled."
         )
     _harvest_quota_give_back(job)
     return job
@@ -158,10 +167,10 @@ class _HarvestRefused(Exception):
 
 
 def harvest_job_execute(*, job_id, now=None) -> None:
-    """Capture every prompt of a pending job through the model's activation upstream, a batch
+    """Capture every prompt of a queued job through the model's activation upstream, a batch
     of ACS_HARVEST_BATCH_SIZE prompts at a time, writing one safetensors shard per batch,
     then `stats.safetensors`, then `manifest.json` last. Does nothing if the job is not
-    pending.
+    queued.
 
     Before each batch the worker checks for cancellation and renews its lease, re-checks the
     key and its account (a key revoked or paused, or an account suspended, fails the job
@@ -170,21 +179,15 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     ACS_HARVEST_MAX_JOB_BYTES, fails the job with that code and keeps what was written (with
     its stats and a manifest) for download: a paused service fails a harvest rather than
     holding its job slot for the hour the pause lasts at least. A retryable upstream error
-    (Retry-After) puts the job back to pending after that delay, up to ACS_JOB_MAX_ATTEMPTS
+    (Retry-After) puts the job back to queued after that delay, up to ACS_JOB_MAX_ATTEMPTS
     attempts; any other error fails it with a message. Every attempt resumes after the last
     shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
     for but had not recorded is captured again at no second charge."""
     now = now or timezone.now()
-    job = job_claim(
-        HarvestJob,
-        job_id=job_id,
-        from_status=HarvestJobStatus.PENDING,
-        to_status=HarvestJobStatus.RUNNING,
-        lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
-        now=now,
-    )
-    if job is None:
+    lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
+    if not work_claim(HarvestJob, pk=job_id, now=now, lease=lease):
         return
+    job = HarvestJob.objects.select_related("key", "key__user").get(pk=job_id)
     try:
         files = _harvest(job)
     except _HarvestStopped:
@@ -198,12 +201,14 @@ def harvest_job_execute(*, job_id, now=None) -> None:
             and error.retry_after
             and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS
         ):
-            if HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-                status=HarvestJobStatus.PENDING,
-                lease_expires_at=timezone.now()
-                + timedelta(seconds=error.retry_after + settings.ACS_HARVEST_JOB_LEASE_SECONDS),
-            ):
-                task_send(HARVEST_JOB_RUN_TASK, str(job.pk), countdown=error.retry_after)
+            work_requeue(
+                HarvestJob,
+                pk=job.pk,
+                task=HARVEST_JOB_RUN_TASK,
+                delay_s=error.retry_after,
+                lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+                now=timezone.now(),
+            )
             return
         _harvest_fail(job, error)
         return
@@ -214,8 +219,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
             ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
         )
         return
-    HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-        status=HarvestJobStatus.DONE,
+    HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+        status=WorkStatus.SUCCEEDED,
         prompts_done=job.n_prompts,
         completed_at=timezone.now(),
         lease_expires_at=None,
@@ -226,8 +231,8 @@ def harvest_job_execute(*, job_id, now=None) -> None:
 def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
     """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
     the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
-    failed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
-        status=HarvestJobStatus.FAILED,
+    failed = HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+        status=WorkStatus.FAILED,
         completed_at=timezone.now(),
         lease_expires_at=None,
         error=error.body()["error"],
@@ -240,10 +245,13 @@ def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
 def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
     """Record the shards written (the progress a later attempt resumes from) and renew the
     lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
-    renewed = HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.RUNNING).update(
+    renewed = work_heartbeat(
+        HarvestJob,
+        pk=job.pk,
+        lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
+        now=timezone.now(),
         prompts_done=output.prompts_written,
         shards=output.shards,
-        lease_expires_at=timezone.now() + timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
     )
     if not renewed:
         raise _HarvestStopped
@@ -298,7 +306,7 @@ def _harvest_continue(job: HarvestJob, output: HarvestOutput) -> None:
         kept = {}
         if output.shards:
             kept = {"files": output.finish(), "prompts_done": output.prompts_written}
-        HarvestJob.objects.filter(pk=job.pk, status=HarvestJobStatus.CANCELLED).update(
+        HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.CANCELLED).update(
             lease_expires_at=None, **kept
         )
         raise
@@ -357,20 +365,21 @@ def _capture(job: HarvestJob, *, model, token_lists, first_index) -> list[Captur
 
 
 def harvest_jobs_recover_stuck(*, now=None) -> int:
-    """Put harvest jobs whose worker died back to pending (to resume after their last
-    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send pending
-    jobs no worker took within a lease; see `jobs_recover`."""
+    """Put harvest jobs whose worker died back to queued (to resume after their last
+    recorded shard) or fail them after ACS_JOB_MAX_ATTEMPTS attempts, and re-send queued
+    jobs no worker took within a lease; see `work_sweep`."""
     now = now or timezone.now()
-    return jobs_recover(
+    return work_sweep(
         HarvestJob,
-        waiting=HarvestJobStatus.PENDING,
-        lease_seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS,
-        task=HARVEST_JOB_RUN_TASK,
-        fail_fields=lambda attempts: {
-            "status": HarvestJobStatus.FAILED,
+        running_lost=Q(lease_expires_at__lt=now),
+        queued_lost=Q(lease_expires_at__lt=now),
+        failed=lambda job, _code: {
             "completed_at": now,
-            "error": worker_lost_error(attempts)["error"],
+            "error": worker_lost(job.attempts).body()["error"],
         },
+        resend=Resend(
+            HARVEST_JOB_RUN_TASK, timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
+        ),
         now=now,
     )
 
@@ -380,11 +389,11 @@ def harvest_jobs_expire(*, now=None) -> int:
     ago and mark them expired (their prompts go too); returns how many."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
-    ended = HarvestJob.objects.filter(status__in=HARVEST_ENDED_STATUSES, completed_at__lt=cutoff)
+    ended = HarvestJob.objects.filter(status__in=ENDED, completed_at__lt=cutoff)
     expired = 0
     for job in ended.only("pk"):
         harvest_files_delete(job.storage_prefix)
         expired += ended.filter(pk=job.pk).update(
-            status=HarvestJobStatus.EXPIRED, files=[], shards=[], prompts=[]
+            status=WorkStatus.EXPIRED, files=[], shards=[], prompts=[]
         )
     return expired

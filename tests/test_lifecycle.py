@@ -1,0 +1,199 @@
+"""One lifecycle for background work (`infra.lifecycle`): every table of it takes its statuses
+from WorkStatus, the migrations that brought harvest jobs and job submissions to it map every
+old status (and back), the words a person or an API client reads did not change, and the beat
+sweeps recover or fail the stuck rows of every table through it."""
+
+import datetime as dt
+import importlib
+import uuid
+
+import pytest
+from django.apps import apps
+from django.utils import timezone
+
+from api.jobs import tasks as jobs_tasks
+from api.jobs.models import CompletionJob, HarvestJob
+from infra import lifecycle
+from infra.lifecycle import WorkStatus
+from playground import tasks as playground_tasks
+from playground.models import JobKind, JobSubmission, Run, RunComparison, SteeringScore
+
+WORK_TABLES = (CompletionJob, HarvestJob, Run, SteeringScore, RunComparison, JobSubmission)
+
+
+def harvest_job(user, key, **fields) -> HarvestJob:
+    return HarvestJob.objects.create(
+        user=user, key=key, model="m", prompts=["a"], layers=[1], n_prompts=1, **fields
+    )
+
+
+@pytest.mark.parametrize("model", WORK_TABLES, ids=lambda model: model.__name__)
+def test_every_background_table_takes_its_statuses_from_work_status(model):
+    status = model._meta.get_field("status")
+    assert status.choices == WorkStatus.choices
+    assert status.default == WorkStatus.QUEUED
+
+
+def _migration(app: str, name: str):
+    return importlib.import_module(f"{app}.migrations.{name}")
+
+
+@pytest.mark.parametrize(
+    ("model", "migration", "renames"),
+    [
+        (
+            HarvestJob,
+            ("api.jobs", "0004_work_status"),
+            {"pending": "queued", "done": "succeeded", "running": "running", "failed": "failed"},
+        ),
+        (
+            JobSubmission,
+            ("playground", "0012_work_status"),
+            {"queued": "queued", "sending": "running", "submitted": "succeeded"}
+            | {"refused": "failed"},
+        ),
+    ],
+    ids=["harvest jobs", "job submissions"],
+)
+def test_the_status_migrations_map_every_old_status_and_back(
+    approved_user, api_key, model, migration, renames
+):
+    rows = {}
+    for old in renames:
+        if model is HarvestJob:
+            rows[old] = harvest_job(approved_user, api_key, status=old)
+        else:
+            rows[old] = JobSubmission.objects.create(
+                user=approved_user, kind=JobKind.COMPLETION, request={}, status=old
+            )
+    module = _migration(*migration)
+
+    module.forward(apps, None)
+    assert {old: model.objects.get(pk=row.pk).status for old, row in rows.items()} == renames
+    assert set(renames.values()) <= set(WorkStatus.values)
+
+    module.backward(apps, None)
+    assert {old: model.objects.get(pk=row.pk).status for old, row in rows.items()} == {
+        old: old for old in renames
+    }
+
+
+def test_the_harvest_api_and_the_jobs_page_keep_their_words(approved_user, api_key):
+    job = harvest_job(approved_user, api_key)
+    assert (job.status, job.public_status) == ("queued", "pending")
+    job.status = WorkStatus.SUCCEEDED
+    assert job.public_status == "done"
+    for status in (WorkStatus.RUNNING, WorkStatus.FAILED, WorkStatus.CANCELLED):
+        job.status = status
+        assert job.public_status == status
+    labels = {
+        status: JobSubmission(kind=JobKind.HARVEST, request={}, status=status).status_label
+        for status in ("queued", "running", "succeeded", "failed")
+    }
+    assert labels == {
+        "queued": "Queued",
+        "running": "Sending",
+        "succeeded": "Submitted",
+        "failed": "Refused",
+    }
+
+
+def test_one_sweep_fails_the_stuck_rows_of_every_table(
+    approved_user, api_key, settings, monkeypatch
+):
+    """A row of each table whose worker died long ago (a job after its last attempt) is
+    failed as worker_lost by the beat sweeps, and each through `infra.lifecycle`."""
+    long_ago = timezone.now() - dt.timedelta(days=1)
+    given_up = {"attempts": settings.ACS_JOB_MAX_ATTEMPTS, "lease_expires_at": long_ago}
+    user, running = approved_user, {"status": WorkStatus.RUNNING}
+    run_a, run_b = (
+        Run.objects.create(user=user, request={}, started_at=long_ago, **running) for _ in range(2)
+    )
+    rows = [
+        CompletionJob.objects.create(
+            user=user, key=api_key, idempotency_key="k", request_hash="h", request={},
+            **running, **given_up,
+        ),
+        harvest_job(user, api_key, **running, **given_up),
+        run_a,
+        SteeringScore.objects.create(group=uuid.uuid4(), user=user, created_at=long_ago, **running),
+        RunComparison.objects.create(
+            user=user, run_a=run_a, run_b=run_b, created_at=long_ago, **running
+        ),
+        JobSubmission.objects.create(
+            user=user, kind=JobKind.COMPLETION, request={}, created_at=long_ago, **running
+        ),
+    ]  # fmt: skip
+    failed_through_lifecycle = []
+    fail = lifecycle._failed
+
+    def recorded(rows, row, *args):
+        failed_through_lifecycle.append(type(row))
+        return fail(rows, row, *args)
+
+    monkeypatch.setattr(lifecycle, "_failed", recorded)
+
+    jobs_tasks.jobs_sweep_task()
+    playground_tasks.runs_sweep_task()
+
+    assert set(failed_through_lifecycle) == set(WORK_TABLES)
+    for row in rows:
+        row.refresh_from_db()
+        assert row.status == WorkStatus.FAILED, row
+    assert rows[0].error["code"] == rows[1].error["code"] == "worker_lost"
+    assert [row.error_code for row in rows[2:5]] == ["worker_lost"] * 3
+    assert rows[5].error_code == "not_sent"
+
+
+def test_the_jobs_sweep_requeues_a_job_whose_worker_died_and_resends_it(
+    approved_user, api_key, sent_tasks_of_lifecycle
+):
+    job = harvest_job(
+        approved_user,
+        api_key,
+        status=WorkStatus.RUNNING,
+        attempts=1,
+        lease_expires_at=timezone.now() - dt.timedelta(seconds=1),
+    )
+    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now()) is False
+    jobs_tasks.jobs_sweep_task()
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (WorkStatus.QUEUED, 1)
+    assert sent_tasks_of_lifecycle == [("api.jobs.tasks.harvest_job_run_task", str(job.pk))]
+    lease = dt.timedelta(minutes=1)
+    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now(), lease=lease)
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (WorkStatus.RUNNING, 2)
+    assert job.lease_expires_at == job.started_at + lease
+
+
+@pytest.fixture
+def sent_tasks_of_lifecycle(monkeypatch):
+    sent = []
+    monkeypatch.setattr(
+        lifecycle, "task_send", lambda name, *args, countdown=None: sent.append((name, *args))
+    )
+    return sent
+
+
+def test_a_heartbeat_renews_a_running_lease_and_tells_a_cancelled_worker_to_stop(
+    approved_user, api_key, sent_tasks_of_lifecycle
+):
+    now, lease = timezone.now(), dt.timedelta(minutes=1)
+    job = harvest_job(approved_user, api_key, status=WorkStatus.RUNNING)
+    assert lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now, prompts_done=1)
+    job.refresh_from_db()
+    assert (job.lease_expires_at, job.prompts_done) == (now + lease, 1)
+
+    assert lifecycle.work_requeue(HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now)
+    job.refresh_from_db()
+    assert job.status == WorkStatus.QUEUED
+    assert job.lease_expires_at == now + dt.timedelta(seconds=30) + lease
+    assert sent_tasks_of_lifecycle == [("t", str(job.pk))]
+
+    HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.CANCELLED)
+    assert not lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now)
+    assert not lifecycle.work_requeue(
+        HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now
+    )
+    assert len(sent_tasks_of_lifecycle) == 1
