@@ -8,8 +8,8 @@ import pytest
 from django.urls import reverse
 
 from api.errors import ApiError
+from infra.lifecycle import WorkStatus
 from playground import exports, forms, views
-from playground.models import RunStatus
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -126,7 +126,7 @@ def test_a_sweep_steers_the_prompt_positions_asked_for_in_every_arm(ada, approve
     prompt = word_tokens(PROMPT, True)
     for run in runs:
         run.tokens = {"prompts": [{"ids": prompt.ids, "strings": prompt.strings}]}
-        run.status = RunStatus.SUCCEEDED
+        run.status = WorkStatus.SUCCEEDED
         run.save(update_fields=["tokens", "status"])
     group = reverse("playground:group_detail", args=[runs[0].group])
     html = ada.get(group).content.decode()
