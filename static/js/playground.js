@@ -146,7 +146,15 @@
     if (drawn.narrow) shown = withColourBarsAbove(shown);
     var layout = acsFigures.layout(shown.layout, div);
     return window.Plotly.react(div, shown.data, layout, acsFigures.config).then(function () {
-      return shown;
+      // A titled colour bar above the plot makes plotly move the figure's title up by half
+      // the bar's height (fullLayout._hColorbarMoveTitle in the vendored plotly.js), into the
+      // mode bar's band: the title's top pad gives that back.
+      var moved = div._fullLayout._hColorbarMoveTitle;
+      if (!moved || !layout.title || !layout.title.pad) return shown;
+      var pad = layout.title.pad.t + moved;
+      return window.Plotly.relayout(div, { "title.pad.t": pad }).then(function () {
+        return shown;
+      });
     });
   }
 
