@@ -103,6 +103,17 @@ class SamplingFields(Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def check_rules(self) -> None:
+        """The rules on these fields both sides enforce (`check_stop_strings`,
+        `check_field_pairs`); RuleBroken naming the first one broken."""
+        check_stop_strings(self.stop_strings())
+        check_field_pairs(
+            stream=self.stream,
+            prompt_logprobs=self.prompt_logprobs,
+            echo=self.echo,
+            return_token_ids=self.return_token_ids,
+        )
+
 
 class CompletionFields(SamplingFields):
     """The body of POST /v1/completions as the gateway takes it (`model` and `max_tokens`

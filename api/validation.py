@@ -15,11 +15,9 @@ from acs_client.protocol import (
     STEERING_MAX_VALUES,
     RuleBroken,
     check_capture_request,
-    check_field_pairs,
     check_output_work,
     check_steering_positions,
     check_steering_shape,
-    check_stop_strings,
 )
 
 from .errors import ApiError
@@ -69,13 +67,7 @@ async def validate_completion(payload: object) -> ValidCompletion:
     prompts = request.prompts()
     _check_prompts(prompts, model)
     try:
-        check_stop_strings(request.stop_strings())
-        check_field_pairs(
-            stream=request.stream,
-            prompt_logprobs=request.prompt_logprobs,
-            echo=request.echo,
-            return_token_ids=request.return_token_ids,
-        )
+        request.check_rules()
     except RuleBroken as error:
         raise _invalid(str(error)) from None
     if request.max_tokens is None and (len(prompts) > 1 or request.n > 1):

@@ -19,10 +19,8 @@ from acs_client.protocol import (
     XARGS_STEERING,
     RuleBroken,
     check_capture_request,
-    check_field_pairs,
     check_output_work,
     check_steering_shape,
-    check_stop_strings,
 )
 from engine.loader import LoadedModel
 from engine.protocol import CompletionRequest, RequestError, TokenizeRequest
@@ -85,13 +83,7 @@ def prepare_completion(request: CompletionRequest, loaded: LoadedModel) -> Prepa
     check_model_id(request.model, loaded)
     stop = request.stop_strings()
     try:
-        check_stop_strings(stop)
-        check_field_pairs(
-            stream=request.stream,
-            prompt_logprobs=request.prompt_logprobs,
-            echo=request.echo,
-            return_token_ids=request.return_token_ids,
-        )
+        request.check_rules()
     except RuleBroken as error:
         raise RequestError(str(error)) from None
     if request.stream_options is not None and not request.stream:

@@ -151,6 +151,17 @@ def _over_window(drawing: Drawing) -> bool:
     return drawing.capture is not None and not drawing.picks.window_error
 
 
+def _lens_figure(name: str, width: str) -> RunFigure:
+    """A figure of the lens section: drawn when the section's context drew it."""
+    return RunFigure(
+        name=name,
+        section=LENS,
+        shown=lambda d: name in d.lens.get("figures", {}),
+        draw=lambda d: d.lens["figures"][name],
+        width=width,
+    )
+
+
 FIGURES = [
     RunFigure(
         name="tokens",
@@ -241,24 +252,9 @@ FIGURES = [
         over_window=True,
     ),
     # The lens section's figures share one form of picks (lens_forms.LensForm).
-    RunFigure(
-        name="lens",
-        section=LENS,
-        shown=lambda d: "lens" in d.lens.get("figures", {}),
-        draw=lambda d: d.lens["figures"]["lens"],
-        width=SCROLL,
-    ),
-    RunFigure(
-        name="lens_rank",
-        section=LENS,
-        shown=lambda d: "lens_rank" in d.lens.get("figures", {}),
-        draw=lambda d: d.lens["figures"]["lens_rank"],
-    ),
-    RunFigure(
-        name="dla",
-        section=LENS,
-        shown=lambda d: "dla" in d.lens.get("figures", {}),
-        draw=lambda d: d.lens["figures"]["dla"],
+    *(
+        _lens_figure(name, width)
+        for name, width in (("lens", SCROLL), ("lens_rank", FIT), ("dla", FIT))
     ),
 ]
 BY_NAME = {figure.name: figure for figure in FIGURES}
