@@ -11,6 +11,7 @@ from engine import decoder as decoder_module
 from engine import native
 from engine.decoder import KVCache
 from engine.kernels import KernelPlan
+from tests.tolerances import float32_reordering_bound, row_relative_errors
 
 
 def exact_in_half(*shape: int) -> torch.Tensor:
@@ -34,6 +35,19 @@ def natively(decoder, monkeypatch, rows: int = max(decoder_module.NATIVE_ROW_COU
     """`decoder`, decoding natively up to `rows` rows (0: never) for this test."""
     monkeypatch.setattr(decoder, "plan", dataclasses.replace(decoder.plan, native_rows=rows))
     return decoder
+
+
+def native_bound(decoder) -> float:
+    """How far decode.c's float32 rows may be from PyTorch's, relative to their norm: the same
+    products summed in other orders, two sums in series per layer (the longest the MLP's
+    down projection) and one more for the LM head."""
+    longest = max(layer.down.weight.shape[1] for layer in decoder.layers)
+    return float32_reordering_bound(reduction=longest, sums_in_series=2 * len(decoder.layers) + 1)
+
+
+def assert_same_rows(got: torch.Tensor, expected: torch.Tensor, bound: float) -> None:
+    errors = row_relative_errors(got.detach().float(), expected.detach().float())
+    assert errors.max() <= bound, (errors.max(), bound)
 
 
 def test_a_float32_model_on_this_cpu_can_decode_natively(loaded_float32_decoder):
@@ -96,8 +110,8 @@ def test_both_timed_decode_steps_decode_the_same_step_after_the_measured_columns
         assert [call[:4] for call in calls] == [expected] * 2, step.__name__
         torch.testing.assert_close(calls[0][4], calls[1][4], rtol=0, atol=0)
         hidden_of[step.__name__] = calls[1][4]
-    torch.testing.assert_close(
-        hidden_of["_native_forward"], hidden_of["_torch_forward"], rtol=1e-4, atol=5e-4
+    assert_same_rows(
+        hidden_of["_native_forward"], hidden_of["_torch_forward"], native_bound(float32_decoder)
     )
 
 
@@ -109,11 +123,12 @@ def test_float32_and_bfloat16_models_decode_natively_and_no_other():
 
 
 def decode(
-    decoder, steps: int, hook_layer: int, rows: int = 3
+    decoder, steps: int, hook_layer: int, rows: int = 3, shift: int = 0
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Logits [steps, rows, vocab] (float32) of `steps` decode steps of random tokens after a
     prefill of `rows` left-padded rows (the second shorter), steered after `hook_layer` (+0.5
-    on row 0), and the residual streams the hook read."""
+    on row 0), and the residual streams the hook read. `shift` plants a defect: the steps'
+    positions that many past the right ones."""
     prompt = 7
     generator = torch.Generator().manual_seed(3)
     input_ids = torch.randint(0, 40000, (rows, prompt), generator=generator)
@@ -133,7 +148,7 @@ def decode(
         next_ids = torch.randint(0, 40000, (rows, 1), generator=generator)
         for step in range(steps):
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            at = positions[:, -1:] + 1 + step
+            at = positions[:, -1:] + 1 + step + shift
             final = decoder.forward(next_ids, mask, at, cache, {hook_layer: steer})
             logits.append(decoder.lm_head(final[:, -1]).float())
             next_ids = torch.randint(0, 40000, (rows, 1), generator=generator)
@@ -147,9 +162,21 @@ def test_native_decode_steps_compute_the_pytorch_steps(float32_decoder, monkeypa
     native_logits, native_seen = decode(float32_decoder, steps=4, hook_layer=11, rows=rows)
     natively(float32_decoder, monkeypatch, rows=0)
     torch_logits, torch_seen = decode(float32_decoder, steps=4, hook_layer=11, rows=rows)
-    torch.testing.assert_close(native_logits, torch_logits, rtol=1e-4, atol=5e-4)
+    bound = native_bound(float32_decoder)
+    assert_same_rows(native_logits, torch_logits, bound)
     for native_hidden, torch_hidden in zip(native_seen, torch_seen, strict=True):
-        torch.testing.assert_close(native_hidden, torch_hidden, rtol=1e-4, atol=5e-4)
+        assert_same_rows(native_hidden, torch_hidden, bound)
+
+
+def test_the_native_bound_fails_a_step_one_position_off(float32_decoder, monkeypatch):
+    """The bound is tight enough for a real defect: PyTorch's steps at the next position (a
+    rotary embedding one off) are farther from the native steps than it allows, every row."""
+    native_logits, native_seen = decode(float32_decoder, steps=2, hook_layer=11)
+    natively(float32_decoder, monkeypatch, rows=0)
+    shifted_logits, shifted_seen = decode(float32_decoder, steps=2, hook_layer=11, shift=1)
+    bound = native_bound(float32_decoder)
+    for got, planted in [(native_logits, shifted_logits), (native_seen[-1], shifted_seen[-1])]:
+        assert row_relative_errors(got.float(), planted.float()).min() > 3 * bound
 
 
 def test_where_the_native_step_cannot_be_built_the_decoder_keeps_pytorch(monkeypatch, tmp_path):
