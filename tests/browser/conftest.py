@@ -20,6 +20,8 @@ from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
 from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
 
+from testsupport.gate import UpstreamGate
+
 from .system import System, launch_chromium
 
 BROWSER_USER = "browser@example.org"
@@ -42,13 +44,25 @@ def _database_url() -> str:
 
 
 @pytest.fixture(scope="session")
+def engine_gate(system) -> UpstreamGate:
+    """The proxy between the system and its engine, through which a test holds requests."""
+    return system.engine_gate
+
+
+@pytest.fixture(scope="session")
 def system(django_db_setup, django_db_blocker, tmp_path_factory):
     """The running system, with an approved user and the model registry pointing at the
-    engine. Yields the `System`; meanwhile this process uses the servers' secrets."""
+    engine through an `UpstreamGate` (`system.engine_gate`). Yields the `System`; meanwhile
+    this process uses the servers' secrets."""
     running = System(tmp_path_factory.mktemp("system"))
+    running.engine_gate = UpstreamGate(running.engine_url)
+    running.engine_gate.start()
     secrets = {name: running.production_env[name] for name in settings.DEVELOPMENT_SECRETS}
-    with override_settings(**secrets):
-        yield from _system(running, django_db_blocker)
+    try:
+        with override_settings(**secrets):
+            yield from _system(running, django_db_blocker)
+    finally:
+        running.engine_gate.stop()
 
 
 def _system(running, django_db_blocker):
@@ -56,7 +70,7 @@ def _system(running, django_db_blocker):
         LanguageModel.objects.update_or_create(
             name="smollm2-135m",
             defaults={
-                "upstream_urls": [running.engine_url],
+                "upstream_urls": [running.engine_gate.url],
                 "activation_upstream_urls": [],
                 **ENGINE_MODEL_FIELDS,
                 "max_logprobs": 100,

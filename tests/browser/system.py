@@ -38,6 +38,8 @@ class System:
         # Whoever writes rows the servers read (API keys, playground keys) needs these secrets.
         self.production_env = loopback_production_env()
         self.processes: list[subprocess.Popen] = []
+        # A proxy in front of the engine, where the browser suite sets one (its conftest).
+        self.engine_gate = None
 
     def _spawn(self, name: str, command: list[str], env: dict) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process

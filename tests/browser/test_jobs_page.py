@@ -7,6 +7,10 @@ import re
 import pytest
 from playwright.sync_api import expect
 
+from django.conf import settings
+
+from accounts.models import User
+from api import upstream
 from api.jobs.models import CompletionJob, HarvestJob
 
 from .conftest import BROWSER_USER, HARVEST_USER
@@ -65,14 +69,30 @@ def test_a_harvest_uploaded_as_jsonl_is_listed_and_done_with_its_files(harvest_p
     assert job.key.is_playground and job.n_prompts == 2
 
 
-def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(harvest_page):
+def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(
+    harvest_page, engine_gate
+):
+    """The engine answers the first batch's captures and holds the second's until the job is
+    cancelled: the job is caught mid-way on any CPU."""
     page = harvest_page
+    batch = settings.ACS_HARVEST_BATCH_SIZE
+    tenant = upstream.tenant_of(User.objects.get(email=HARVEST_USER).pk)
+
+    def harvest_capture(request) -> bool:
+        return request.path == "/v1/completions" and request.headers.get("x-acs-tenant") == tenant
+
+    with engine_gate.hold(harvest_capture, after=batch):
+        cancel_a_running_harvest(page, engine_gate, batch=batch)
+
+
+def cancel_a_running_harvest(page, engine_gate, *, batch: int) -> None:
     prompts = "\n".join(f"Prompt {i} reads the residual stream of a model." for i in range(160))
     page.goto("/jobs/")
     page.fill("#id_harvest-prompts", prompts)
     page.click("#harvest-job-form button[type=submit]")
     row = page.locator("#harvest-jobs tbody tr").first
-    expect(row).to_contain_text(re.compile(r"\b([1-9][0-9]*)/160 prompts"), timeout=120_000)
+    expect(row).to_contain_text(f"{batch}/160 prompts", timeout=120_000)
+    assert engine_gate.holding.wait(timeout=120)
     job_id = row.get_attribute("data-job-id")
 
     questions = []
@@ -90,5 +110,6 @@ def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(harvest_
     # The worker keeps what it wrote when it notices, before the batch it would start next;
     # the page follows the job until then, without a reload.
     expect(row).to_contain_text("Stopping after its current batch")
+    engine_gate.release()
     expect(row.locator("a", has_text="shard 0")).to_be_visible(timeout=60_000)
     expect(row).not_to_contain_text("Stopping")
