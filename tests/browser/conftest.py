@@ -19,7 +19,6 @@ from playwright.sync_api import sync_playwright
 from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
 from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
-
 from testsupport.gate import UpstreamGate
 
 from .system import System, launch_chromium

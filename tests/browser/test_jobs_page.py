@@ -2,12 +2,9 @@
 engine), appears in the list and finishes; cancelling a harvest asks first and keeps the
 batches it wrote."""
 
-import re
-
 import pytest
-from playwright.sync_api import expect
-
 from django.conf import settings
+from playwright.sync_api import expect
 
 from accounts.models import User
 from api import upstream
@@ -69,9 +66,7 @@ def test_a_harvest_uploaded_as_jsonl_is_listed_and_done_with_its_files(harvest_p
     assert job.key.is_playground and job.n_prompts == 2
 
 
-def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(
-    harvest_page, engine_gate
-):
+def test_cancelling_a_harvest_asks_first_and_keeps_the_batches_it_wrote(harvest_page, engine_gate):
     """The engine answers the first batch's captures and holds the second's until the job is
     cancelled: the job is caught mid-way on any CPU."""
     page = harvest_page
