@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # it imports, once: a tenth of what compiling both virtualenvs whole at install took (24 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-web test-engine test-vllm test-browser test-deploy lint format bench bench-venv services client-wheel
+.PHONY: run test test-web test-engine test-kernels test-vllm test-browser test-deploy lint format bench bench-venv services client-wheel
 
 # uv (pinned in requirements-installer.txt, installed with pip) installs both virtualenvs from
 # the places pip is configured to use (scripts/uv-pip-install): a seventh of pip's time.
@@ -105,6 +105,11 @@ test-engine: $(ENGINE_VENV)/.installed
 	$(ENGINE_PY) -m pytest tests/engine -q --ignore=tests/engine/test_vllm_fidelity.py \
 		--ignore=tests/engine/test_vllm_lens_fidelity.py
 
+# The numeric suites again under the kernels of the other CPU kinds (AVX2 only; AVX-512 BF16
+# without AMX), capped by environment variables: scripts/test-kernels says what each caps.
+test-kernels: $(ENGINE_VENV)/.installed
+	ENGINE_PY=$(ENGINE_PY) scripts/test-kernels
+
 # The production upstream for real: the gateway in front of vLLM with the vLLM-Lens plugin,
 # answering as in front of the embedded engine (tests/vllm), and vLLM-Lens's numbers against
 # the float32 model (the engine suite's fidelity cases). On the server `make test` started
@@ -132,9 +137,11 @@ test-deploy: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 # (--output-sync). The engine and web suites keep the machine's cores to themselves but for
 # that start-up: the fault suite's bounds on waits beside a maximal request are timings.
 test: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
+	scripts/cpu-summary
 	scripts/vllm-lens start
 	trap 'scripts/vllm-lens stop' EXIT; \
-	$(MAKE) --no-print-directory lint test-engine test-web test-vllm && scripts/vllm-lens stop && \
+	$(MAKE) --no-print-directory lint test-engine test-kernels test-web test-vllm && \
+	scripts/vllm-lens stop && \
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-browser test-deploy
 
 bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services

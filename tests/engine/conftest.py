@@ -43,8 +43,40 @@ def pytest_report_header(config) -> list[str]:
 
     return [
         f"CPU: {cpu_description()}",
+        f"kernels: {kernel_paths()}",
         f"engine: {engine_device()} device, computes in {compute_dtype()} unless a test says",
     ]
+
+
+# The largest error each numeric comparison saw in this run, beside its bound (by name):
+# printed at the end, so that a run under another kernel path (scripts/test-kernels) shows
+# what that path moved.
+MEASURED: dict[str, tuple[float, float]] = {}
+
+
+def measured(name: str, value: float, bound: float) -> None:
+    """Keep `value` as `name`'s largest error if it is larger than those seen so far."""
+    largest = MEASURED.get(name, (0.0, bound))[0]
+    MEASURED[name] = (max(largest, float(value)), bound)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if MEASURED:
+        terminalreporter.section(f"largest errors seen, {kernel_paths()}")
+        for name, (value, bound) in sorted(MEASURED.items()):
+            terminalreporter.write_line(f"{name:<58} {value:10.3g}   bound {bound:.3g}")
+
+
+def kernel_paths() -> str:
+    """The instruction sets torch, oneDNN and MKL may use in this run: the CPU's own, or
+    those scripts/test-kernels capped them at (ACS_KERNEL_PATH names the CPU kind)."""
+    caps = {
+        name: os.environ.get(variable, "the CPU's best")
+        for name, variable in [("oneDNN", "ONEDNN_MAX_CPU_ISA"), ("MKL", "MKL_ENABLE_INSTRUCTIONS")]
+    }
+    kind = os.environ.get("ACS_KERNEL_PATH", "this CPU's own")
+    capped = ", ".join(f"{name} up to {cap}" for name, cap in caps.items())
+    return f"{kind}: ATen {torch.backends.cpu.get_cpu_capability()}, {capped}"
 
 
 class EngineProcess:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import MODEL, engine_in_process
+from conftest import MODEL, engine_in_process, measured
 from reference_model import ReferenceRun, Steering, cpu_description
 
 from acs_client.codec import decode, encode_vector
 from acs_client.protocol import in_vllm_xargs
-from tests.tolerances import TOLERANCES, WIDEST, Tolerance
+from tests.tolerances import TOLERANCES, WIDEST, Tolerance, row_relative_errors
 
 HIDDEN = 576
 CAPTURED_LAYERS = [0, 15, 29]
@@ -167,6 +167,7 @@ def discrepancies(case: Case, body: dict, reference, tolerance: Tolerance) -> li
                 problems.append(f"captured shape {got.shape}, expected {tokens} tokens")
                 continue
             for index, layer in enumerate(capture):
+                measure_rows(got[index], run.rows[layer][:tokens], tolerance)
                 problems += [
                     f"layer {layer}: {problem}"
                     for problem in row_discrepancies(
@@ -182,9 +183,15 @@ def generated_discrepancies(
     """The generated tokens' greedy choice, logprobs and top logprobs against the reference's
     distributions at the same positions (the engine's own tokens fed back)."""
     problems = []
+    dtype = dtype_of(tolerance)
     for step, token in enumerate(generated):
         expected = run.logprobs[prompt_length - 1 + step]
         best = float(expected.max())
+        measured(
+            f"{dtype} greedy token below the best (nats)",
+            best - float(expected[token]),
+            tolerance.greedy_margin,
+        )
         if best - float(expected[token]) > tolerance.greedy_margin:
             problems.append(
                 f"step {step}: greedy picked {logprobs['tokens'][step]!r} at "
@@ -257,7 +264,12 @@ def top_discrepancies(top: dict[str, float], expected: torch.Tensor, ids_of, bou
 def row_discrepancies(got: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> list[str]:
     """Rows [tokens, hidden] whose relative error (in norm) is above the row bound, and the
     median row if it is above the median bound."""
-    errors = np.linalg.norm(got - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
+    errors = row_relative_errors(got, expected)
+    dtype = dtype_of(tolerance)
+    measured(f"{dtype} residual row (relative)", errors.max(), tolerance.row_max)
+    measured(
+        f"{dtype} residual layer median row (relative)", np.median(errors), tolerance.row_median
+    )
     problems = [
         f"position {position}: row off by {error:.4f} relative (bound {tolerance.row_max})"
         for position, error in enumerate(errors)
@@ -266,6 +278,17 @@ def row_discrepancies(got: np.ndarray, expected: np.ndarray, tolerance: Toleranc
     if np.median(errors) > tolerance.row_median:
         problems.append(f"median row off by {np.median(errors):.4f} ({tolerance.row_median})")
     return problems
+
+
+def measure_rows(got: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> None:
+    errors = row_relative_errors(got, expected)
+    dtype = dtype_of(tolerance)
+    measured(f"{dtype} residual row (relative)", errors.max(), tolerance.row_max)
+    measured(f"{dtype} layer's median row (relative)", np.median(errors), tolerance.row_median)
+
+
+def dtype_of(tolerance: Tolerance) -> str:
+    return next(dtype for dtype, bound in TOLERANCES.items() if bound is tolerance)
 
 
 # The bounds fail on real defects: each defect below, computed on the reference model, lies
