@@ -81,7 +81,8 @@ class SamplingFields(Strict):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
+    # vLLM's range (a signed 64-bit integer); the engine takes the same.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

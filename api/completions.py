@@ -20,7 +20,7 @@ from metering.budgets import BudgetExceeded
 from metering.models import UsageRecord
 from metering.sql import DatabaseBusy
 
-from . import dialect, upstream
+from . import dialect, fanout, upstream
 from .admission import admission_slot
 from .errors import ApiError, metering_refusal, sse_error_frame, unexpected_error
 from .validation import ValidCompletion, validate_completion
@@ -240,11 +240,7 @@ async def _run(state: "_Request") -> "CompletionResult":
         async with contextlib.AsyncExitStack() as stack:
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
-            reply = await upstream.send_completion(
-                state.valid.urls,
-                dialect.upstream_body(state.valid, max_tokens=max_tokens),
-                tenant=upstream.tenant_of(state.key.user_id),
-            )
+            reply = await _send(state, dialect.upstream_body(state.valid, max_tokens=max_tokens))
             state.upstream_ms = reply.upstream_ms
             state.ttft_ms = state.elapsed_ms()
         usage = _usage_tokens(reply.body)
@@ -272,6 +268,24 @@ async def _run(state: "_Request") -> "CompletionResult":
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+
+
+async def _send(state: "_Request", body: dict) -> upstream.UpstreamReply:
+    """The upstream's answer to `body`: one request, or one per sequence (`api.fanout`)."""
+    valid, tenant = state.valid, upstream.tenant_of(state.key.user_id)
+    if not fanout.needed(valid):
+        return await upstream.send_completion(valid.urls, body, tenant=tenant)
+    bodies = fanout.sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
+    return await fanout.send(valid.urls, bodies, tenant=tenant, n=valid.request.n)
+
+
+def _open_stream(state: "_Request", body: dict):
+    """`upstream.open_stream` of `body`, or of one request per sequence (`api.fanout`)."""
+    valid, tenant = state.valid, upstream.tenant_of(state.key.user_id)
+    if not fanout.needed(valid):
+        return upstream.open_stream(valid.urls, body, tenant=tenant)
+    bodies = fanout.sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
+    return fanout.open_streams(valid.urls, bodies, tenant=tenant, n=valid.request.n)
 
 
 def _count_chunk_tokens(frame: dict) -> int:
@@ -340,11 +354,7 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             frames = await stack.enter_async_context(
-                upstream.open_stream(
-                    state.valid.urls,
-                    dialect.upstream_body(state.valid, max_tokens=max_tokens),
-                    tenant=upstream.tenant_of(state.key.user_id),
-                )
+                _open_stream(state, dialect.upstream_body(state.valid, max_tokens=max_tokens))
             )
             status, error_code, opened = 200, "", True
             yield StreamOpened({"Server-Timing": state.server_timing(), **state.clamp_headers()})

@@ -12,6 +12,10 @@ public behaviour is one:
 - an answer without the capture the request asked for is 502 `capture_incomplete` (the
   caller bills no activation request for it).
 
+- a seed is sent hashed (`upstream_seed`): vLLM's samples of neighbouring seeds overlap;
+- a steered request of several sequences is sent one sequence per request (`api.fanout`):
+  vLLM-Lens steers only a request's first sequence.
+
 Validation refuses what no upstream can do alike (`api.validation`: greedy n > 1, steering
 by position outside the prompt or at position 0 of a generating request, steering whose
 values times scale could overflow).
@@ -35,6 +39,8 @@ def upstream_body(valid, *, max_tokens: int) -> dict:
     """The body to send the upstream for `valid` (an `api.validation.ValidCompletion`),
     generating at most `max_tokens` (the budget may have lowered it)."""
     body = {**valid.payload, "model": valid.model.upstream_model_name, "max_tokens": max_tokens}
+    if valid.request.seed is not None:
+        body["seed"] = upstream_seed(valid.request.seed)
     if valid.request.stream:
         # The gateway always needs the final usage to settle the budget.
         body["stream_options"] = {"include_usage": True}
@@ -44,6 +50,23 @@ def upstream_body(valid, *, max_tokens: int) -> dict:
     if steering:
         body["apply_steering_vectors"] = [_positioned(vector) for vector in steering]
     return in_vllm_xargs(body)
+
+
+# 2**64 / the golden ratio, and the two multipliers of splitmix64's finaliser.
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_WORD = 2**64 - 1
+
+
+def upstream_seed(seed: int) -> int:
+    """The seed sent upstream for the public `seed`: splitmix64's hash of it, below 2**62.
+    vLLM draws sample j of a request with n > 1 with seed + j, so that public seeds s and s + 1
+    would share all but one of their samples; hashed, neighbouring seeds are far apart and
+    their samples independent on every upstream (the engine's too). Below 2**62, seed + j
+    stays a signed 64-bit integer, as vLLM requires."""
+    z = (seed + _GOLDEN) & _WORD
+    z = ((z ^ (z >> 30)) * _MIX1) & _WORD
+    z = ((z ^ (z >> 27)) * _MIX2) & _WORD
+    return (z ^ (z >> 31)) >> 2
 
 
 def capture_body(model, *, tokens: list[int], layers: list[int], max_tokens: int) -> dict:
