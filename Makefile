@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # it imports, once: a tenth of what compiling both virtualenvs whole at install took (24 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-web test-engine test-kernels test-vllm test-browser test-deploy lint format bench bench-venv services client-wheel
+.PHONY: run test test-web test-engine test-kernels test-vllm test-differential-long test-browser test-deploy lint format bench bench-venv services client-wheel
 
 # uv (pinned in requirements-installer.txt, installed with pip) installs both virtualenvs from
 # the places pip is configured to use (scripts/uv-pip-install): a seventh of pip's time.
@@ -105,6 +105,13 @@ test-engine: $(ENGINE_VENV)/.installed
 	$(ENGINE_PY) -m pytest tests/engine -q --ignore=tests/engine/test_vllm_fidelity.py \
 		--ignore=tests/engine/test_vllm_lens_fidelity.py
 
+# The differential suite at length (a nightly run): ten times the generated requests of
+# `make test`'s, on a vLLM-Lens of its own unless `make test` left one running.
+test-differential-long: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
+	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) scripts/ensure-test-db
+	ACS_DIFFERENTIAL_EXAMPLES=3000 DATABASE_URL=$(VLLM_TEST_DATABASE_URL) \
+		REDIS_URL=$(VLLM_TEST_REDIS_URL) $(VENV)/bin/pytest tests/differential
+
 # The numeric suites again under the kernels of the other CPU kinds (AVX2 only; AVX-512 BF16
 # without AMX), capped by environment variables: scripts/test-kernels says what each caps.
 test-kernels: $(ENGINE_VENV)/.installed
@@ -116,7 +123,8 @@ test-kernels: $(ENGINE_VENV)/.installed
 # (scripts/vllm-lens), else on one of their own (two to three minutes to start).
 test-vllm: $(VENV)/.installed-test $(ENGINE_VENV)/.installed $(VLLM_VENV)/.installed services
 	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) scripts/ensure-test-db
-	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) REDIS_URL=$(VLLM_TEST_REDIS_URL) $(VENV)/bin/pytest tests/vllm
+	DATABASE_URL=$(VLLM_TEST_DATABASE_URL) REDIS_URL=$(VLLM_TEST_REDIS_URL) $(VENV)/bin/pytest \
+		tests/vllm tests/differential
 	$(ENGINE_PY) -m pytest tests/engine/test_vllm_fidelity.py tests/engine/test_vllm_lens_fidelity.py -q
 
 test-browser: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services

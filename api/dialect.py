@@ -10,7 +10,8 @@ public behaviour is one:
 - a 2-D vector with `position_indices` is sent as the 3-D vector it means (one row per
   position): vLLM-Lens ignores the positions of a 2-D vector and adds it everywhere;
 - an answer without the capture the request asked for is 502 `capture_incomplete` (the
-  caller bills no activation request for it).
+  caller bills no activation request for it);
+- an answer carries the contract's fields only (`public_fields`).
 
 - a seed is sent hashed (`upstream_seed`): vLLM's samples of neighbouring seeds overlap;
 - a steered request of several sequences is sent one sequence per request (`api.fanout`):
@@ -86,13 +87,51 @@ def _positioned(vector: dict) -> dict:
     return {**vector, "activations": encode_bfloat16_bits(per_position)}
 
 
+# The contract's fields (acs_client.responses): vLLM adds its own (`system_fingerprint`,
+# `kv_transfer_params`, `metrics`, per choice `routed_experts`, and `token_ids`,
+# `prompt_token_ids` and `prompt_logprobs` nobody asked for), which the engine has not.
+ANSWER_FIELDS = ("id", "object", "created", "model", "choices", "usage", "activations")
+CHOICE_FIELDS = ("index", "text", "logprobs", "finish_reason", "stop_reason")
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 def public_answer(body: dict, valid) -> bool:
-    """Make the upstream's completion `body` the public answer to `valid`, in place: raise
-    ApiError `capture_incomplete` where it lacks the capture asked for; return whether
-    `body` changed (the upstream's bytes can be relayed as they are otherwise)."""
+    """Make the upstream's completion `body` the public answer to `valid`, in place: only the
+    contract's fields; raise ApiError `capture_incomplete` where it lacks the capture asked
+    for; return whether `body` changed (the upstream's bytes can be relayed as they are
+    otherwise)."""
+    changed = public_fields(body, valid.request, chunk=False)
     if valid.capture_layers is None:
-        return False
-    return _public_capture(body, valid.capture_layers, valid.model.hidden_size)
+        return changed
+    return _public_capture(body, valid.capture_layers, valid.model.hidden_size) or changed
+
+
+def public_fields(body: dict, request, *, chunk: bool) -> bool:
+    """Keep in `body` (an answer, or a stream `chunk`) only the contract's fields for
+    `request`, in place: each choice's prompt logprobs only where asked (a whole answer
+    always has the key), its token ids only with `return_token_ids`. Returns whether `body`
+    changed."""
+    wanted = list(CHOICE_FIELDS)
+    if request.prompt_logprobs is not None or not chunk:
+        wanted.append("prompt_logprobs")
+    if request.return_token_ids:
+        wanted += ["prompt_token_ids", "token_ids"]
+    changed = _keep(body, ANSWER_FIELDS)
+    if isinstance(body.get("usage"), dict):
+        changed = _keep(body["usage"], USAGE_FIELDS) or changed
+    for choice in body.get("choices") or ():
+        changed = _keep(choice, wanted) or changed
+        if request.prompt_logprobs is None and choice.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = None
+            changed = True
+    return changed
+
+
+def _keep(fields: dict, names) -> bool:
+    extra = [name for name in fields if name not in names]
+    for name in extra:
+        del fields[name]
+    return bool(extra)
 
 
 def _public_capture(body: dict, layers: list[int], hidden_size: int) -> bool:

@@ -5,12 +5,16 @@ are independent on both (`api.dialect.upstream_seed`)."""
 
 import json
 
+import numpy as np
 import pytest
+
+from acs_client.codec import decode
 
 from .test_vllm_lens import (
     BOUND,
     DIRECTION,
     answer_pair,
+    assert_same_answer,
     assert_same_first_distribution,
     assert_same_generation,
     steering,
@@ -110,3 +114,33 @@ def test_the_samples_of_neighbouring_seeds_are_independent_on_both(client, model
             texts = [choice["text"] for choice in response.json()["choices"]]
             assert samples.setdefault(seed, texts) == texts, (name, seed)
         assert not set(samples[100]) & set(samples[101]), (name, samples)
+
+
+# About 2,100 tokens: past vLLM's default prefill chunk (2,048 tokens on a CPU).
+LONG_PROMPT = " ".join(f"Line {i}: the river runs past the old mill." for i in range(190))
+
+
+def test_positions_past_a_prefill_chunk_steer_the_positions_asked_for_on_both(client, models):
+    """vLLM-Lens counts a position from the start of the prompt's part in the prefill step
+    that computes it: with chunked prefill, 2060 steered row 2053 and 2048 nothing. vLLM is
+    served with chunked prefill off (docs/deploy.md §5), so a prompt is prefilled in one step
+    and a position is the prompt's own."""
+    positions = [5, 2047, 2048, 2060]
+    vectors = np.repeat(DIRECTION[None, None] * 40.0, len(positions), axis=1)
+    body = {
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 2,
+        "output_residual_stream": [10],
+        "apply_steering_vectors": steering(vectors, [10], position_indices=positions),
+    }
+    vllm, engine = answer_pair(client, models, body)
+    assert vllm["usage"]["prompt_tokens"] > 2060
+    plain, _ = answer_pair(
+        client, models, {k: v for k, v in body.items() if k != "apply_steering_vectors"}
+    )
+    steered, unsteered = (decode(a["activations"]["residual_stream"])[0] for a in (vllm, plain))
+    moved = np.flatnonzero(np.linalg.norm(steered - unsteered, axis=-1) > 20.0)
+    assert moved.tolist() == positions
+    assert_same_answer(vllm, engine, body)

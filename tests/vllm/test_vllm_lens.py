@@ -129,11 +129,14 @@ def assert_same_generation(got: dict, expected: dict) -> int:
     tokens agree."""
     ours, theirs = got["logprobs"], expected["logprobs"]
     for step, (token, other) in enumerate(zip(ours["tokens"], theirs["tokens"], strict=False)):
-        if token != other:
+        if not same_token_string(token, other):
             top = ours["top_logprobs"][step], theirs["top_logprobs"][step]
             margins = greedy_divergence_margins(*top, token, other)
             assert max(margins) <= 2 * BOUND.greedy_margin, (step, token, other, top)
             return step
+        if ours["token_logprobs"][step] is None:  # an echoed prompt's first token
+            assert theirs["token_logprobs"][step] is None
+            continue
         difference = abs(ours["token_logprobs"][step] - theirs["token_logprobs"][step])
         assert difference <= 2 * BOUND.logprob, (step, token, difference)
     assert len(ours["tokens"]) == len(theirs["tokens"])
@@ -142,8 +145,8 @@ def assert_same_generation(got: dict, expected: dict) -> int:
 
 def assert_same_first_distribution(ours: dict, theirs: dict) -> None:
     """Sampled tokens differ, but the first one is drawn from the prompt's distribution: its
-    top logprobs agree."""
-    first, other = ours["top_logprobs"][0], theirs["top_logprobs"][0]
+    top logprobs agree (with echo, those of the prompt's second token, the first listed)."""
+    first, other = (next(top for top in side["top_logprobs"] if top) for side in (ours, theirs))
     assert first.keys() & other.keys()
     for token in first.keys() & other.keys():
         assert abs(first[token] - other[token]) <= 2 * BOUND.logprob, token
@@ -161,8 +164,16 @@ def assert_same_prompt_logprobs(got, expected) -> None:
         assert ours.keys() & theirs.keys()
         for token in ours.keys() & theirs.keys():
             assert abs(ours[token]["logprob"] - theirs[token]["logprob"]) <= 2 * BOUND.logprob
-            if not theirs[token]["decoded_token"].endswith("\ufffd"):
-                assert ours[token]["decoded_token"] == theirs[token]["decoded_token"]
+            assert same_token_string(ours[token]["decoded_token"], theirs[token]["decoded_token"])
+
+
+def same_token_string(vllm: str, engine: str) -> bool:
+    """A token's string on both, but for the one known difference (docs/deploy.md §5): a
+    byte-fallback token that decodes to part of a character alone is "" on vLLM (or the
+    character its previous tokens complete) and "\ufffd" on the engine."""
+    if "\ufffd" in engine and "\ufffd" not in vllm:
+        return len(vllm) <= len(engine)
+    return vllm == engine
 
 
 def assert_same_rows(vllm: dict, engine: dict, *, rows: int) -> None:
