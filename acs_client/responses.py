@@ -11,12 +11,13 @@ Two kinds of body:
   cannot send a field the document does not list. Every field is always sent (null when it
   has no value), so the schema lists every field as required. A client reads these bodies
   with `extra="ignore"` (`acs_client.results`): a field a newer server adds breaks no client.
-- `RelayedBody`: the completion body and stream chunks, which the gateway relays as its
-  upstream (vLLM, vLLM-Lens, the embedded engine) wrote them, without decoding them into
-  these models on the way. `extra="allow"`, as in vLLM's own protocol: vLLM adds fields from
-  version to version (service_tier, system_fingerprint, kv_transfer_params, token_ids,
-  prompt_token_ids, ...) and they reach the client as sent. The fields listed are the ones
-  the API promises; the gateway's tests validate real answers against them.
+- `RelayedBody`: the completion body and stream chunks, which the gateway relays from its
+  upstream (vLLM, vLLM-Lens, the embedded engine) without decoding them into these models on
+  the way. It keeps only the fields listed here (`api.dialect.public_fields`): vLLM adds
+  fields of its own from version to version (service_tier, system_fingerprint,
+  kv_transfer_params, routed_experts, unasked token_ids, ...), which the engine has not, and
+  an answer is the same from every upstream. `extra="allow"`, as in vLLM's own protocol, so
+  that a client reading them breaks on no field a later version adds.
 """
 
 import datetime as dt
@@ -47,7 +48,7 @@ class GatewayBody(BaseModel):
 
 
 class RelayedBody(BaseModel):
-    """A body relayed from the upstream: these fields, and whatever else vLLM adds."""
+    """A body relayed from the upstream: these fields (a reader tolerates others)."""
 
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
 
