@@ -61,9 +61,11 @@ RESPONSE_SHOWN_CHARS = 200_000
 
 
 def models_and_capabilities(request) -> tuple[list[dict], ModelCapabilities]:
+    """The models listed, and the one the request names (else the registry's default)."""
     models = model_cards()
     wanted = request.GET.get("model") or request.POST.get("model")
-    entry = next((m for m in models if m["id"] == wanted), models[0] if models else None)
+    default = next((m for m in models if m.get("default")), models[0] if models else None)
+    entry = next((m for m in models if m["id"] == wanted), default)
     return models, ModelCapabilities(entry)
 
 

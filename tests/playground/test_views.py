@@ -59,6 +59,18 @@ def test_page_lists_every_request_field_with_limits(ada):
     assert '<option value="smollm2-135m" selected>' in page
 
 
+def test_the_page_preselects_the_registrys_default_model(ada, monkeypatch):
+    """A production registry lists its vLLM row beside the engine's; the default is chosen
+    unless the page names another."""
+    engine = {**MODEL, "default": False}
+    production = {**MODEL, "id": "smollm2-vllm", "default": True}
+    monkeypatch.setattr(views, "model_cards", lambda: [engine, production])
+    page = ada.get(reverse("playground:page")).content.decode()
+    assert '<option value="smollm2-vllm" selected>' in page
+    named = ada.get(reverse("playground:page") + "?model=smollm2-135m").content.decode()
+    assert '<option value="smollm2-135m" selected>' in named
+
+
 def test_model_without_activations_disables_capture_with_the_reason(ada, monkeypatch):
     plain = {**MODEL, "capabilities": {**MODEL["capabilities"], "activations": False}}
     monkeypatch.setattr(views, "model_cards", lambda: [plain])
