@@ -30,6 +30,8 @@ BAD_REQUESTS = [
     ({"n": 17}, "invalid_request", "'n'"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
     ({"logprobs": 101}, "invalid_request", "'logprobs'"),
+    ({"seed": 2**63}, "invalid_request", "'seed'"),
+    ({"seed": -(2**63) - 1}, "invalid_request", "'seed'"),
     ({"prompt_logprobs": -2}, "invalid_request", "'prompt_logprobs'"),
     ({"max_tokens": "5"}, "invalid_request", "'max_tokens'"),
     ({"prompt": ""}, "invalid_request", "empty"),
