@@ -30,7 +30,14 @@ def _client(system, account, timeout: float = 60) -> httpx.Client:
 def test_one_keys_maximal_request_leaves_the_engine_to_other_accounts(
     system, engine_ready, fault_table
 ):
-    big_account, other_account = make_account(), make_account()
+    big_account, other_account, baseline_account = make_account(), make_account(), make_account()
+    small_body = {
+        "model": ENGINE_MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": SMALL_TOKENS,
+        "temperature": 0,
+    }
+    alone = _median_wait(system, baseline_account, small_body, samples=3)
     big_body = {
         "model": ENGINE_MODEL,
         "prompt": [f"Item {i} of the list is" for i in range(BIG_PROMPTS)],
@@ -54,12 +61,6 @@ def test_one_keys_maximal_request_leaves_the_engine_to_other_accounts(
             what="the big request to queue in the engine",
         )
 
-    small_body = {
-        "model": ENGINE_MODEL,
-        "prompt": "The capital of France is",
-        "max_tokens": SMALL_TOKENS,
-        "temperature": 0,
-    }
     waits, answers = [], []
     with _client(system, other_account) as http:
         for _ in range(SAMPLES):
@@ -103,5 +104,19 @@ def test_one_keys_maximal_request_leaves_the_engine_to_other_accounts(
         produced=f"{big_usage['total_tokens']:,} and {produced_small} in the bodies",
         recovery="none needed: nothing was refused",
     )
-    print(f"another account's waits beside the maximal request: {waits}")
-    assert p50 <= 2.0, waits
+    print(f"another account's waits beside the maximal request: {waits} (alone: {alone:.2f} s)")
+    # Held behind the big request, a small one would wait its whole run (tens of seconds).
+    # Served in turn, it waits a few engine steps more than alone: 2 s on a quiet machine, and
+    # proportionally more on a starved one (2.8 s beside three other suites on two cores).
+    assert p50 <= max(2.0, 4 * alone), (waits, alone)
+
+
+def _median_wait(system, account, body: dict, *, samples: int) -> float:
+    """The median time `account` waits for `body` with nothing else running."""
+    waits = []
+    with _client(system, account) as http:
+        for _ in range(samples):
+            started = time.monotonic()
+            assert http.post("/v1/completions", json=body).status_code == 200
+            waits.append(time.monotonic() - started)
+    return statistics.median(waits)

@@ -178,7 +178,9 @@ async def post_retrying(http: httpx.AsyncClient, body: dict) -> httpx.Response:
     return response
 
 
-async def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+async def wait_for(condition, what: str, timeout: float = 300.0) -> None:
+    """Wait for `condition`; the deadline only ends a hung test (60 s did not suffice for 100
+    requests on two cores busy with three other suites)."""
     deadline = time.monotonic() + timeout
     while not await condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
