@@ -5,6 +5,7 @@ import pytest
 
 from tests.vllm.conftest import (  # noqa: F401
     client,
+    engine_url,
     gateway_url,
     models,
     tokenizer_json,

@@ -66,6 +66,21 @@ def test_a_steered_stream_of_several_sequences_is_one_stream(client, stub):
     assert UsageRecord.objects.get().completion_tokens == 12
 
 
+def test_an_echoed_stream_of_samples_with_logprobs_goes_upstream_one_sample_each(client, stub):
+    """vLLM 0.32 fails such a stream in most runs; it answers each sample alone."""
+    stub.mode["logprob"] = -1.0
+    body = {key: value for key, value in STEERED.items() if key != "apply_steering_vectors"}
+    body = {**body, "prompt": "hello", "stream": True, "logprobs": 1}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert sorted((sent["n"], sent["seed"]) for sent in stub.requests) == [
+        (1, upstream_seed(5)),
+        (1, upstream_seed(5) + 1),
+    ]
+
+
 def test_an_unsteered_request_of_several_sequences_goes_upstream_whole(client, stub):
     body = {key: value for key, value in STEERED.items() if key != "apply_steering_vectors"}
     assert client.post("/v1/completions", json=body).status_code == 200

@@ -17,7 +17,7 @@ from api.models import LanguageModel
 from api.selectors import probes_clear, registry_clear
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import gateway_client
-from testsupport.servers import serve_in_thread, stop_server
+from testsupport.servers import engine_server, serve_in_thread, stop_server
 from testsupport.vllm_lens import MODEL, vllm_lens_server
 
 VLLM_MODEL = "smollm2-vllm"
@@ -28,6 +28,15 @@ ENGINE_MODEL = "smollm2-engine"
 def vllm_lens():
     with vllm_lens_server() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def engine_url():
+    """The engine, computing on one thread: beside vLLM's CPU workers, whose OpenMP threads
+    spin between steps, a two-thread engine's barriers stalled it to 1 s a request (80 ms
+    alone); one thread takes 0.1 s."""
+    with engine_server({"ACS_ENGINE_THREADS": "1"}) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
