@@ -24,13 +24,17 @@ class Tolerance:
 
 TOLERANCES = {
     "float32": Tolerance(
-        logprob=1e-3,
-        greedy_margin=1e-3,
+        logprob=1e-2,
+        greedy_margin=1e-2,
         row_median=2**-7,
         row_max=2**-7,
         reason="the same products as the reference (every weight is exact in float16, which "
-        "the float32 path multiplies by); only the order of the sums differs, which moves "
-        "logprobs by under 1e-4; captured rows are sent as bfloat16, relative step 2**-8",
+        "the float32 path multiplies by); only the order of the sums differs, which kernels "
+        "(chosen by timing at load) and instruction sets change: a final hidden row 1e-4 off "
+        "relative (native vs PyTorch steps: up to 7e-5) moves a logit of 20 by 2e-3. Measured "
+        "up to 2.6e-3 nats with oneDNN and MKL capped at AVX-512 BF16 (make test-kernels), "
+        "5e-5 otherwise; the bound is four times the largest. Captured rows are sent as "
+        "bfloat16, relative step 2**-8",
     ),
     "bfloat16": Tolerance(
         logprob=0.5,
