@@ -15,7 +15,6 @@ normalisation in api/dialect.py or a refusal with the contract's code, each in
 docs/deploy.md §5's table.
 """
 
-import json
 import os
 
 import numpy as np
@@ -30,6 +29,7 @@ from tests.vllm.test_vllm_lens import (
     assert_same_generation,
     assert_same_prompt_logprobs,
     assert_same_rows,
+    stream_answer,
     streamed_logprobs,
 )
 
@@ -173,15 +173,8 @@ def send(client, name: str, body: dict) -> tuple[int, dict]:
     if not body.get("stream"):
         response = client.post("/v1/completions", json={"model": name, **body})
         return response.status_code, response.json()
-    with client.stream("POST", "/v1/completions", json={"model": name, **body}) as response:
-        if response.status_code != 200:
-            response.read()
-            return response.status_code, response.json()
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]", (name, lines[-3:])
-    frames = [json.loads(line[6:]) for line in lines[:-1]]
-    assert not any("error" in frame for frame in frames), (name, frames)
-    return 200, {"frames": frames}
+    status, frames = stream_answer(client, {"model": name, **body})
+    return status, {"frames": frames} if status == 200 else frames
 
 
 def assert_same_answer(vllm: dict, engine: dict, body: dict) -> None:

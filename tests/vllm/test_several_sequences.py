@@ -3,8 +3,6 @@ every sequence is steered on both (vLLM-Lens alone steers only a request's first
 sends it one sequence per request, `api.fanout`); seeded, the samples of neighbouring seeds
 are independent on both (`api.dialect.upstream_seed`)."""
 
-import json
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ from .test_vllm_lens import (
     assert_same_first_distribution,
     assert_same_generation,
     steering,
+    streamed,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -87,11 +86,7 @@ def test_a_steered_stream_of_several_prompts_is_steered_on_both(client, models):
     }
     texts = []
     for name in (models["vllm"], models["engine"]):
-        with client.stream("POST", "/v1/completions", json={"model": name, **body}) as response:
-            assert response.status_code == 200
-            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
-        frames = [json.loads(line[6:]) for line in lines[:-1]]
+        frames = streamed(client, {"model": name, **body})
         by_index = {index: "" for index in range(len(PROMPTS))}
         for frame in frames[:-1]:
             for choice in frame["choices"]:

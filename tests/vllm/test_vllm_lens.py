@@ -213,12 +213,7 @@ def test_a_stream_gets_the_engines_frames(client, models):
     }
     streams = []
     for name in (models["vllm"], models["engine"]):
-        with client.stream("POST", "/v1/completions", json={"model": name, **body}) as response:
-            assert response.status_code == 200
-            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]"
-        frames = [json.loads(line[6:]) for line in lines[:-1]]
-        assert not any("error" in frame for frame in frames)
+        frames = streamed(client, {"model": name, **body})
         assert frames[-1]["choices"] == [] and frames[-1]["model"] == name
         streams.append(frames)
     ours, theirs = (frames[-1]["usage"] for frames in streams)
@@ -226,6 +221,27 @@ def test_a_stream_gets_the_engines_frames(client, models):
     vllm, engine = ({"logprobs": streamed_logprobs(frames)} for frames in streams)
     if assert_same_generation(vllm, engine) == len(engine["logprobs"]["tokens"]):
         assert ours["completion_tokens"] == theirs["completion_tokens"]
+
+
+def stream_answer(client, body: dict) -> tuple[int, list[dict] | dict]:
+    """The status of a stream of `body` through the gateway, and its frames up to its [DONE]
+    (none an error), or the error body of a refusal."""
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, response.json()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    frames = [json.loads(line[6:]) for line in lines[:-1]]
+    assert not any("error" in frame for frame in frames), frames
+    return 200, frames
+
+
+def streamed(client, body: dict) -> list[dict]:
+    """The frames of a stream of `body` that must be answered 200."""
+    status, frames = stream_answer(client, body)
+    assert status == 200, frames
+    return frames
 
 
 def streamed_logprobs(frames: list[dict]) -> dict:
