@@ -27,6 +27,11 @@ def save_screenshots(page, name: str, element: str | None = None) -> list[Path]:
             """() => window.Plotly && Promise.all([...document.querySelectorAll('.js-plotly-plot')]
                  .map(plot => window.Plotly.Plots.resize(plot)))"""
         )
+        # An htmx swap still under way would detach the element mid-screenshot (seen on one
+        # busy core): wait until no request, swap or settle is pending.
+        page.wait_for_function(
+            "() => !document.querySelector('.htmx-request, .htmx-swapping, .htmx-settling')"
+        )
         path = screenshot_dir() / f"{name}-{width}.png"
         if element is None:
             page.screenshot(path=path, full_page=True)
