@@ -16,6 +16,7 @@ from acs_client.client import AcsClient
 from acs_client.codec import encode_vector
 from infra.lifecycle import WorkStatus
 from playground import compare
+from tests.tolerances import WIDEST
 
 from . import test_figure_numbers
 from .test_figure_numbers import (
@@ -102,9 +103,11 @@ def test_comparison_numbers_match_numpy_from_the_raw_answers(recorder, approved_
         assert f"{delta[len(prompt_ids) - 1 :].mean():.3f} nats/token" in page
         assert figures[f"logprob-{side}"]["layout"]["xaxis"]["ticktext"][0] == "1 ·quick"
     # The unsteered model scores the plain run's own tokens as the run reported them, within
-    # the bfloat16 noise of a batch of two prompts against one sequence decoded alone.
+    # twice the bfloat16 bound: a batch of two prompts against one sequence decoded alone,
+    # each within one bound of the float32 model.
     reported = raw_a["choices"][0]["logprobs"]["token_logprobs"]
-    assert np.allclose(logprobs(under["a"], 0, "a")[-len(reported) :], reported, atol=0.25)
+    scored = logprobs(under["a"], 0, "a")[-len(reported) :]
+    assert np.allclose(scored, reported, atol=2 * WIDEST.logprob)
 
     # Activations: the norm of the difference at every layer × aligned position.
     capture_a, capture_b = residual_stream(raw_a), residual_stream(raw_b)

@@ -43,6 +43,7 @@ from playground.services.vectors import (
 )
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
+from tests.tolerances import WIDEST
 
 from .conftest import workers_client
 
@@ -411,8 +412,9 @@ def same_tokens(recorder, tokenizer, steered_request, steered_raw, *, prompt_ids
     own = [d["choices"][0]["prompt_logprobs"][first + j][str(t)]["logprob"]
            for j, t in enumerate(steered_ids)]  # fmt: skip
     # Teacher-forced (one prefill) against sampled (token by token): bfloat16 kernels of
-    # different shapes round apart by up to ~0.15 nats on an AMX CPU.
-    assert np.allclose(own, sampled["token_logprobs"], atol=0.25)
+    # different shapes, each within the bfloat16 bound of the float32 model (up to ~0.15
+    # nats apart on an AMX CPU).
+    assert np.allclose(own, sampled["token_logprobs"], atol=2 * WIDEST.logprob)
     [b_choice] = [
         choice
         for sent, answer in recorder.exchanges
@@ -545,8 +547,10 @@ def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
     assert "over the generated tokens only" in document["definitions"]["mean_delta"]
 
     # The page's acs_client code, run against the live gateway with the user's key, gives
-    # each scale's text, target logprob and mean Δ logprob (within bfloat16's noise between
-    # batches of other shapes).
+    # each scale's text, target logprob and mean Δ logprob, within twice the bfloat16 bound
+    # (both runs compute in bfloat16, in batches of other shapes, each within one bound of the
+    # float32 model; beside a CPU hog a target logprob of -12 moved by 0.66).
+    bound = 2 * WIDEST.logprob
     page = page_client.get(reverse("playground:group_detail", args=[group])).content.decode()
     code = re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', page, re.S).group(1)
     vector = runs[0].vector
@@ -562,8 +566,8 @@ def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
         result = namespace["results"][run.scale_entered]
         target, delta, _ = expected[run.scale]
         assert result["text"] == run.response["choices"][0]["text"]
-        assert abs(result["target_logprob"] - target) < 0.25
-        assert abs(result["mean_delta_baseline_tokens"] - delta) < 0.25
+        assert abs(result["target_logprob"] - target) <= bound
+        assert abs(result["mean_delta_baseline_tokens"] - delta) <= bound
 
 
 # ---------------------------------------------------------------------------------------
