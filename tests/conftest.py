@@ -29,6 +29,7 @@ ENGINE_MODEL_FIELDS = {"supports_activations": True}
 
 
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+REPLICAS_MODULE = Path(__file__).resolve().parent / "gateway" / "test_replicas.py"
 
 
 def pytest_configure(config):
@@ -54,10 +55,14 @@ def redis_url_of_worker(url: str, worker: int) -> str:
 def pytest_collection_modifyitems(items):
     """pytest-xdist (`--dist loadgroup`) runs each group on one worker: the fault suite, so a
     run starts its system once, and the tests of the real engine (`engine_url`), so a run
-    loads that model once."""
+    loads that model once; and the gateway replica tests, so a run starts one shared pair of
+    replicas (two workers each started one, and a killed-replica test's own pair beside them
+    took PostgreSQL past its connection limit)."""
     for item in items:
         if item.path.is_relative_to(FAULTS_DIR):
             item.add_marker(pytest.mark.xdist_group("faults"))
+        elif item.path == REPLICAS_MODULE:
+            item.add_marker(pytest.mark.xdist_group("replicas"))
         elif "engine_url" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("engine"))
 

@@ -44,10 +44,12 @@ def test_the_fault_suite_and_the_real_engines_tests_are_grouped_before_xdist_rea
     """Runs in one process too: this suite's collection hook and pytest-xdist's worker hook,
     called in the order this pytest calls them (a worker registers its hook after the
     conftests, so without `tryfirst` it would run first and see no group), leave the fault
-    suite's tests and the real engine's tests with their group in their ids, and no other."""
+    suite's tests, the real engine's and the gateway replicas' with their group in their ids,
+    and no other."""
     tests = Path(suite_conftest.__file__).parent
     fault = CollectedTest(suite_conftest.FAULTS_DIR / "test_a_fault.py", ["engine_url"])
     engine = CollectedTest(tests / "gateway" / "test_engine_e2e.py", ["db", "engine_url"])
+    replica = CollectedTest(suite_conftest.REPLICAS_MODULE, ["db", "replicas"])
     plain = CollectedTest(tests / "gateway" / "test_completions.py", ["db", "client"])
     plugins = request.config.pluginmanager
     assert plugins.is_registered(suite_conftest), "tests/conftest.py is not the loaded conftest"
@@ -58,12 +60,13 @@ def test_the_fault_suite_and_the_real_engines_tests_are_grouped_before_xdist_rea
         collection_hooks = plugins.subset_hook_caller("pytest_collection_modifyitems", others)
         under_loadgroup = SimpleNamespace(getvalue={"loadgroup": True}.__getitem__)
         collection_hooks(
-            session=request.session, config=under_loadgroup, items=[fault, engine, plain]
+            session=request.session, config=under_loadgroup, items=[fault, engine, replica, plain]
         )
     finally:
         plugins.unregister(worker)
     assert fault.nodeid == "test_a_fault.py::test_it@faults"
     assert engine.nodeid == "test_engine_e2e.py::test_it@engine"
+    assert replica.nodeid == "test_replicas.py::test_it@replicas"
     assert plain.nodeid == "test_completions.py::test_it"
 
 

@@ -24,10 +24,11 @@ ENGINE_PYTHON = REPO_ROOT / ".venv-engine" / "bin" / "python"
 STARTUP_TIMEOUT_S = 240
 
 
-# The servers that the web suite starts beside each other (two gateway replicas, the fault
-# suite's system) each pool this many hot-path connections instead of 16: with both pytest
-# workers' servers up at once, 16 each reached PostgreSQL's default max_connections (100).
-TEST_SERVER_DB_POOL = {"ACS_DB_POOL_MAX_SIZE": "4"}
+# The servers that the web suite starts beside each other (gateway replicas, the fault suite's
+# system) each pool this many connections instead of 16 (hot path) and 8 (Django): with both
+# pytest workers' servers up at once, the defaults reached PostgreSQL's max_connections (100,
+# its default) beside a CPU hog, where connections are held longer.
+TEST_SERVER_DB_POOL = {"ACS_DB_POOL_MAX_SIZE": "4", "ACS_ORM_POOL_MAX_SIZE": "4"}
 
 
 def generated_secrets() -> dict[str, str]:

@@ -391,8 +391,8 @@ async def test_killed_replica_loses_only_its_unwritten_window_and_its_leases_ret
     assert 0 <= lost <= window
 
 
-# Each replica pools at most ACS_ORM_POOL_MAX_SIZE connections for Django (pages, tasks) and
-# TEST_SERVER_DB_POOL's for the hot path.
+# Each replica pools at most TEST_SERVER_DB_POOL's connections: Django's (pages, tasks) and the
+# hot path's.
 PORTAL_PAGES = ["/", "/keys/", "/usage/", "/playground/", "/jobs/"]
 
 
@@ -401,7 +401,7 @@ def test_portal_requests_leave_database_connections_bounded(replicas, approved_u
     included), 8 at a time per replica: every page answers, and the replicas never hold more
     PostgreSQL connections than their pools allow. Each request used to leave its per-thread
     connection open until garbage collection (63 page views held 45)."""
-    bound = 2 * (settings.ACS_ORM_POOL_MAX_SIZE + int(TEST_SERVER_DB_POOL["ACS_DB_POOL_MAX_SIZE"]))
+    bound = 2 * sum(int(size) for size in TEST_SERVER_DB_POOL.values())
     statuses: dict[int, int] = {}
     counts: list[int] = []
     browsing = threading.Event()
