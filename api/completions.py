@@ -84,6 +84,11 @@ class _Request:
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
+    @property
+    def tenant(self) -> str:
+        """Whose share of the upstreams' capacity the request spends (`upstream.tenant_of`)."""
+        return upstream.tenant_of(self.key.user_id)
+
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
 
@@ -240,7 +245,8 @@ async def _run(state: "_Request") -> "CompletionResult":
         async with contextlib.AsyncExitStack() as stack:
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
-            reply = await _send(state, dialect.upstream_body(state.valid, max_tokens=max_tokens))
+            body = dialect.upstream_body(state.valid, max_tokens=max_tokens)
+            reply = await fanout.send_completion(state.valid, body, tenant=state.tenant)
             state.upstream_ms = reply.upstream_ms
             state.ttft_ms = state.elapsed_ms()
         usage = _usage_tokens(reply.body)
@@ -268,24 +274,6 @@ async def _run(state: "_Request") -> "CompletionResult":
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
-
-
-async def _send(state: "_Request", body: dict) -> upstream.UpstreamReply:
-    """The upstream's answer to `body`: one request, or one per sequence (`api.fanout`)."""
-    valid, tenant = state.valid, upstream.tenant_of(state.key.user_id)
-    if not fanout.needed(valid):
-        return await upstream.send_completion(valid.urls, body, tenant=tenant)
-    bodies = fanout.sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
-    return await fanout.send(valid.urls, bodies, tenant=tenant, n=valid.request.n)
-
-
-def _open_stream(state: "_Request", body: dict):
-    """`upstream.open_stream` of `body`, or of one request per sequence (`api.fanout`)."""
-    valid, tenant = state.valid, upstream.tenant_of(state.key.user_id)
-    if not fanout.needed(valid):
-        return upstream.open_stream(valid.urls, body, tenant=tenant)
-    bodies = fanout.sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
-    return fanout.open_streams(valid.urls, bodies, tenant=tenant, n=valid.request.n)
 
 
 def _count_chunk_tokens(frame: dict) -> int:
@@ -354,7 +342,11 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             frames = await stack.enter_async_context(
-                _open_stream(state, dialect.upstream_body(state.valid, max_tokens=max_tokens))
+                fanout.open_stream(
+                    state.valid,
+                    dialect.upstream_body(state.valid, max_tokens=max_tokens),
+                    tenant=state.tenant,
+                )
             )
             status, error_code, opened = 200, "", True
             yield StreamOpened({"Server-Timing": state.server_timing(), **state.clamp_headers()})

@@ -11,8 +11,7 @@ public behaviour is one:
   position): vLLM-Lens ignores the positions of a 2-D vector and adds it everywhere;
 - an answer without the capture the request asked for is 502 `capture_incomplete` (the
   caller bills no activation request for it);
-- an answer carries the contract's fields only (`public_fields`).
-
+- an answer carries the contract's fields only (`public_fields`);
 - a seed is sent hashed (`upstream_seed`): vLLM's samples of neighbouring seeds overlap;
 - a steered request of several sequences is sent one sequence per request (`api.fanout`):
   vLLM-Lens steers only a request's first sequence.

@@ -21,6 +21,25 @@ from . import upstream
 from .errors import ApiError
 
 
+async def send_completion(valid, body: dict, *, tenant: str) -> upstream.UpstreamReply:
+    """The upstream's answer to `body` (the upstream body of `valid`, an
+    `api.validation.ValidCompletion`): `upstream.send_completion`'s, or the merged answer of
+    one request per sequence where `needed`."""
+    if not needed(valid):
+        return await upstream.send_completion(valid.urls, body, tenant=tenant)
+    bodies = sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
+    return await _send_each(valid.urls, bodies, tenant=tenant, n=valid.request.n)
+
+
+def open_stream(valid, body: dict, *, tenant: str):
+    """`upstream.open_stream` of `body` (the upstream body of `valid`), or the merged stream
+    of one request per sequence where `needed`."""
+    if not needed(valid):
+        return upstream.open_stream(valid.urls, body, tenant=tenant)
+    bodies = sequence_bodies(body, prompts=valid.request.prompts(), n=valid.request.n)
+    return _open_each(valid.urls, bodies, tenant=tenant, n=valid.request.n)
+
+
 def needed(valid) -> bool:
     """Whether `valid` (an `api.validation.ValidCompletion`) is sent one sequence at a time:
     a steered request of several sequences, and a stream with echo, logprobs and n > 1,
@@ -65,7 +84,7 @@ def _usage(usages: list[dict | None], *, n: int) -> dict:
     }
 
 
-async def send(urls: list[str], bodies: list[dict], *, tenant: str, n: int):
+async def _send_each(urls: list[str], bodies: list[dict], *, tenant: str, n: int):
     """Every body of `sequence_bodies` sent at once; the merged answer as an
     `upstream.UpstreamReply` (`content` None: it is not the upstream's bytes). Every sequence
     is waited for, so that a failure of one is billed with the others' usage; the first
@@ -104,7 +123,7 @@ def _billed(failure: BaseException, replies: list, *, n: int) -> BaseException:
 
 
 @asynccontextmanager
-async def open_streams(urls: list[str], bodies: list[dict], *, tenant: str, n: int):
+async def _open_each(urls: list[str], bodies: list[dict], *, tenant: str, n: int):
     """Every body of `sequence_bodies` streamed at once; yields one iterator of `data:`
     payloads as `upstream.open_stream`'s, each sequence's chunks as they arrive with their
     choice's index, one usage frame for the whole request (where the upstreams sent theirs)
