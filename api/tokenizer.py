@@ -1,11 +1,13 @@
 """Prompt-token counting with each model's own tokenizer, so context-length checks and budget
 reservations use the count the upstream will report.
 
-The tokenizer is, in order: the tokenizer.json staff attached to the model row (what plain
-vLLM upstreams need: they serve no such file), else the one the upstream serves at
-/tokenizer.json (the embedded engine does). Either is loaded once per process and cached
-under `settings.ACS_TOKENIZER_CACHE_DIR`. Without either, the upstream counts each prompt
-through its POST /tokenize, a round trip per prompt. Token-id prompts count their ids.
+The tokenizer is, in order: the tokenizer.json staff attached to the model row, else the one
+in the row's `weights_dir` (the model's directory, which vLLM serves from and the lens reads:
+plain vLLM serves no tokenizer file), else the one the upstream serves at /tokenizer.json
+(the embedded engine does). It is loaded once per process; an attached or served one is
+cached under `settings.ACS_TOKENIZER_CACHE_DIR`. Without any, the upstream counts each prompt
+through its POST /tokenize, a round trip per prompt, and tokens have ids but no strings.
+Token-id prompts count their ids.
 """
 
 import asyncio
@@ -46,12 +48,12 @@ def _cache_path(model_name: str, source: str) -> Path:
 
 
 async def load_tokenizer(model) -> Tokenizer | None:
-    """The tokenizer of `model` (attached to its row, else from the first of its upstreams
-    that serves one), or None if there is none."""
+    """The tokenizer of `model` (attached to its row, else in its weights directory, else from
+    the first of its upstreams that serves one), or None if there is none."""
     if model.tokenizer_sha256:
         source = f"sha256:{model.tokenizer_sha256}"
     else:
-        source = ",".join(model.upstream_urls)
+        source = ",".join([model.weights_dir, *model.upstream_urls])
     cache_key = (model.name, source)
     if cache_key in _tokenizers:
         return _tokenizers[cache_key]
@@ -65,7 +67,7 @@ async def load_tokenizer(model) -> Tokenizer | None:
         if model.tokenizer_sha256:
             tokenizer = await _attached_tokenizer(model, source)
         else:
-            tokenizer = await _served_tokenizer(model)
+            tokenizer = await _directory_tokenizer(model) or await _served_tokenizer(model)
         if tokenizer is None:
             _missing_until[cache_key] = time.monotonic() + _MISSING_RETRY_S
             return None
@@ -91,6 +93,14 @@ def _attached_tokenizer_json(model_id: int, sha256: str) -> str | None:
         .values_list("tokenizer_json", flat=True)
         .first()
     )
+
+
+async def _directory_tokenizer(model) -> Tokenizer | None:
+    """The tokenizer.json of the row's weights directory, where this machine has it."""
+    if not model.weights_dir:
+        return None
+    content = await asyncio.to_thread(_read_file, Path(model.weights_dir) / "tokenizer.json")
+    return None if content is None else await _parse(content)
 
 
 async def _served_tokenizer(model) -> Tokenizer | None:

@@ -6,8 +6,8 @@ Stored in `Run.tokens` as
 `{"prompts": [{"ids", "strings"}], "completions": [{"ids", "strings", "source"} | None]}`:
 one entry per prompt of the request and per choice of the response. A completion's tokens
 are the ids the response names (`source` "token_ids": every run without echo asks for them
-with `return_token_ids`, see `with_token_ids`), each decoded alone; else, for answers without
-them, the response's logprobs strings (`source` "logprobs": an id is None where several
+with `return_token_ids`, see `with_token_ids`), each decoded alone (or, without a local
+tokenizer, named by the response's logprobs); else, for answers without them, the response's logprobs strings (`source` "logprobs": an id is None where several
 tokens decode to the same string); else unknown (None). The returned text is never
 tokenized again: its canonical tokens need not be the ones sampled (two "\n" tokens, ids
 198 198, read back as one "\n\n", id 1116).
@@ -50,17 +50,20 @@ async def _run_tokens(request: dict, response: dict) -> dict:
 
 
 async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -> dict | None:
+    logprobs = choice.get("logprobs") or {}
+    reported = None
+    if logprobs.get("tokens") is not None:
+        echoed = len(prompt["ids"]) if request.get("echo") else 0
+        reported = logprobs["tokens"][echoed:]
     if choice.get("token_ids") is not None:
         ids = choice["token_ids"]
         [strings] = await token_strings(model, [ids])
-        if strings is not None:
-            return {"ids": ids, "strings": strings, "source": "token_ids"}
-    logprobs = choice.get("logprobs") or {}
-    if logprobs.get("tokens") is not None:
-        echoed = len(prompt["ids"]) if request.get("echo") else 0
-        strings = logprobs["tokens"][echoed:]
-        ids = await token_ids_of_strings(model, strings)
-        return {"ids": ids or [None] * len(strings), "strings": strings, "source": "logprobs"}
+        # Without a local tokenizer the ids are still exact; the strings are the logprobs'.
+        if strings is not None or (reported is not None and len(reported) == len(ids)):
+            return {"ids": ids, "strings": strings or reported, "source": "token_ids"}
+    if reported is not None:
+        ids = await token_ids_of_strings(model, reported)
+        return {"ids": ids or [None] * len(reported), "strings": reported, "source": "logprobs"}
     return None
 
 

@@ -54,6 +54,22 @@ def test_an_attached_tokenizer_counts_prompts_without_asking_the_upstream(
     assert held == sorted((stub.count(prompt),) for prompt in PROMPTS)
 
 
+def test_the_tokenizer_in_the_rows_weights_directory_counts_prompts_without_the_upstream(
+    client, stub, plain_vllm, api_key, exact_budgets, tmp_path
+):
+    """A row registered as docs/deploy.md §5 says (its weights directory, no attached file)
+    counts and names tokens with the model's directory's tokenizer.json."""
+    from metering.models import BudgetReservation
+
+    (tmp_path / "tokenizer.json").write_bytes(stub.tokenizer_json)
+    make_model(stub.url, name="plain-vllm", is_default=False, weights_dir=str(tmp_path))
+    complete_each(client, "plain-vllm")
+    assert "/tokenize" not in stub.paths
+    assert "/tokenizer.json" not in stub.paths
+    held = sorted(BudgetReservation.objects.filter(key=api_key).values_list("prompt_tokens"))
+    assert held == sorted((stub.count(prompt),) for prompt in PROMPTS)
+
+
 def test_a_replaced_tokenizer_is_used_once_the_registry_is_read_again(client, stub, plain_vllm):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

@@ -28,7 +28,10 @@ def test_two_threads_loading_the_same_tokenizer_at_once_both_get_it(
 
     monkeypatch.setattr(gateway_tokenizer.upstream, "fetch_tokenizer_json", slow_fetch)
     model = SimpleNamespace(
-        name="threads-model", tokenizer_sha256="", upstream_urls=["http://127.0.0.1:9"]
+        name="threads-model",
+        tokenizer_sha256="",
+        weights_dir="",
+        upstream_urls=["http://127.0.0.1:9"],
     )
     loaded = []
 

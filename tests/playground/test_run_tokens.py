@@ -121,6 +121,27 @@ def test_the_same_tokens_with_and_without_logprobs_compare_equal(
     assert "data-diff-side" in page and '<span class="tok changed"' not in page
 
 
+def test_without_a_local_tokenizer_the_ids_returned_name_the_tokens_with_the_logprobs_strings(
+    approved_user, gateway, no_enqueue, monkeypatch
+):
+    """A row whose tokenizer cannot be had here (none attached, none in a weights directory,
+    none served): the generated tokens keep the exact ids the answer names, not ids guessed
+    back from strings (which left a vLLM row's runs with ids [None, None])."""
+
+    async def no_strings(model, id_lists):
+        return [None for _ in id_lists]
+
+    async def no_ids(model, strings):
+        return None
+
+    monkeypatch.setattr(run_tokens, "token_strings", no_strings)
+    monkeypatch.setattr(run_tokens, "token_ids_of_strings", no_ids)
+    run = run_through(approved_user, gateway, logprobs=True)
+    assert run.tokens["completions"] == [
+        {"ids": [NEWLINE, NEWLINE], "strings": ["\n", "\n"], "source": "token_ids"}
+    ]
+
+
 def test_an_answer_without_token_ids_or_logprobs_leaves_its_tokens_unknown(
     approved_user, gateway, no_enqueue
 ):
