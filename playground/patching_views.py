@@ -17,6 +17,7 @@ from .patching_grid import PatchingGrid, latest_patching_group, patching_grid_fo
 from .views import models_and_capabilities, with_new_submit_token
 
 GRID_PARTIAL = "playground/patching_grid.html#grid_panel"
+FORM_PARTIAL = "playground/patching.html#patching_form"
 
 
 class BadMetric(Exception):
@@ -44,10 +45,11 @@ def _bad_metric(error: BadMetric) -> HttpResponse:
 
 
 def _page(request, form, status=200):
-    _, capabilities = models_and_capabilities(request)
+    models, capabilities = models_and_capabilities(request)
     group = latest_patching_group(user=request.user)
     context = {
         "form": form or PatchingForm(capabilities=capabilities),
+        "models": models,
         "capabilities": capabilities,
         "grid": patching_grid_for_user(user=request.user, group=group) if group else None,
         "repeats": patching.PATCHING_REPEATS,
@@ -62,15 +64,29 @@ def _page(request, form, status=200):
 @never_cache
 def patching_page(request):
     """The form, and below it the user's latest grid (followed while it runs), so that a
-    reload or Back keeps showing it."""
+    reload or Back keeps showing it. For htmx's model picker (`?model=` with the form's
+    fields), the form alone for that model, keeping what was typed."""
+    if request.htmx and request.htmx.target == "patching-form":
+        models, capabilities = models_and_capabilities(request)
+        typed = {name: request.GET.get(f"{PatchingForm.prefix}-{name}") for name in TYPED_FIELDS}
+        form = PatchingForm(initial=typed, capabilities=capabilities)
+        return render(request, FORM_PARTIAL, {"form": form, "models": models})
     return _page(request, None)
+
+
+# What a change of model keeps of the form (the submit token is new each time it is drawn).
+TYPED_FIELDS = (
+    "clean_prompt", "corrupted_prompt", "target", "corrupted_target", "metric", "layers",
+    "positions",
+)  # fmt: skip
 
 
 def _form_errors(request, form):
     """The form with its errors: for htmx only the form, swapped over the old one; otherwise
     the whole page with status 400."""
     if request.htmx:
-        response = render(request, "playground/patching.html#patching_form", {"form": form})
+        models, _ = models_and_capabilities(request)
+        response = render(request, FORM_PARTIAL, {"form": form, "models": models})
         return reswap(retarget(response, "#patching-form"), "outerHTML")
     return _page(request, form, status=400)
 

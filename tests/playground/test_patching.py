@@ -146,6 +146,35 @@ def test_page_shows_the_form_and_where_the_grid_will_appear(ada):
     assert b"The grid appears here once you run it." in page.content
 
 
+PRODUCTION = {**MODEL, "id": "llama-8b", "default": True,
+              "capabilities": {**MODEL["capabilities"], "n_layers": 32}}  # fmt: skip
+
+
+def test_the_registrys_default_model_is_picked_and_any_model_can_be(ada, monkeypatch):
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL, PRODUCTION])
+    page = ada.get(reverse("playground:patching")).content.decode()
+    assert '<option value="llama-8b" selected>llama-8b</option>' in page
+    assert "32 layers; the grid runs on this model." in page
+    page = ada.get(reverse("playground:patching"), {"model": "smollm2-135m"}).content.decode()
+    assert '<option value="smollm2-135m" selected>smollm2-135m</option>' in page
+    assert "30 layers; the grid runs on this model." in page
+
+
+def test_picking_a_model_with_htmx_redraws_the_form_keeping_what_was_typed(ada, monkeypatch):
+    monkeypatch.setattr(views, "model_cards", lambda: [MODEL, PRODUCTION])
+    typed = {"model": "smollm2-135m", "patch-clean_prompt": "The Eiffel Tower is in",
+             "patch-target": " Paris", "patch-layers": "3, 4"}  # fmt: skip
+    response = ada.get(
+        reverse("playground:patching"), typed, HTTP_HX_TARGET="patching-form", **HTMX
+    )
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html
+    assert html.lstrip().startswith('<form id="patching-form"')
+    assert '<option value="smollm2-135m" selected>' in html
+    assert "The Eiffel Tower is in</textarea>" in html
+    assert 'value=" Paris"' in html and 'value="3, 4"' in html
+
+
 def test_invalid_htmx_submit_swaps_the_form_with_its_error(ada, no_enqueue):
     response = ada.post(
         reverse("playground:patching_submit"), form_data(metric="logit_diff"), **HTMX
