@@ -7,8 +7,9 @@ Stored in `Run.tokens` as
 one entry per prompt of the request and per choice of the response. A completion's tokens
 are the ids the response names (`source` "token_ids": every run without echo asks for them
 with `return_token_ids`, see `with_token_ids`), each decoded alone (or, without a local
-tokenizer, named by the response's logprobs); else, for answers without them, the response's logprobs strings (`source` "logprobs": an id is None where several
-tokens decode to the same string); else unknown (None). The returned text is never
+tokenizer, named by the response's logprobs); else, for answers without them, the
+response's logprobs strings (`source` "logprobs": an id is None where several tokens decode
+to the same string); else unknown (None). The returned text is never
 tokenized again: its canonical tokens need not be the ones sampled (two "\n" tokens, ids
 198 198, read back as one "\n\n", id 1116).
 """
