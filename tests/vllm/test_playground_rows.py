@@ -27,9 +27,11 @@ REQUEST = {
 
 
 @pytest.fixture
-def vllm_row_without_tokenizer(models):
+def vllm_row_without_tokenizer(models, weights_dir):
+    """The vLLM row without its tokenizer; both rows with the weights the lens reads."""
     row = LanguageModel.objects.get(name=models["vllm"])
     language_model_tokenizer_set(model=row, content=None)
+    LanguageModel.objects.filter(name=models["engine"]).update(weights_dir=weights_dir)
     registry_clear()
     return models
 
