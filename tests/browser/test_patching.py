@@ -8,14 +8,18 @@ sideways. Screenshots of a grid by its logit difference at 1280 and 390 px."""
 
 import json
 import re
-import subprocess
 
 import pytest
 from playwright.sync_api import expect
 
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind
-from testsupport.servers import ENGINE_PYTHON, REPO_ROOT
+from tests.patching_numbers import (
+    LOGPROB_TOLERANCE,
+    assert_causal_tracing_picture,
+    compare_grid,
+    reference_grid,
+)
 
 from .conftest import BROWSER_USER
 from .screenshots import WIDTHS, save_screenshots
@@ -31,11 +35,6 @@ SUBMIT = "#patching-form button[type=submit]"
 GRID = ".patching-grid"
 # A grid on the CPU engine: 21 short requests through one worker.
 GRID_TIMEOUT_MS = 240_000
-# How far the page's logprobs may sit from the float32 reference: the engine computes in
-# bfloat16 on this kind of machine (tests/engine/test_fidelity.py, TOLERANCES: up to 0.46
-# nats measured for reported logprobs) or float32 (1e-3, plus the patch vector sent as
-# bfloat16, relative step 2**-8 of clean − corrupted).
-LOGPROB_TOLERANCE = {"bfloat16": 0.5, "float32": 0.02}
 
 
 def fill_grid_form(
@@ -64,28 +63,6 @@ def expect_grid_finished(grid) -> None:
         runs = Run.objects.filter(group=group).order_by("queued_at")
         states = [(r.kind, r.meta.get("role"), r.status, r.error_code, r.attempts) for r in runs]
         raise AssertionError(f"grid {group} did not finish: {states}") from None
-
-
-def reference_grid(numbers: dict) -> dict:
-    """The grid from transformers' float32 model with forward hooks, in the engine's
-    virtualenv (the web virtualenv has no torch)."""
-    spec = {key: numbers[key] for key in ("clean_ids", "corrupted_ids", "layers", "positions")}
-    spec["targets"] = [target["ids"] for target in numbers["targets"]]
-    answer = subprocess.run(
-        [str(ENGINE_PYTHON), "tests/engine/patching_reference.py"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        check=True,
-        timeout=600,
-    )
-    return json.loads(answer.stdout)
-
-
-def metrics(scores: list[float]) -> dict[str, float]:
-    """log p(target) and the logit difference from the two targets' scores."""
-    return {"logprob": scores[0], "logit_diff": scores[0] - scores[1]}
 
 
 def two_decimals(value: float) -> str:
@@ -118,27 +95,8 @@ def test_a_grid_runs_through_a_reload_and_matches_torch_hooks(page):
     numbers = json.loads(page.locator("#patching-numbers").text_content())
     assert numbers["metric"] == "logit_diff"
     reference = reference_grid(numbers)
-    tolerance = LOGPROB_TOLERANCE[reference["compute_dtype"]]
-    clean, corrupted = metrics(reference["clean"]), metrics(reference["corrupted"])
-    assert clean["logprob"] - corrupted["logprob"] > 3, "the prompts must differ in the target"
-    assert clean["logit_diff"] - corrupted["logit_diff"] > 3
+    found = compare_grid(numbers, reference, LOGPROB_TOLERANCE[reference["compute_dtype"]])
     records = numbers["runs"]
-    errors, effect_errors, effects = [], [], {"logprob": {}, "logit_diff": {}}
-    for metric, bound in (("logprob", tolerance), ("logit_diff", 2 * tolerance)):
-        summary = numbers["metrics"][metric]
-        assert abs(summary["clean"] - clean[metric]) <= bound, metric
-        assert abs(summary["corrupted"] - corrupted[metric]) <= bound, metric
-        gap = clean[metric] - corrupted[metric]
-        for record in (r for r in records if r["role"] == "cell"):
-            where = (metric, record["layer"], record["position"])
-            value = metrics(reference["cells"][f"{record['layer']},{record['position']}"])[metric]
-            errors.append(abs(record[metric] - value))
-            assert errors[-1] <= bound, where
-            effect = record[f"{metric}_effect"]
-            effect_errors.append(abs(effect - (value - corrupted[metric]) / gap))
-            # The effect divides differences of values each within `bound` by the gap.
-            assert effect_errors[-1] <= 3 * bound / gap, where
-            effects[metric][record["layer"], record["position"]] = effect
     # The page shows the logit difference's effects; ≈ marks a cell within the noise floor.
     floor = numbers["metrics"]["logit_diff"]["noise_floor"]
     assert floor >= 0 and len(numbers["metrics"]["logit_diff"]["repeats"]) == 3
@@ -148,18 +106,14 @@ def test_a_grid_runs_through_a_reload_and_matches_torch_hooks(page):
         )
         mark = "≈" if record["logit_diff_within_floor"] else ""
         expect(shown).to_have_text(mark + two_decimals(record["logit_diff_effect"]))
-    # Causal tracing's picture, by either metric: in early and middle layers the country's
-    # position (3) carries the answer; by the last layer only the last position (4) can.
-    for metric, effect in effects.items():
-        assert effect[0, 3] > 0.8 and effect[12, 3] > 0.8 and effect[29, 3] < 0.1, metric
-        assert effect[29, 4] > 0.8 and effect[0, 4] < 0.2, metric
+    assert_causal_tracing_picture(found.effects, last_layer=29)
     print(
         f"patching grid vs float32 torch hooks ({reference['compute_dtype']} engine): "
-        f"max |Δ value| {max(errors):.4f} nats, max |Δ effect| {max(effect_errors):.4f}; "
+        f"{found.describe()}; "
         f"noise floor of the logit difference {floor:.4f} nats over 3 repeats "
         f"{numbers['metrics']['logit_diff']['repeats']}, of log p(target) "
-        f"{numbers['metrics']['logprob']['noise_floor']:.4f} nats; float32 clean {clean}, "
-        f"corrupted {corrupted}"
+        f"{numbers['metrics']['logprob']['noise_floor']:.4f} nats; float32 clean "
+        f"{reference['clean']}, corrupted {reference['corrupted']}"
     )
 
     cell = grid.locator("td[data-layer='12'][data-position='3'] a")
