@@ -376,7 +376,7 @@ async def completion_stream(*, key, payload: dict, request_id: str, workload: st
                     if state.ttft_ms is None:
                         state.ttft_ms = state.elapsed_ms()
                     state.completion_tokens += _count_chunk_tokens(frame)
-                if dialect.public_fields(frame, state.valid.request, chunk=True) or rename:
+                if dialect.public_fields(frame, state.valid, chunk=True) or rename:
                     frame["model"] = state.valid.model.name
                     raw = json.dumps(frame, separators=(",", ":")).encode()
                 yield b"data: " + raw + b"\n\n"

@@ -12,6 +12,9 @@ public behaviour is one:
 - an answer without the capture the request asked for is 502 `capture_incomplete` (the
   caller bills no activation request for it);
 - an answer carries the contract's fields only (`public_fields`);
+- `text_offset` maps each token into `text` (`public_offsets`): vLLM counts a generated
+  special token at its full length though `text` leaves it out, the engine an echoed one at
+  length 0 though `text` holds it;
 - a seed is sent hashed (`upstream_seed`): vLLM's samples of neighbouring seeds overlap;
 - a steered request of several sequences is sent one sequence per request (`api.fanout`):
   vLLM-Lens steers only a request's first sequence.
@@ -99,17 +102,18 @@ def public_answer(body: dict, valid) -> bool:
     contract's fields; raise ApiError `capture_incomplete` where it lacks the capture asked
     for; return whether `body` changed (the upstream's bytes can be relayed as they are
     otherwise)."""
-    changed = public_fields(body, valid.request, chunk=False)
+    changed = public_fields(body, valid, chunk=False)
     if valid.capture_layers is None:
         return changed
     return _public_capture(body, valid.capture_layers, valid.model.hidden_size) or changed
 
 
-def public_fields(body: dict, request, *, chunk: bool) -> bool:
-    """Keep in `body` (an answer, or a stream `chunk`) only the contract's fields for
-    `request`, in place: each choice's prompt logprobs only where asked (a whole answer
-    always has the key), its token ids only with `return_token_ids`. Returns whether `body`
-    changed."""
+def public_fields(body: dict, valid, *, chunk: bool) -> bool:
+    """Keep in `body` (an answer, or a stream `chunk`) only the contract's fields for the
+    request of `valid`, in place: each choice's prompt logprobs only where asked (a whole
+    answer always has the key), its token ids only with `return_token_ids`, its text offsets
+    into its text (`public_offsets`). Returns whether `body` changed."""
+    request = valid.request
     wanted = list(CHOICE_FIELDS)
     if request.prompt_logprobs is not None or not chunk:
         wanted.append("prompt_logprobs")
@@ -123,7 +127,33 @@ def public_fields(body: dict, request, *, chunk: bool) -> bool:
         if request.prompt_logprobs is None and choice.get("prompt_logprobs") is not None:
             choice["prompt_logprobs"] = None
             changed = True
+        if request.logprobs is not None:
+            changed = public_offsets(choice, valid.special_tokens) or changed
     return changed
+
+
+def public_offsets(choice: dict, special_tokens: frozenset[str]) -> bool:
+    """Make the `text_offset` of `choice` (an answer's, or a stream chunk's, whose offsets
+    count from the start of the whole text) the position of each token in its text, in
+    place: the first token where the upstream put it, each next one after the previous
+    token's string, a special token that the text leaves out taking no room. Returns whether
+    the offsets changed."""
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return False
+    tokens, offsets = logprobs.get("tokens"), logprobs.get("text_offset")
+    if not tokens or not offsets or len(tokens) != len(offsets):
+        return False
+    text, start = choice.get("text") or "", offsets[0]
+    mapped = [start]
+    for token in tokens[:-1]:
+        at = mapped[-1]
+        left_out = token in special_tokens and not text.startswith(token, at - start)
+        mapped.append(at if left_out else at + len(token))
+    if mapped == offsets:
+        return False
+    logprobs["text_offset"] = mapped
+    return True
 
 
 def _keep(fields: dict, names) -> bool:

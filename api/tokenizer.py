@@ -228,6 +228,16 @@ async def token_strings(model, id_lists: list[list[int]]) -> list[list[str] | No
     return [_strings(tokenizer, ids) if tokenizer else None for ids in id_lists]
 
 
+async def special_token_strings(model) -> frozenset[str]:
+    """The strings of `model`'s special tokens (`<|im_end|>`, …), which upstreams leave out
+    of generated text; empty without a local tokenizer."""
+    tokenizer = await load_tokenizer(model)
+    if tokenizer is None:
+        return frozenset()
+    added = tokenizer.get_added_tokens_decoder().values()
+    return frozenset(token.content for token in added if token.special)
+
+
 _ids_by_string: dict[int, dict[str, int | None]] = {}
 
 

@@ -29,7 +29,7 @@ from .schemas import (
     parse_body,
 )
 from .selectors import activation_upstreams_check, model_get
-from .tokenizer import count_prompt_tokens
+from .tokenizer import count_prompt_tokens, special_token_strings
 
 SUPPORTED_CODEC = {"dtype": "int16", "compression": "zstd", "original_dtype": "torch.bfloat16"}
 
@@ -45,6 +45,8 @@ class ValidCompletion:
     max_tokens: int
     completions: int
     capture_layers: list[int] | None
+    # The model's special tokens, where the answer reports logprobs (`dialect.public_offsets`).
+    special_tokens: frozenset[str] = frozenset()
 
     @property
     def activation(self) -> bool:
@@ -142,6 +144,9 @@ async def validate_completion(payload: object) -> ValidCompletion:
             )
     if request.is_activation_request:
         await activation_upstreams_check(model)
+    special_tokens = frozenset()
+    if request.logprobs is not None:
+        special_tokens = await special_token_strings(model)
     return ValidCompletion(
         request=request,
         payload=payload,
@@ -150,6 +155,7 @@ async def validate_completion(payload: object) -> ValidCompletion:
         max_tokens=max_tokens,
         completions=completions,
         capture_layers=capture_layers,
+        special_tokens=special_tokens,
     )
 
 

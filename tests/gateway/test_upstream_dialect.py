@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from acs_client.codec import decode, encode_vector
-from api import selectors
+from api import dialect, selectors
 from metering import windows
 from metering.models import UsagePeriod, UsageRecord
 
@@ -195,3 +195,38 @@ def test_return_token_ids_is_vllms_own_field_and_reaches_the_upstream_as_sent(cl
     assert stub.requests[-1]["return_token_ids"] is True
     refused = client.post("/v1/completions", json={**BODY, "return_token_ids": "yes"})
     assert refused.status_code == 400 and "return_token_ids" in refused.json()["error"]["message"]
+
+
+SPECIAL = frozenset({"<|im_start|>", "<|im_end|>"})
+
+
+def offsets_of(tokens: list[str], text: str, offsets: list[int]) -> list[int]:
+    choice = {"text": text, "logprobs": {"tokens": tokens, "text_offset": offsets}}
+    dialect.public_offsets(choice, SPECIAL)
+    return choice["logprobs"]["text_offset"]
+
+
+def test_a_generated_special_token_that_the_text_leaves_out_takes_no_room():
+    # As vLLM answers `ignore_eos`: "<|im_end|>" counted at its length, absent from text.
+    text = " Paris.\n"
+    tokens = [" Paris", "<|im_end|>", ".", "\n"]
+    assert offsets_of(tokens, text, [0, 6, 16, 17]) == [0, 6, 6, 7]
+
+
+def test_an_echoed_special_token_that_the_text_holds_takes_its_length():
+    # As the engine answered an echoed chat prompt: "<|im_start|>" at length 0.
+    text = "<|im_start|>user\nHi"
+    tokens = ["<|im_start|>", "user", "\n", "Hi"]
+    offsets = offsets_of(tokens, text, [0, 0, 4, 5])
+    assert offsets == [0, 12, 16, 17]
+    assert [text[at : at + len(t)] for at, t in zip(offsets, tokens, strict=True)] == tokens
+
+
+def test_a_stream_chunks_offsets_count_from_the_start_of_the_whole_text():
+    # A chunk whose text begins at character 40 of the choice's text.
+    assert offsets_of(["<|im_end|>", " x"], " x", [40, 50]) == [40, 40]
+    assert offsets_of([" a", " b"], " a b", [40, 42]) == [40, 42]
+
+
+def test_partial_characters_take_no_room_and_the_completing_token_takes_the_character():
+    assert offsets_of([" caf", "", "é", "!"], " café!", [0, 4, 4, 5]) == [0, 4, 4, 5]
