@@ -156,5 +156,6 @@ bench: $(VENV)/.installed-test $(ENGINE_VENV)/.installed services
 	$(ENGINE_PY) bench/engine.py
 	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_gateway REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/gateway.py
 	REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/usage.py
+	$(PY) bench/dialect.py
 	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_playground REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/playground.py
 	DATABASE_URL=postgres://postgres@127.0.0.1:5432/acs_bench_pages REDIS_URL=$(TEST_REDIS_URL) $(PY) bench/pages.py
