@@ -55,6 +55,17 @@ def split_list(text: str, *, field: str, max_count: int) -> list[str]:
     return [part for part in text.replace(" ", "").split(",") if part]
 
 
+def first_repeated(values: list):
+    """The first value of `values` that an earlier one equals, or None: one pass with a set
+    (a position list of 32,000 is checked in 32,000 steps, not half a billion)."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
+
+
 def int_list(text: str, *, field: str, max_count: int) -> list[int]:
     """Distinct whole numbers, at most `max_count` of them."""
     try:
@@ -63,7 +74,7 @@ def int_list(text: str, *, field: str, max_count: int) -> list[int]:
         raise forms.ValidationError(f"{field}: write whole numbers separated by commas.") from None
     if not values:
         raise forms.ValidationError(f"{field}: give at least one number.")
-    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    repeated = first_repeated(values)
     if repeated is not None:
         raise forms.ValidationError(f"{field}: {repeated} is listed more than once.")
     return values
@@ -88,7 +99,7 @@ def position_list(text: str, *, count: int) -> list[int]:
         positions.extend(range(start, end + 1))
     if not positions:
         raise forms.ValidationError("Positions: give at least one.")
-    repeated = next((p for i, p in enumerate(positions) if p in positions[:i]), None)
+    repeated = first_repeated(positions)
     if repeated is not None:
         raise forms.ValidationError(f"Positions: {repeated} is listed more than once.")
     return positions

@@ -157,3 +157,48 @@ def test_sweep_positions_the_api_would_refuse_are_field_errors_listing_the_token
         html = steer(ada, vector, headers, positions=positions).content.decode()
         assert message in html and f"The prompt&#x27;s tokens: {TOKENS}." in html
     assert not approved_user.playground_runs.exists()
+
+
+class Counted(int):
+    """A position that counts the comparisons and hashes made of it, all of them together,
+    and fails the check that makes more than `budget`."""
+
+    ops = 0
+    budget = 0
+
+    def _count(self):
+        Counted.ops += 1
+        if Counted.ops > Counted.budget:
+            raise AssertionError(f"more than {Counted.budget:,} comparisons")
+
+    def __eq__(self, other):
+        self._count()
+        return int.__eq__(self, other)
+
+    def __hash__(self):
+        self._count()
+        return int.__hash__(self)
+
+
+def operations(monkeypatch, text: str, count: int) -> int:
+    """The comparisons and hashes of positions `forms.position_list` makes reading `text`
+    (its ranges made of counted positions), failing past 4 a position."""
+    counted_range = lambda start, stop: [Counted(p) for p in range(start, stop)]  # noqa: E731
+    Counted.ops, Counted.budget = 0, 4 * count
+    with monkeypatch.context() as patched:
+        patched.setattr(forms, "range", counted_range, raising=False)
+        assert forms.position_list(text, count=count) == list(range(count))
+    return Counted.ops
+
+
+def test_32000_distinct_positions_are_checked_in_linear_operations(monkeypatch):
+    """Checking that no position is listed twice took a slice and a scan per position:
+    half a billion comparisons for 32,000 positions, seconds of the web loop's CPU."""
+    baseline = operations(monkeypatch, "0-999", 1000)
+    large = operations(monkeypatch, "0-31999", 32000)
+    # Each position counted at least once (the count is real), and linearly: 32 times the
+    # 1,000-position baseline, with room to spare.
+    assert baseline >= 1000 and 32000 <= large <= 2 * 32 * baseline
+    with pytest.raises(forms.forms.ValidationError) as refused:
+        forms.position_list("0-31999, 17", count=32000)
+    assert refused.value.messages == ["Positions: 17 is listed more than once."]
