@@ -52,7 +52,10 @@ class UserAdmin(BaseUserAdmin):
     fieldsets = [
         (None, {"fields": ["email", "password"]}),
         ("Profile", {"fields": ["name", "organisation"]}),
-        ("Access", {"fields": ["status", "status_changed_at", "monthly_token_budget"]}),
+        (
+            "Access",
+            {"fields": ["status", "status_changed_at", "monthly_token_budget", "key_limit"]},
+        ),
         ("Permissions", {"fields": ["is_active", "is_staff", "is_superuser", "groups"]}),
         ("Dates", {"fields": ["last_login", "date_joined"]}),
     ]

@@ -2,6 +2,7 @@
 service-wide settings. The budget windows' rows, reservations, leases and usage records are
 `metering`'s models."""
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser, BaseUserManager, PermissionsMixin
 from django.db import models
 from django.db.models import Q
@@ -33,6 +34,14 @@ class UserManager(BaseUserManager):
         return self.create_user(email, password, **extra_fields)
 
 
+def default_account_activation_quota() -> int:
+    return settings.ACS_DEFAULT_ACCOUNT_ACTIVATION_QUOTA
+
+
+def default_account_harvest_quota() -> int:
+    return settings.ACS_DEFAULT_ACCOUNT_HARVEST_QUOTA
+
+
 class User(AbstractBaseUser, PermissionsMixin):
     email = models.EmailField(unique=True)
     name = models.CharField(max_length=200, blank=True)
@@ -46,6 +55,13 @@ class User(AbstractBaseUser, PermissionsMixin):
     status_changed_at = models.DateTimeField(null=True, blank=True)
     # Account-wide monthly budget across all the user's keys; set at approval.
     monthly_token_budget = models.PositiveBigIntegerField(default=0)
+    # Account-wide quotas across all the user's keys (each key has its own as well).
+    monthly_activation_quota = models.PositiveIntegerField(default=default_account_activation_quota)
+    monthly_harvest_quota = models.PositiveIntegerField(default=default_account_harvest_quota)
+    # Keys the account may hold at once; empty: settings.ACS_MAX_KEYS_PER_ACCOUNT.
+    key_limit = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty: the site's default (ACS_MAX_KEYS_PER_ACCOUNT)."
+    )
 
     objects = UserManager()
 
@@ -59,6 +75,10 @@ class User(AbstractBaseUser, PermissionsMixin):
     @property
     def is_approved(self):
         return self.status == UserStatus.APPROVED
+
+    @property
+    def keys_allowed(self) -> int:
+        return self.key_limit or settings.ACS_MAX_KEYS_PER_ACCOUNT
 
 
 class ApplicationStatus(models.TextChoices):

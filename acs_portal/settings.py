@@ -270,6 +270,15 @@ ACS_DEFAULT_KEY_MONTHLY_TOKENS = env_int("ACS_DEFAULT_KEY_MONTHLY_TOKENS", 2_000
 ACS_DEFAULT_KEY_DAILY_TOKENS = env_int("ACS_DEFAULT_KEY_DAILY_TOKENS", 200_000, minimum=0)
 ACS_DEFAULT_ACTIVATION_QUOTA = env_int("ACS_DEFAULT_ACTIVATION_QUOTA", 10_000, minimum=0)
 ACS_DEFAULT_HARVEST_QUOTA = env_int("ACS_DEFAULT_HARVEST_QUOTA", 50, minimum=0)
+# The same quotas for the whole account (all its keys together): without them, each new key
+# brought a fresh quota of its own.
+ACS_DEFAULT_ACCOUNT_ACTIVATION_QUOTA = env_int(
+    "ACS_DEFAULT_ACCOUNT_ACTIVATION_QUOTA", 20_000, minimum=0
+)
+ACS_DEFAULT_ACCOUNT_HARVEST_QUOTA = env_int("ACS_DEFAULT_ACCOUNT_HARVEST_QUOTA", 100, minimum=0)
+# Keys an account may hold at once (its playground key and revoked keys not counted); staff
+# raise it per account (`User.key_limit`).
+ACS_MAX_KEYS_PER_ACCOUNT = env_int("ACS_MAX_KEYS_PER_ACCOUNT", 10, minimum=1)
 
 # The embedded engine, default upstream of the model registry.
 ENGINE_URL = env("ENGINE_URL", "http://127.0.0.1:8001")

@@ -104,8 +104,8 @@ def _tightest_windows(*, key, locked: _Locked, spend_cap_paused, activation):
     if activation and activations is not None and activations[0] < activation:
         raise BudgetExceeded(
             "activation_quota_exceeded",
-            f"This key's {activations[1].period.adjective} activation-request quota is spent;"
-            f" it resets {activations[1].period.resets} (UTC).",
+            f"{activations[1].whose} {activations[1].period.adjective} activation-request quota"
+            f" is spent; it resets {activations[1].period.resets} (UTC).",
         )
     return (
         windows.left(key, locked.row, windows.TOKENS),
@@ -491,7 +491,8 @@ def _harvest_quota_steps(*, key: ApiKey, now):
     if harvests is not None and harvests[0] < 1:
         raise BudgetExceeded(
             "harvest_quota_exceeded",
-            f"This key's harvest-job quota is spent; it resets {harvests[1].period.resets} (UTC).",
+            f"{harvests[1].whose} harvest-job quota is spent; it resets "
+            f"{harvests[1].period.resets} (UTC).",
         )
     ids = [locked.row[window.row].pk for window in quotas]
     yield [
@@ -504,13 +505,15 @@ def _harvest_quota_steps(*, key: ApiKey, now):
 
 
 def harvest_quota_refund(*, key_id: int, submitted_at) -> None:
-    """Give back one harvest job counted against the key's quotas when it was submitted (at
-    `submitted_at`), for a job that ended without delivering files."""
+    """Give back one harvest job counted against the key's and its account's quotas when it
+    was submitted (at `submitted_at`), for a job that ended without delivering files."""
     day = windows.utc_day(submitted_at)
+    user_id = ApiKey.objects.filter(pk=key_id).values_list("user_id", flat=True).get()
+    owners = {windows.KEY: Q(key_id=key_id), windows.ACCOUNT: Q(key=None, user_id=user_id)}
     rows = reduce(
         or_,
         (
-            Q(key_id=key_id, period=window.period.name, start=window.period.start(day))
+            owners[window.scope] & Q(period=window.period.name, start=window.period.start(day))
             for window in windows.windows_of(windows.HARVEST_JOBS)
         ),
     )

@@ -100,6 +100,11 @@ class Window:
     def row(self) -> tuple[str, str]:
         return self.scope, self.period.name
 
+    @property
+    def whose(self) -> str:
+        """Whose limit it is, as a refusal names it: "This key's" or "This account's"."""
+        return "This key's" if self.scope == KEY else "This account's"
+
     def limit_of(self, key) -> int | None:
         return getattr(key if self.scope == KEY else key.user, self.limit)
 
@@ -172,6 +177,23 @@ WINDOWS = (
         "harvest_jobs",
         "Harvest jobs, this month",
         KEY,
+        MONTH,
+        HARVEST_JOBS,
+        "monthly_harvest_quota",
+    ),
+    # The account's quotas, across its keys: a new key's fresh quota adds nothing to them.
+    Window(
+        "account_activation_requests",
+        "Account activation requests, this month",
+        ACCOUNT,
+        MONTH,
+        ACTIVATION_REQUESTS,
+        "monthly_activation_quota",
+    ),
+    Window(
+        "account_harvest_jobs",
+        "Account harvest jobs, this month",
+        ACCOUNT,
         MONTH,
         HARVEST_JOBS,
         "monthly_harvest_quota",

@@ -97,9 +97,13 @@ def keys(request):
     form = KeyCreateForm(request.POST)
     if not form.is_valid():
         return _render_keys(request, create_form=form)
-    key, secret = key_services.api_key_create(
-        user=request.user, name=form.cleaned_data["name"], acting_user=request.user
-    )
+    try:
+        key, secret = key_services.api_key_create(
+            user=request.user, name=form.cleaned_data["name"], acting_user=request.user
+        )
+    except ValidationError as error:  # the account holds as many keys as it may
+        form.add_error(None, error)
+        return _render_keys(request, create_form=form)
     key_services.api_key_reveal_store(key=key, secret=secret)
     return _keys_done(request)
 

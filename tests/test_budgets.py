@@ -100,6 +100,43 @@ def test_harvest_quota(api_key):
     assert refused.value.code == "harvest_quota_exceeded"
 
 
+def test_a_second_key_of_an_account_that_spent_its_activation_quota_is_refused(api_key):
+    """The account's quota holds across its keys: a new key's own quota adds nothing."""
+    from accounts.services.keys import api_key_create
+
+    user = api_key.user
+    user.monthly_activation_quota = 2
+    user.save()
+    second, _ = api_key_create(user=user, name="second", acting_user=None)
+    budget_reserve(key=api_key, prompt_tokens=1, max_tokens=1, activation=True)
+    budget_reserve(key=second, prompt_tokens=1, max_tokens=1, activation=True)
+    third, _ = api_key_create(user=user, name="third", acting_user=None)
+    with pytest.raises(BudgetExceeded) as refused:
+        budget_reserve(key=third, prompt_tokens=1, max_tokens=1, activation=True)
+    assert refused.value.code == "activation_quota_exceeded"
+    assert refused.value.message.startswith("This account's monthly activation-request quota")
+    budget_reserve(key=third, prompt_tokens=1, max_tokens=1)  # plain requests still pass
+
+
+def test_the_accounts_harvest_quota_spans_its_keys_and_a_refund_gives_it_back(api_key):
+    from accounts.services.keys import api_key_create
+    from metering.budgets import harvest_quota_refund
+
+    user = api_key.user
+    user.monthly_harvest_quota = 1
+    user.save()
+    second, _ = api_key_create(user=user, name="second", acting_user=None)
+    harvest_quota_consume(key=api_key)
+    with pytest.raises(BudgetExceeded) as refused:
+        harvest_quota_consume(key=second)
+    assert refused.value.code == "harvest_quota_exceeded"
+    assert refused.value.message.startswith("This account's harvest-job quota is spent")
+    harvest_quota_refund(key_id=api_key.pk, submitted_at=timezone.now())
+    harvest_quota_consume(key=second)
+    account = UsagePeriod.objects.get(user=user, key=None, period=windows.MONTH.name)
+    assert account.harvest_jobs == 1
+
+
 def test_spend_cap_pauses_everything(api_key):
     ServiceSettings.objects.create(pk=1, spend_cap_paused=True)
     with pytest.raises(BudgetExceeded) as refused:

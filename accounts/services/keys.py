@@ -26,10 +26,14 @@ def api_key_create(
     is_playground: bool = False,
 ) -> tuple[ApiKey, str]:
     """Create a key with the default budgets (capped at the account's monthly budget) and
-    return it with its secret, which is never stored and must be shown once."""
+    return it with its secret, which is never stored and must be shown once. ValidationError
+    when the account already holds as many keys as it may (`User.keys_allowed`; its
+    playground key aside)."""
     prefix, secret = api_key_generate()
     account_cap = user.monthly_token_budget or settings.ACS_DEFAULT_ACCOUNT_MONTHLY_TOKENS
     with transaction.atomic():
+        if not is_playground:
+            _key_room_check(user)
         key = ApiKey.objects.create(
             user=user,
             name=name,
@@ -51,6 +55,22 @@ def api_key_create(
             after={"name": name, "prefix": prefix, "budgets": key.limits()},
         )
     return key, secret
+
+
+def _key_room_check(user: User) -> None:
+    """Raise ValidationError when `user` holds as many keys as allowed. Locks the user's row
+    (in the caller's transaction), so that concurrent creations cannot pass it together."""
+    locked = User.objects.select_for_update().only("key_limit").get(pk=user.pk)
+    held = (
+        ApiKey.objects.filter(user=user, is_playground=False)
+        .exclude(status=KeyStatus.REVOKED)
+        .count()
+    )
+    if held >= locked.keys_allowed:
+        raise ValidationError(
+            f"This account holds {held} keys, the most it may ({locked.keys_allowed}): revoke "
+            "one you no longer use, or ask staff to raise the limit."
+        )
 
 
 def _key_locked(key: ApiKey) -> ApiKey:

@@ -2,11 +2,12 @@
 htmx partials and plain POST + redirect; other users' keys are 404."""
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.urls import reverse
 
 from accounts.models import ApiKey, AuditLog, KeyStatus
 from accounts.services.auth import AuthError, api_key_authenticate
-from accounts.services.keys import api_key_create
+from accounts.services.keys import api_key_create, api_key_revoke
 
 from .support import HTMX, logged_in, secrets_in
 
@@ -305,3 +306,33 @@ def test_keys_page_shows_budget_panel_per_key(approved_client, api_key):
     assert "Key, this month (tokens)" in html
     assert "Account, this month (tokens)" in html
     assert "UTC" in html
+
+
+@pytest.mark.parametrize("htmx", [False, True])
+def test_keys_beyond_the_accounts_cap_are_refused_with_a_clear_message(
+    approved_client, approved_user, settings, htmx
+):
+    settings.ACS_MAX_KEYS_PER_ACCOUNT = 2
+    for name in ("one", "two"):
+        api_key_create(user=approved_user, name=name, acting_user=approved_user)
+    response = approved_client.post(reverse("keys"), {"name": "three"}, **(HTMX if htmx else {}))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert ("<html" in html) is not htmx
+    assert "This account holds 2 keys, the most it may (2)" in html
+    assert set(ApiKey.objects.values_list("name", flat=True)) == {"one", "two"}
+
+
+def test_revoked_and_playground_keys_leave_room_and_staff_can_raise_the_cap(
+    approved_user, settings
+):
+    settings.ACS_MAX_KEYS_PER_ACCOUNT = 1
+    api_key_create(user=approved_user, name="playground", acting_user=None, is_playground=True)
+    first, _ = api_key_create(user=approved_user, name="one", acting_user=None)
+    with pytest.raises(ValidationError):
+        api_key_create(user=approved_user, name="two", acting_user=None)
+    api_key_revoke(key=first, acting_user=approved_user)
+    api_key_create(user=approved_user, name="two", acting_user=None)
+    approved_user.key_limit = 2
+    approved_user.save()
+    api_key_create(user=approved_user, name="three", acting_user=None)

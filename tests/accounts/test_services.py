@@ -78,7 +78,8 @@ def test_an_unknown_budget_is_a_validation_error_naming_it(
     with pytest.raises(ValidationError) as error:
         user_budget_set(user=approved_user, acting_user=actor, budgets={"daily_token_budget": 5})
     assert error.value.messages == [
-        "Unknown budget daily_token_budget; the budgets are monthly_token_budget."
+        "Unknown budget daily_token_budget; the budgets are monthly_token_budget,"
+        " monthly_activation_quota, monthly_harvest_quota."
     ]
     assert not AuditLog.objects.filter(action__endswith="budget_set").exists()
 
@@ -92,7 +93,11 @@ def test_budget_forms_have_a_field_per_window_that_their_reader_may_set(api_key)
         "monthly_output_budget",
     ]
     assert list(key_budget_form(api_key, staff=True).fields) == [w.limit for w in key_windows]
-    assert list(account_budget_form(api_key.user).fields) == ["monthly_token_budget"]
+    assert list(account_budget_form(api_key.user).fields) == [
+        "monthly_token_budget",
+        "monthly_activation_quota",
+        "monthly_harvest_quota",
+    ]
     optional = {
         name for name, field in key_budget_form(api_key).fields.items() if not field.required
     }
@@ -122,3 +127,30 @@ def test_concurrent_approvals_of_one_application_create_one_key():
     assert sum(isinstance(r, AccessApplication) for r in results) == 1
     assert all(isinstance(r, (AccessApplication, ValidationError)) for r in results)
     assert ApiKey.objects.filter(user=user).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_key_creations_never_pass_the_cap_together(approved_user, settings):
+    """Eight threads create keys at once for an account with room for three (real
+    PostgreSQL row locks): exactly three succeed."""
+    settings.ACS_MAX_KEYS_PER_ACCOUNT = 3
+    start = threading.Barrier(8)
+    outcomes = []
+
+    def create(index: int) -> None:
+        try:
+            start.wait()
+            api_key_create(user=approved_user, name=f"key {index}", acting_user=None)
+            outcomes.append("created")
+        except ValidationError:
+            outcomes.append("refused")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=create, args=(index,)) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["created"] * 3 + ["refused"] * 5
+    assert ApiKey.objects.filter(user=approved_user).count() == 3

@@ -6,6 +6,7 @@ from django.urls import reverse
 
 from accounts.models import AccessApplication, AuditLog, ServiceSettings, UserStatus
 from accounts.services.auth import AuthError, api_key_authenticate
+from metering.windows import ACCOUNT, of_scope
 
 from .support import HTMX, logged_in
 
@@ -189,16 +190,28 @@ def test_suspending_a_pending_account_is_refused_clearly(staff_client, pending_u
     assert pending_user.status == UserStatus.PENDING
 
 
+def account_budgets(user, **changed) -> dict:
+    """The account budget form's fields as `user` has them, with `changed`."""
+    fields = {window.limit: getattr(user, window.limit) for window in of_scope(ACCOUNT)}
+    return {**fields, **changed}
+
+
 def test_staff_sets_account_budget_audited(staff_client, staff_user, approved_user):
     response = staff_client.post(
-        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": 123}
+        reverse("staff_user_budget", args=[approved_user.pk]),
+        {"monthly_token_budget": 123, "monthly_activation_quota": 7, "monthly_harvest_quota": 2},
     )
     assert response.status_code == 302
     approved_user.refresh_from_db()
     assert approved_user.monthly_token_budget == 123
+    assert (approved_user.monthly_activation_quota, approved_user.monthly_harvest_quota) == (7, 2)
     row = AuditLog.objects.get(action="user.budget_set")
     assert row.actor == staff_user
-    assert row.after == {"monthly_token_budget": 123}
+    assert row.after == {
+        "monthly_token_budget": 123,
+        "monthly_activation_quota": 7,
+        "monthly_harvest_quota": 2,
+    }
     assert row.before["monthly_token_budget"] != 123
 
 
@@ -292,7 +305,8 @@ def test_user_detail_shows_applications_keys_and_audit(staff_client, pending_use
 
 def test_audit_log_filters(staff_client, staff_user, approved_user, api_key):
     staff_client.post(
-        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": 5}
+        reverse("staff_user_budget", args=[approved_user.pk]),
+        account_budgets(approved_user, monthly_token_budget=5),
     )
     page = staff_client.get(reverse("staff_audit"), {"action": "user."})
     rows = list(page.context["page"])
@@ -342,7 +356,8 @@ def test_audit_changes_of_a_creation_list_the_new_values_under_dotted_names(api_
 def test_an_audit_row_that_changed_nothing_says_so(staff_client, approved_user):
     budget = approved_user.monthly_token_budget
     staff_client.post(
-        reverse("staff_user_budget", args=[approved_user.pk]), {"monthly_token_budget": budget}
+        reverse("staff_user_budget", args=[approved_user.pk]),
+        account_budgets(approved_user, monthly_token_budget=budget),
     )
     row = AuditLog.objects.get(action="user.budget_set")
     assert row.changes() == []
@@ -362,3 +377,17 @@ def test_spend_cap_switch(staff_client, staff_user):
     assert "paused" in staff_client.get(reverse("staff_spend_cap")).content.decode()
     staff_client.post(reverse("staff_spend_cap"), {"reason": ""})
     assert not ServiceSettings.current().spend_cap_paused
+
+
+def test_staff_see_the_accounts_quotas_and_each_keys_on_the_users_page(
+    staff_client, approved_user, api_key
+):
+    html = staff_client.get(reverse("staff_user_detail", args=[approved_user.pk])).content
+    html = html.decode()
+    for label in (
+        "Account activation requests, this month",
+        "Account harvest jobs, this month",
+        "Activation requests, this month",
+        "Harvest jobs, this month",
+    ):
+        assert label in html, label
