@@ -1,12 +1,14 @@
-"""Per-key admission control in Redis, so limits hold across any number of web replicas.
+"""Per-key and per-account admission control in Redis, so limits hold across any number of
+web replicas.
 
 Each key may have `MAX_RUNNING` requests running and `MAX_WAITING` more waiting, and may start
-`STARTS_PER_MINUTE` requests per sliding minute. Slots are leases, not counters: a member of a
-sorted set scored by its expiry, refreshed by a heartbeat while the request runs, so a replica
-that dies frees its slots when the lease runs out. Waiters are woken by a pub/sub message when
-a slot frees (with a slow poll as a safety net), never by spinning.
+`STARTS_PER_MINUTE` requests per sliding minute; its account, over all its keys, the
+`ACCOUNT_` limits (a request takes its key's slot, then its account's). Slots are leases, not
+counters: a member of a sorted set scored by its expiry, refreshed by a heartbeat while the
+request runs, so a replica that dies frees its slots when the lease runs out. Waiters are woken
+by a pub/sub message when a slot frees (with a slow poll as a safety net), never by spinning.
 
-Use `async with admission_slot(key_id):` around the work; it raises `ApiError` 429
+Use `async with admission_slot(key_id, user_id):` around the work; it raises `ApiError` 429
 queue_full / rate_limited with Retry-After, or 503 redis_unavailable while Redis is out of
 reach, and always releases (also on cancellation).
 """
@@ -23,7 +25,14 @@ from infra import background
 from infra.redis import redis_async, redis_batched
 
 from .errors import ApiError, redis_unavailable
-from .limits import MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE
+from .limits import (
+    ACCOUNT_MAX_RUNNING,
+    ACCOUNT_MAX_WAITING,
+    ACCOUNT_STARTS_PER_MINUTE,
+    MAX_RUNNING,
+    MAX_WAITING,
+    STARTS_PER_MINUTE,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +130,18 @@ return redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
 )
 
 
-def _keys(key_id) -> list[str]:
-    base = f"acs:adm:{{{key_id}}}"
+def _keys(owner) -> list[str]:
+    """The Redis keys of `owner`'s slots: a key's id, or `_account(user_id)`."""
+    base = f"acs:adm:{{{owner}}}"
     return [f"{base}:run", f"{base}:wait", f"{base}:wlease", f"{base}:starts"]
 
 
-def _channel(key_id) -> str:
-    return f"acs:adm:{{{key_id}}}:free"
+def _channel(owner) -> str:
+    return f"acs:adm:{{{owner}}}:free"
+
+
+def _account(user_id) -> str:
+    return f"account-{user_id}"
 
 
 class _Scripts:
@@ -148,11 +162,11 @@ def _scripts(client) -> _Scripts:
     return scripts
 
 
-async def _wait_for_slot(client, scripts, key_id, token, keys) -> None:
+async def _wait_for_slot(client, scripts, owner, token, keys, max_running: int) -> None:
     pubsub = client.pubsub()
-    await pubsub.subscribe(_channel(key_id))
+    await pubsub.subscribe(_channel(owner))
     try:
-        while not await scripts.promote(keys=keys[:3], args=[token, MAX_RUNNING, LEASE_MS]):
+        while not await scripts.promote(keys=keys[:3], args=[token, max_running, LEASE_MS]):
             await pubsub.get_message(ignore_subscribe_messages=True, timeout=WAKE_POLL_S)
     finally:
         with contextlib.suppress(Exception):
@@ -168,16 +182,31 @@ async def _heartbeat(scripts, keys, token) -> None:
 
 
 @contextlib.asynccontextmanager
-async def admission_slot(key_id):
-    """Hold one running slot of the key for the body of the `async with`."""
+async def admission_slot(key_id, user_id):
+    """Hold one running slot of the key, and one of its account (user `user_id`), for the
+    body of the `async with`."""
+    limits = (MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE)
+    account_limits = (ACCOUNT_MAX_RUNNING, ACCOUNT_MAX_WAITING, ACCOUNT_STARTS_PER_MINUTE)
+    async with (
+        _slot(key_id, limits, "This key"),
+        _slot(_account(user_id), account_limits, "This account"),
+    ):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _slot(owner, limits: tuple[int, int, int], who: str):
+    """Hold one running slot of `owner` (see `_keys`) within `limits` (running, waiting,
+    starts per minute); `who` names the owner in a refusal."""
+    max_running, max_waiting, starts_per_minute = limits
     client = redis_async()
     scripts = _scripts(client)
     batcher = redis_batched()
-    keys = _keys(key_id)
+    keys = _keys(owner)
     token = secrets.token_hex(8)
     try:
         outcome, retry_after = await batcher.script(
-            scripts.acquire, keys, [token, MAX_RUNNING, MAX_WAITING, STARTS_PER_MINUTE, LEASE_MS]
+            scripts.acquire, keys, [token, max_running, max_waiting, starts_per_minute, LEASE_MS]
         )
     except RedisError:
         raise redis_unavailable() from None
@@ -185,20 +214,20 @@ async def admission_slot(key_id):
     if outcome == "rate_limited":
         raise ApiError(
             "rate_limited",
-            f"This key started {STARTS_PER_MINUTE} requests in the last minute.",
+            f"{who} started {starts_per_minute} requests in the last minute.",
             retry_after=int(retry_after),
         )
     if outcome == "queue_full":
         raise ApiError(
             "queue_full",
-            f"This key already has {MAX_RUNNING} requests running and {MAX_WAITING} waiting.",
+            f"{who} already has {max_running} requests running and {max_waiting} waiting.",
             retry_after=int(retry_after),
         )
     heartbeat = None
     try:
         if outcome == "wait":
             try:
-                await _wait_for_slot(client, scripts, key_id, token, keys)
+                await _wait_for_slot(client, scripts, owner, token, keys, max_running)
             except RedisError:
                 raise redis_unavailable() from None
         heartbeat = asyncio.create_task(_heartbeat(scripts, keys, token))
@@ -206,7 +235,7 @@ async def admission_slot(key_id):
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-        release = batcher.script(scripts.release, keys[:3], [token, _channel(key_id)])
+        release = batcher.script(scripts.release, keys[:3], [token, _channel(owner)])
         if background.on_server_loop.get():
             # The response need not wait for Redis (the batcher sends it in any case).
             release.add_done_callback(_released)
@@ -223,9 +252,10 @@ def _released(release: asyncio.Future) -> None:
         )
 
 
-async def admission_counts(key_id) -> dict:
-    """Running and waiting requests of a key (for tests and the staff overview)."""
+async def admission_counts(key_id=None, *, user_id=None) -> dict:
+    """Running and waiting requests of a key, or of an account (for tests and the staff
+    overview)."""
     client = redis_async()
-    keys = _keys(key_id)
+    keys = _keys(key_id if user_id is None else _account(user_id))
     running, waiting = await asyncio.gather(client.zcard(keys[0]), client.zcard(keys[1]))
     return {"running": running, "waiting": waiting}

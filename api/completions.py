@@ -158,7 +158,7 @@ class _Request:
         """Take an admission slot (held until `stack` closes) and reserve the budget;
         returns the max_tokens to send upstream."""
         valid = self.valid
-        await stack.enter_async_context(admission_slot(self.key.pk))
+        await stack.enter_async_context(admission_slot(self.key.pk, self.key.user_id))
         terms = {
             "key": self.key,
             "prompt_tokens": valid.prompt_tokens,

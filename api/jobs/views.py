@@ -90,7 +90,7 @@ async def completion_jobs(request):
             "invalid_request",
             "'stream' is not allowed in a completion job; poll the job's result instead.",
         )
-    async with admission_slot(key.pk):
+    async with admission_slot(key.pk, key.user_id):
         try:
             job, created = await run_db(
                 completion_job_submit,
@@ -235,7 +235,7 @@ async def harvest_jobs(request):
         )
     layers = _harvest_layers(harvest.layers, model)
     await _harvest_size_check(harvest, model, layers)
-    async with admission_slot(key.pk):
+    async with admission_slot(key.pk, key.user_id):
         try:
             job, created = await run_db(
                 harvest_job_submit,

@@ -120,6 +120,67 @@ async def test_limits_are_per_key(gateway_url, api_secret, api_key, stub, model,
     assert theirs[0].status_code == 200
 
 
+async def test_an_accounts_keys_share_its_running_and_waiting_slots(
+    gateway_url, api_secret, api_key, stub, model, limits, other_user
+):
+    """A second key brings no fresh share: with room for one request per account, the
+    account's second key is refused while its first runs; another account still runs."""
+    from accounts.services.keys import api_key_create
+
+    limits(ACCOUNT_MAX_RUNNING=1, ACCOUNT_MAX_WAITING=0)
+    gate = threading.Event()
+    stub.mode["gate"] = gate
+    owner = await sync_to_async(lambda: api_key.user)()
+    _, second_secret = await sync_to_async(api_key_create)(
+        user=owner, name="second", acting_user=None
+    )
+    _, stranger_secret = await sync_to_async(api_key_create)(
+        user=other_user, name="theirs", acting_user=None
+    )
+    async with posting(gateway_url, api_secret, 1) as first:
+
+        async def first_running():
+            return stub.in_flight == 1
+
+        await until(first_running, "the first key's request never ran")
+        async with posting(gateway_url, stranger_secret, 1) as stranger:
+
+            async def stranger_running():
+                return stub.in_flight == 2
+
+            await until(stranger_running, "another account's request never ran beside it")
+            [refused] = await fire(gateway_url, second_secret, 1)
+            gate.set()
+            answered = await asyncio.gather(*first, *stranger)
+    assert [r.status_code for r in answered] == [200, 200]
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert refused.json()["error"]["message"].startswith("This account already has 1 requests")
+    counts = await admission.admission_counts(user_id=owner.pk)
+    assert counts == {"running": 0, "waiting": 0}
+
+
+async def test_an_accounts_keys_share_its_starts_per_minute(
+    gateway_url, api_secret, api_key, stub, model, limits
+):
+    from accounts.services.keys import api_key_create
+
+    limits(ACCOUNT_STARTS_PER_MINUTE=3)
+    owner = await sync_to_async(lambda: api_key.user)()
+    _, second_secret = await sync_to_async(api_key_create)(
+        user=owner, name="second", acting_user=None
+    )
+    statuses = []
+    for secret in (api_secret, second_secret, api_secret, second_secret):
+        [response] = await fire(gateway_url, secret, 1)
+        statuses.append(response.status_code)
+    assert statuses == [200, 200, 200, 429]
+    assert response.json()["error"]["code"] == "rate_limited"
+    assert response.json()["error"]["message"] == (
+        "This account started 3 requests in the last minute."
+    )
+
+
 async def test_starts_per_minute_are_rate_limited(gateway_url, api_secret, stub, model, limits):
     limits(STARTS_PER_MINUTE=5)
     responses = []
@@ -174,7 +235,7 @@ def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits, monkey
         monkeypatch.setattr(admission, "_scripts", lambda client: WaiterWatched(scripts_of(client)))
 
         async def holder():
-            async with admission.admission_slot(api_key.pk):
+            async with admission.admission_slot(api_key.pk, api_key.user_id):
                 order.append("holder in")
                 holder_in.set()
                 # Released once the waiter waits for the release's message.
@@ -185,7 +246,7 @@ def test_waiter_is_woken_when_a_slot_frees(api_key, redis_client, limits, monkey
 
         async def waiter():
             await holder_in.wait()
-            async with admission.admission_slot(api_key.pk):
+            async with admission.admission_slot(api_key.pk, api_key.user_id):
                 order.append("waiter in")
                 return time.monotonic()
 
