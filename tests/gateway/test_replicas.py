@@ -4,6 +4,8 @@ replica killed with SIGKILL loses no usage beyond its documented window, and the
 returns its leases."""
 
 import asyncio
+import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -24,6 +26,8 @@ from api import admission
 from metering import windows
 from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
+from playground import streams
+from playground.models import Run
 from tests.conftest import PASSWORD
 from testsupport.servers import (
     REPO_ROOT,
@@ -397,6 +401,46 @@ async def test_killed_replica_loses_only_its_unwritten_window_and_its_leases_ret
 PORTAL_PAGES = ["/", "/keys/", "/usage/", "/playground/", "/jobs/"]
 
 
+def sign_in(browser: httpx.Client, user) -> None:
+    browser.get("/login/")
+    signed_in = browser.post(
+        "/login/",
+        data={"username": user.email, "password": PASSWORD},
+        headers={"X-CSRFToken": browser.cookies["csrftoken"]},
+    )
+    assert signed_in.status_code == 302, signed_in.text
+
+
+def test_open_run_streams_leave_the_pages_their_database_connections(replicas, approved_user):
+    """Twice as many open event streams of a running run as a replica pools connections for
+    Django: pages still answer at once, and the replica holds no more connections than its
+    pools allow. Each stream used to hold a pooled connection until its run ended, so a few
+    open playground tabs made every page wait for the pool (then answer 503)."""
+    run = Run.objects.create(user=approved_user, request={"prompt": "x"})
+    streams.publish(run.id, {"type": "status", "status": "running"})
+    replica, bound = replicas[0], sum(int(size) for size in TEST_SERVER_DB_POOL.values())
+    count = 2 * int(TEST_SERVER_DB_POOL["ACS_ORM_POOL_MAX_SIZE"])
+    limits = httpx.Limits(max_connections=count + 2)
+    with (
+        httpx.Client(base_url=replica.url, timeout=60, limits=limits) as browser,
+        psycopg.connect(database_url(), autocommit=True) as watcher,
+        contextlib.ExitStack() as open_streams,
+    ):
+        sign_in(browser, approved_user)
+        for _ in range(count):
+            response = open_streams.enter_context(
+                browser.stream("GET", f"/playground/runs/{run.id}/events/")
+            )
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            # Its status event: the view's database work is done.
+            assert any('"running"' in line for line in itertools.islice(lines, 4))
+        page = browser.get("/keys/")
+        assert page.status_code == 200
+        assert replica_connections(watcher) <= bound
+        streams.publish(run.id, {"type": "end", "status": "succeeded"})
+
+
 def test_portal_requests_leave_database_connections_bounded(replicas, approved_user):
     """1,024 portal requests over both replicas, signed in and anonymous (failed logins
     included), 8 at a time per replica: every page answers, and the replicas never hold more
@@ -409,18 +453,9 @@ def test_portal_requests_leave_database_connections_bounded(replicas, approved_u
     counts: list[int] = []
     browsing = threading.Event()
 
-    def sign_in(browser: httpx.Client) -> None:
-        browser.get("/login/")
-        signed_in = browser.post(
-            "/login/",
-            data={"username": approved_user.email, "password": PASSWORD},
-            headers={"X-CSRFToken": browser.cookies["csrftoken"]},
-        )
-        assert signed_in.status_code == 302, signed_in.text
-
     def browse(replica: Replica, requests: int) -> None:
         with httpx.Client(base_url=replica.url, timeout=60) as browser:
-            sign_in(browser)
+            sign_in(browser, approved_user)
             for index in range(requests - 4):
                 response = browser.get(PORTAL_PAGES[index % len(PORTAL_PAGES)])
                 answered.append(response.status_code)
@@ -442,7 +477,7 @@ def test_portal_requests_leave_database_connections_bounded(replicas, approved_u
     # The first sign-in rehashes the persona's password (the suite hashes with fewer
     # iterations than the servers), which signs out every other session of the account.
     with httpx.Client(base_url=replicas[0].url, timeout=60) as browser:
-        sign_in(browser)
+        sign_in(browser, approved_user)
     browsing.set()
     sampler = threading.Thread(target=sample)
     sampler.start()
