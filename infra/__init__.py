@@ -1,4 +1,4 @@
 """What every app stands on and nothing of the apps: Redis clients (`redis`), Celery sends
 (`tasks`), the database faults a process lives through (`database`), work that outlives a
-request (`background`), the lifecycle of background work (`lifecycle`) and answers to htmx
-(`htmx`). Imports no project app."""
+request (`background`), the lifecycle of background work (`lifecycle`), answers to htmx
+(`htmx`) and CSV cells a spreadsheet reads as data (`spreadsheet`). Imports no project app."""

@@ -7,13 +7,13 @@ The figures drawn with plotly download in the browser from the data the page emb
 each with the notebook code that sends its requests again.
 """
 
-import csv
 import io
 import json
 
 from django.http import HttpResponse
 
 from infra.lifecycle import WorkStatus
+from infra.spreadsheet import SafeWriter
 
 from . import figures, scoring, selectors
 from .downloads import vector_provenance
@@ -21,13 +21,14 @@ from .downloads import vector_provenance
 
 def records_csv(records: list[dict]) -> str:
     """`records` as CSV: a column per key (in the order they first appear), empty where a
-    record has none or None; lists and objects as JSON."""
+    record has none or None; lists and objects as JSON; text cells a spreadsheet would read
+    as a formula with a leading `'` (`infra.spreadsheet`)."""
     columns = list(dict.fromkeys(key for record in records for key in record))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    writer = SafeWriter(buffer)
+    writer.writerow(columns)
     for record in records:
-        writer.writerow({key: _csv_value(value) for key, value in record.items()})
+        writer.writerow([_csv_value(record.get(column)) for column in columns])
     return buffer.getvalue()
 
 

@@ -1,8 +1,6 @@
 """Usage pages: a user's own usage, request log and request detail; the staff overview and
 staff's view of one user's usage. Every period is whole UTC days."""
 
-import csv
-
 from django.http import Http404, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
@@ -13,6 +11,7 @@ from accounts.models import ApiKey, ServiceSettings, User
 from accounts.selectors import pending_applications_count
 from api import selectors as api_selectors
 from infra.htmx import varies_on_htmx, wants_fragment
+from infra.spreadsheet import SafeWriter
 from metering import selectors as usage_selectors
 from metering.windows import utc_day
 from playground.models import Run
@@ -106,7 +105,7 @@ def _export_csv(request, subject: User, *, filename: str) -> HttpResponse:
     response["Content-Disposition"] = (
         f'attachment; filename="{filename}-{date_range.start}-{date_range.end}-utc.csv"'
     )
-    writer = csv.writer(response)
+    writer = SafeWriter(response)
     writer.writerow(TABLE_COLUMNS)
     writer.writerows(_day_table(summary))
     return response

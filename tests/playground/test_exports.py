@@ -11,6 +11,7 @@ import pytest
 from django.urls import reverse
 
 from infra.lifecycle import WorkStatus
+from playground import exports
 from playground.models import Run, RunKind
 
 from .conftest import recorded
@@ -53,3 +54,38 @@ def test_a_comparisons_numbers_download_for_its_owner_only(client, approved_user
     client.force_login(other_user)
     for name in ("group_csv", "group_json"):
         assert client.get(reverse(f"playground:{name}", args=[group.pk])).status_code == 404
+
+
+FORMULAS = ["=1+1", "+SUM(A1)", "-", "@user", "\t=cmd", "\r=cmd", "-2+3", '=HYPERLINK("x")']
+
+
+def test_csv_text_a_spreadsheet_would_run_as_a_formula_starts_with_a_quote():
+    """OWASP's rule against CSV injection: a text cell starting with = + - @, a tab or a
+    carriage return gets a leading '. Numbers stay numbers, and so does text that is a
+    number ("-1.25"), which a spreadsheet reads as that number, not as a formula."""
+    records = [{"token": text, "value": -1.25} for text in FORMULAS]
+    records += [{"token": text, "value": 0} for text in ("-1.25", "+3", "-2e-05", "a=b", " -")]
+    rows = list(csv.DictReader(io.StringIO(exports.records_csv(records), newline="")))
+    assert [row["token"] for row in rows] == [
+        *("'" + text for text in FORMULAS), "-1.25", "+3", "-2e-05", "a=b", " -"
+    ]  # fmt: skip
+    assert {row["value"] for row in rows} == {"-1.25", "0"}
+
+
+def test_a_comparisons_csv_quotes_a_generated_text_that_is_a_formula(client, approved_user):
+    answer = recorded("steer_baseline.json")
+    answer["choices"][0]["text"] = '=HYPERLINK("http://example.com", "x")'
+    group = Run.objects.create(
+        user=approved_user, kind=RunKind.STEERING_BASELINE, scale=0.0, group=None,
+        status=WorkStatus.SUCCEEDED, response=answer,
+        request={"model": "smollm2-135m", "prompt": "I think", "max_tokens": 4},
+    )  # fmt: skip
+    group.group = group.pk
+    group.save(update_fields=["group"])
+    client.force_login(approved_user)
+    as_csv = client.get(reverse("playground:group_csv", args=[group.pk])).content.decode()
+    [row] = csv.DictReader(io.StringIO(as_csv))
+    assert row["text"] == "'" + answer["choices"][0]["text"]
+    assert row["scale_sent"] == "0.0"
+    document = client.get(reverse("playground:group_json", args=[group.pk])).json()
+    assert document["arms"][0]["text"] == answer["choices"][0]["text"]
