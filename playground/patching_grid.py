@@ -250,7 +250,9 @@ class PatchingGrid:
         run, status, the corrupted target's logprob (with one), and per metric its value and,
         for cells, the normalised effect and whether it is within the noise floor."""
         numbers = {metric: self.baselines(metric) for metric in self.metrics}
-        labels = {label["position"]: label for label in self.labels}
+        clean_strings, corrupted_strings = (
+            self.spec[name] or [] for name in ("clean_strings", "corrupted_strings")
+        )
         entries = [("clean", self.clean_score or self.clean, None, None)]
         entries += [("repeat", run, None, None) for run in self.repeats or [self.corrupted]]
         entries += [
@@ -260,13 +262,13 @@ class PatchingGrid:
         ]
         records = []
         for role, run, layer, position in entries:
-            label = labels.get(position, {})
+            # The tokens' own text (the page's labels show their whitespace as · and ⏎).
             record = {
                 "role": role,
                 "layer": layer,
                 "position": position,
-                "clean_token": label.get("clean"),
-                "corrupted_token": label.get("corrupted") or label.get("clean"),
+                "clean_token": _string_at(clean_strings, position),
+                "corrupted_token": _string_at(corrupted_strings, position),
                 "run": str(run.pk) if run else None,
                 "request_id": run.request_id if run else None,
                 "status": run.status if run else None,
@@ -365,6 +367,12 @@ def patching_grid_for_user(*, user: User, group, metric: str = "") -> PatchingGr
         cancelled=bool(clean.meta.get("cancelled")),
         metric=metric or clean.meta["patching"].get("metric", "logprob"),
     )
+
+
+def _string_at(strings: list[str], position: int | None) -> str | None:
+    """The token at `position` of a prompt's token strings (None: no position, or the
+    grid's tokens are unknown)."""
+    return strings[position] if position is not None and position < len(strings) else None
 
 
 def latest_patching_group(*, user: User):

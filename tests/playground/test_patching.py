@@ -639,11 +639,31 @@ def test_the_downloads_hold_every_number_as_json_and_csv(ada, logit_difference_g
             assert float(row["logit_diff_effect"]) == pytest.approx(
                 (scores[0] - scores[1] - corrupted) / (clean - corrupted)
             )
-            assert row["corrupted_token"] == (
-                "·Italy" if row["position"] == "3" else row["clean_token"]
-            )
     assert document["metrics"]["logit_diff"]["definition"].startswith("log p(target | prompt)")
     assert document["clean_tokens"] == ["The", " capital", " of", " France", " is"]
+
+
+def test_the_downloads_carry_the_tokens_own_text_not_the_pages_visible_whitespace(
+    ada, logit_difference_grid
+):
+    """The page labels a position's token with its whitespace made visible (·Italy); the
+    downloads hold the token itself ( Italy), as the API returned it."""
+    group, _, _ = logit_difference_grid
+    page = ada.get(reverse("playground:patching_detail", args=[group])).content.decode()
+    assert "<code>·capital</code>" in page
+    document = json.loads(ada.get(reverse("playground:patching_json", args=[group])).content)
+    as_csv = ada.get(reverse("playground:patching_csv", args=[group])).content.decode()
+    clean = ["The", " capital", " of", " France", " is"]
+    corrupted = ["The", " capital", " of", " Italy", " is"]
+    for rows in (document["runs"], list(csv.DictReader(io.StringIO(as_csv)))):
+        cells = [row for row in rows if row["role"] == "cell"]
+        assert cells
+        for row in cells:
+            position = int(row["position"])
+            assert (row["clean_token"], row["corrupted_token"]) == (
+                clean[position],
+                corrupted[position],
+            )
 
 
 def test_the_notebook_code_computes_the_same_grid(ada, logit_difference_grid, monkeypatch):
