@@ -3,7 +3,8 @@
 import math
 
 from django import forms
-from django.contrib.auth import password_validation
+from django.contrib.admin.forms import AdminAuthenticationForm, AdminPasswordChangeForm
+from django.contrib.auth import authenticate, password_validation
 from django.contrib.auth.forms import AuthenticationForm
 
 from . import login_throttle
@@ -68,41 +69,87 @@ class SignupForm(ApplicationForm):
         return cleaned
 
 
-class LoginForm(AuthenticationForm):
-    """Django's login form, refusing an attempt whose account, address or pair of both is
-    locked after too many wrong passwords (see `accounts.login_throttle`) before it checks
-    the password."""
+def client_address(request) -> str:
+    return request.META.get("REMOTE_ADDR", "")
 
-    LOCKED_MESSAGES = {
-        LoginThrottleScope.PAIR: "Too many wrong passwords for this account from your address.",
-        LoginThrottleScope.ACCOUNT: "Too many wrong passwords for this account.",
-        LoginThrottleScope.ADDRESS: "Too many wrong passwords from your address.",
+
+class ThrottledSecretMixin:
+    """A form that checks a secret of an account (a password) through
+    `accounts.login_throttle`: refused before the secret is checked while the account, the
+    address or the pair of both is locked after too many wrong ones, and a wrong one is
+    counted. Needs `self.request` (for the client's address)."""
+
+    # What the form's lock message calls the secrets that were wrong.
+    SECRETS = "passwords"
+    LOCKED_SUBJECTS = {
+        LoginThrottleScope.PAIR: "for this account from your address",
+        LoginThrottleScope.ACCOUNT: "for this account",
+        LoginThrottleScope.ADDRESS: "from your address",
     }
 
-    def clean(self):
-        username = self.cleaned_data.get("username")
-        if not username:
-            return super().clean()
-        ip = self.request.META.get("REMOTE_ADDR", "")
-        if lock := login_throttle.login_lock(username=username, ip=ip):
-            raise self.locked_error(lock)
-        try:
-            cleaned = super().clean()
-        except forms.ValidationError:
-            if lock := login_throttle.login_failed(username=username, ip=ip):
-                raise self.locked_error(lock) from None
-            raise
-        login_throttle.login_succeeded(user=self.get_user(), ip=ip)
-        return cleaned
+    def secret_checked(self, username: str, check) -> bool:
+        """Whether `check()` found the secret typed for the account `username` right; raises
+        the lock's error while it is locked, or when this wrong secret locked it."""
+        attempt = login_throttle.login_attempt(
+            username=username, ip=client_address(self.request), check=check
+        )
+        if attempt.lock is not None:
+            raise self.locked_error(attempt.lock)
+        return attempt.right
 
-    @classmethod
-    def locked_error(cls, lock: login_throttle.Lock) -> forms.ValidationError:
+    def locked_error(self, lock: login_throttle.Lock) -> forms.ValidationError:
         minutes = math.ceil(lock.seconds / 60)
         return forms.ValidationError(
-            f"{cls.LOCKED_MESSAGES[lock.scope]} Try again in "
+            f"Too many wrong {self.SECRETS} {self.LOCKED_SUBJECTS[lock.scope]}. Try again in "
             f"{minutes} minute{'s' if minutes != 1 else ''}.",
             code="login_locked",
         )
+
+
+class ThrottledLoginMixin(ThrottledSecretMixin):
+    """Django's login form (the portal's or the admin's), its password checked through the
+    throttle; a right one is a done sign-in for the throttle (`login_succeeded`: this
+    address's count for the account forgotten, the address known)."""
+
+    def clean(self):
+        username = self.cleaned_data.get("username")
+        password = self.cleaned_data.get("password")
+        if not (username and password):
+            return self.cleaned_data  # the field's own error says what is missing
+        if not self.secret_checked(username, lambda: self._authenticated(username, password)):
+            raise self.get_invalid_login_error()
+        self.confirm_login_allowed(self.user_cache)
+        login_throttle.login_succeeded(user=self.user_cache, ip=client_address(self.request))
+        return self.cleaned_data
+
+    def _authenticated(self, username: str, password: str) -> bool:
+        self.user_cache = authenticate(self.request, username=username, password=password)
+        return self.user_cache is not None
+
+
+class LoginForm(ThrottledLoginMixin, AuthenticationForm):
+    """The portal's login form (/login/)."""
+
+
+class AdminLoginForm(ThrottledLoginMixin, AdminAuthenticationForm):
+    """The admin's login form (/admin/login/): staff accounts only."""
+
+
+class OwnPasswordChangeForm(ThrottledSecretMixin, AdminPasswordChangeForm):
+    """The admin's change of one's own password, its old password checked through the
+    throttle."""
+
+    def __init__(self, user, *args, request, **kwargs):
+        super().__init__(user, *args, **kwargs)
+        self.request = request
+
+    def clean_old_password(self):
+        old_password = self.cleaned_data["old_password"]
+        if not self.secret_checked(self.user.email, lambda: self.user.check_password(old_password)):
+            raise forms.ValidationError(
+                self.error_messages["password_incorrect"], code="password_incorrect"
+            )
+        return old_password
 
 
 class KeyCreateForm(forms.Form):

@@ -17,6 +17,9 @@ own limit within a window of ACS_LOGIN_LOCKOUT_SECONDS from its first failure:
 A locked attempt is refused before the password is checked, so it tells nothing. Unknown
 accounts are counted and locked the same. Every lock writes an audit row.
 
+Every form of the site that checks a password goes through `login_attempt`: the login pages
+(the portal's and the admin's) and the admin's password change (accounts/forms.py).
+
 The counters live in PostgreSQL, not Redis: login is not a hot path, the counts are exact
 across replicas under row locks, and throttling holds while Redis is down or after it
 restarts empty (a Redis counter would have to fail open, letting guesses through, or
@@ -24,6 +27,7 @@ closed, locking everyone out of the portal, for as long as Redis is away).
 """
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +54,27 @@ class Lock:
 
     scope: str
     seconds: int
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What became of one attempt: whether its secret was right, and the lock that refused it
+    unchecked or that its wrong secret set (None when neither)."""
+
+    right: bool
+    lock: Lock | None = None
+
+
+def login_attempt(*, username: str, ip: str, check: Callable[[], bool]) -> Attempt:
+    """One attempt to prove who `username` is from `ip`: refused unchecked while they are
+    locked, else `check()` (whether the password or code typed is right) decides, and a wrong
+    one is counted (`login_failed`). A right one forgets nothing: the caller calls
+    `login_succeeded` once the whole sign-in is done."""
+    if lock := login_lock(username=username, ip=ip):
+        return Attempt(right=False, lock=lock)
+    if check():
+        return Attempt(right=True)
+    return Attempt(right=False, lock=login_failed(username=username, ip=ip))
 
 
 def _subjects(username: str, ip: str, now) -> dict[str, str]:

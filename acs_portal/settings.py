@@ -125,7 +125,9 @@ if SECURE_PROXY_SSL_HEADER is not None and len(SECURE_PROXY_SSL_HEADER) != 2:
     )
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # django.contrib.admin, its site signing in through the login throttle
+    # (accounts/admin_site.py).
+    "accounts.apps.AdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

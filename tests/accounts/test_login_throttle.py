@@ -18,6 +18,8 @@ from accounts.models import AuditLog, LoginAddress, LoginThrottle
 from infra.redis import redis_sync_reset
 from tests.conftest import PASSWORD
 
+from .support import logged_in
+
 ATTACKER_IP = "203.0.113.7"
 HOME_IP = "192.0.2.50"
 LOCKED_MESSAGE = "Too many wrong passwords for this account from your address"
@@ -296,3 +298,85 @@ def test_addresses_no_longer_known_are_pruned(approved_user, other_user, setting
     )
     assert login_throttle.login_throttles_prune() == 1
     assert list(LoginAddress.objects.values_list("user", flat=True)) == [other_user.pk]
+
+
+def admin_log_in(client, email, password, ip=ATTACKER_IP):
+    return client.post(
+        reverse("admin:login"),
+        {"username": email, "password": password, "next": "/admin/"},
+        REMOTE_ADDR=ip,
+    )
+
+
+def test_a_hundred_wrong_passwords_on_the_admin_login_lock_it_as_on_the_portals(
+    staff_user, approved_user
+):
+    """The admin's login counts in the same throttle: locked at the fifth wrong password from
+    one address, the right one refused while locked, one audit row as for /login/."""
+    client = Client()
+    responses = [admin_log_in(client, staff_user.email, "wrong-password") for _ in range(100)]
+    assert all(LOCKED_MESSAGE not in r.content.decode() for r in responses[:4])
+    assert all(LOCKED_MESSAGE in r.content.decode() for r in responses[4:])
+    refused = admin_log_in(client, staff_user.email, PASSWORD)
+    assert refused.status_code == 200
+    assert f"{LOCKED_MESSAGE}. Try again in 15 minutes." in refused.content.decode()
+    assert not is_logged_in(client)
+    # Locked on both login pages alike, for the pair only.
+    assert LOCKED_MESSAGE in log_in(Client(), staff_user.email, PASSWORD).content.decode()
+    assert admin_log_in(Client(), staff_user.email, PASSWORD, ip=HOME_IP).status_code == 302
+    [row] = AuditLog.objects.filter(action="user.login_locked")
+    assert row.target_id == str(staff_user.pk)
+    assert row.after == {"scope": "pair", "ip": ATTACKER_IP, "failures": 5, "lockout_seconds": 900}
+    # /login/'s lock of another account, for comparison: the same row.
+    fail(Client(), approved_user.email, 5)
+    portal = AuditLog.objects.filter(action="user.login_locked").exclude(pk=row.pk).get()
+    assert portal.after == row.after
+
+
+def test_the_admin_login_counts_a_non_staff_accounts_wrong_passwords_not_its_right_one(
+    approved_user,
+):
+    client = Client()
+    for _ in range(6):
+        refused = admin_log_in(client, approved_user.email, PASSWORD)
+        assert "Please enter the correct" in refused.content.decode()
+    assert not LoginThrottle.objects.exists()
+    *_, fifth = [admin_log_in(client, approved_user.email, "wrong-password") for _ in range(5)]
+    assert LOCKED_MESSAGE in fifth.content.decode()
+
+
+def test_the_admins_password_change_checks_the_old_password_through_the_throttle(staff_user):
+    client = logged_in(staff_user)
+
+    def change(old_password):
+        return client.post(
+            reverse("admin:password_change"),
+            {
+                "old_password": old_password,
+                "new_password1": "a-new-long-passphrase-7",
+                "new_password2": "a-new-long-passphrase-7",
+            },
+            REMOTE_ADDR=ATTACKER_IP,
+        )
+
+    responses = [change("wrong-password") for _ in range(5)]
+    assert all(
+        "Your old password was entered incorrectly" in r.content.decode() for r in responses[:4]
+    )
+    assert LOCKED_MESSAGE in responses[4].content.decode()
+    refused = change(PASSWORD)
+    assert refused.status_code == 200
+    assert LOCKED_MESSAGE in refused.content.decode()
+    staff_user.refresh_from_db()
+    assert staff_user.check_password(PASSWORD)
+    assert (
+        AuditLog.objects.filter(action="user.login_locked", target_id=str(staff_user.pk)).count()
+        == 1
+    )
+
+
+def test_a_login_without_a_password_says_so_and_counts_nothing(approved_user):
+    response = Client().post(reverse("login"), {"username": approved_user.email, "password": ""})
+    assert response.status_code == 200
+    assert "This field is required." in response.content.decode()
+    assert not LoginThrottle.objects.exists()
