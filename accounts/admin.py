@@ -4,10 +4,17 @@ audited services (admin actions), so those fields are read-only in the forms."""
 from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 from django.core.exceptions import ValidationError
+from django_otp.plugins.otp_static.models import StaticDevice
+from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from . import login_throttle
 from .models import AccessApplication, ApiKey, AuditLog, ServiceSettings, User
-from .services import applications, keys, users
+from .services import applications, keys, second_factor, users
+
+# django-otp's admins of these would show every staff member's authenticator secret and
+# recovery codes to a superuser. A lost second factor is reset with the users' action below.
+admin.site.unregister(TOTPDevice)
+admin.site.unregister(StaticDevice)
 
 
 def _service_action(name, description, call):
@@ -76,6 +83,11 @@ class UserAdmin(BaseUserAdmin):
             "lift_login_lock",
             "Lift the sign-in lock of selected accounts",
             lambda user, actor: login_throttle.login_lock_lift(user=user, acting_user=actor),
+        ),
+        _service_action(
+            "reset_second_factor",
+            "Reset the second factor of selected accounts",
+            lambda user, actor: second_factor.second_factor_reset(user=user, acting_user=actor),
         ),
     ]
 

@@ -8,7 +8,9 @@ from django.contrib.auth import authenticate, password_validation
 from django.contrib.auth.forms import AuthenticationForm
 
 from . import login_throttle
+from .access import second_factor_required
 from .models import LoginThrottleScope, User, UserStatus
+from .services import second_factor
 
 USAGE_RULES = (
     "I will use ACS for research only, will not try to extract the model weights or attack "
@@ -74,7 +76,7 @@ def client_address(request) -> str:
 
 
 class ThrottledSecretMixin:
-    """A form that checks a secret of an account (a password) through
+    """A form that checks a secret of an account (a password, a second factor's code) through
     `accounts.login_throttle`: refused before the secret is checked while the account, the
     address or the pair of both is locked after too many wrong ones, and a wrong one is
     counted. Needs `self.request` (for the client's address)."""
@@ -108,8 +110,10 @@ class ThrottledSecretMixin:
 
 class ThrottledLoginMixin(ThrottledSecretMixin):
     """Django's login form (the portal's or the admin's), its password checked through the
-    throttle; a right one is a done sign-in for the throttle (`login_succeeded`: this
-    address's count for the account forgotten, the address known)."""
+    throttle. The sign-in is done for the throttle (`login_succeeded`: this address's count for
+    the account forgotten, the address known) here, or for staff only after their second
+    factor (`SecondFactorForm`): else whoever has a staff password would wipe their count of
+    wrong codes by signing in again."""
 
     def clean(self):
         username = self.cleaned_data.get("username")
@@ -119,7 +123,8 @@ class ThrottledLoginMixin(ThrottledSecretMixin):
         if not self.secret_checked(username, lambda: self._authenticated(username, password)):
             raise self.get_invalid_login_error()
         self.confirm_login_allowed(self.user_cache)
-        login_throttle.login_succeeded(user=self.user_cache, ip=client_address(self.request))
+        if not second_factor_required(self.user_cache):
+            login_throttle.login_succeeded(user=self.user_cache, ip=client_address(self.request))
         return self.cleaned_data
 
     def _authenticated(self, username: str, password: str) -> bool:
@@ -150,6 +155,46 @@ class OwnPasswordChangeForm(ThrottledSecretMixin, AdminPasswordChangeForm):
                 self.error_messages["password_incorrect"], code="password_incorrect"
             )
         return old_password
+
+
+class SecondFactorForm(ThrottledSecretMixin, forms.Form):
+    """A staff member's second factor after their password: a code of their authenticator
+    app or one of their recovery codes (or, `enrolling`, a code of the authenticator they are
+    enrolling), checked through the throttle as a password is, in the same counts. `device`
+    is the device that took it. A right one completes the sign-in for the throttle."""
+
+    SECRETS = "passwords or codes"
+
+    code = forms.CharField(
+        max_length=40,
+        strip=True,
+        widget=forms.TextInput(attrs={"autocomplete": "one-time-code", "autofocus": True}),
+    )
+
+    def __init__(self, *args, request, enrolling=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.request, self.enrolling, self.device = request, enrolling, None
+        self.fields["code"].help_text = (
+            "The 6 digits your authenticator app shows now."
+            if enrolling
+            else "The 6 digits your authenticator app shows, or one of your recovery codes."
+        )
+
+    def clean_code(self):
+        code = self.cleaned_data["code"]
+        user = self.request.user
+        if not self.secret_checked(user.email, lambda: self._matched(user, code)):
+            raise forms.ValidationError(
+                "That code is wrong, or was used already.", code="wrong_code"
+            )
+        login_throttle.login_succeeded(user=user, ip=client_address(self.request))
+        return code
+
+    def _matched(self, user, code: str) -> bool:
+        self.device = second_factor.second_factor_match(
+            user=user, code=code, confirmed=not self.enrolling
+        )
+        return self.device is not None
 
 
 class KeyCreateForm(forms.Form):

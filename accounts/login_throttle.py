@@ -17,8 +17,10 @@ own limit within a window of ACS_LOGIN_LOCKOUT_SECONDS from its first failure:
 A locked attempt is refused before the password is checked, so it tells nothing. Unknown
 accounts are counted and locked the same. Every lock writes an audit row.
 
-Every form of the site that checks a password goes through `login_attempt`: the login pages
-(the portal's and the admin's) and the admin's password change (accounts/forms.py).
+Every form of the site that checks a secret of an account goes through `login_attempt`: the
+login pages (the portal's and the admin's), the admin's password change, and staff's
+second-factor codes (accounts/forms.py). A wrong code counts as a wrong password would: the
+same counts, so whoever has a staff password cannot guess codes faster than passwords.
 
 The counters live in PostgreSQL, not Redis: login is not a hot path, the counts are exact
 across replicas under row locks, and throttling holds while Redis is down or after it
@@ -69,7 +71,7 @@ def login_attempt(*, username: str, ip: str, check: Callable[[], bool]) -> Attem
     """One attempt to prove who `username` is from `ip`: refused unchecked while they are
     locked, else `check()` (whether the password or code typed is right) decides, and a wrong
     one is counted (`login_failed`). A right one forgets nothing: the caller calls
-    `login_succeeded` once the whole sign-in is done."""
+    `login_succeeded` once the whole sign-in is done (after the second factor, for staff)."""
     if lock := login_lock(username=username, ip=ip):
         return Attempt(right=False, lock=lock)
     if check():

@@ -2,18 +2,13 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
-from .forms import LoginForm
 
 urlpatterns = [
     path("favicon.ico", views.favicon, name="favicon"),
     path("apply/", views.apply, name="apply"),
-    path(
-        "login/",
-        auth_views.LoginView.as_view(
-            authentication_form=LoginForm, redirect_authenticated_user=True
-        ),
-        name="login",
-    ),
+    path("login/", views.LoginView.as_view(), name="login"),
+    path("second-factor/", views.second_factor_verify, name="second_factor_verify"),
+    path("second-factor/enrol/", views.second_factor_enrol, name="second_factor_enrol"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("staff/applications/", views.staff_applications, name="staff_applications"),
     path(

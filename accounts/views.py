@@ -1,25 +1,41 @@
-"""Account pages: sign-up and login, and the staff pages of applications, users, the audit
-log and the spend cap (pages that show budgets are `portal`'s).
+"""Account pages: sign-up and login, staff's second factor, and the staff pages of
+applications, users, the audit log and the spend cap (pages that show budgets are `portal`'s).
 
 Views are thin: load (another user's key is a 404), validate a form, call one service, then
 redirect (plain POST) or render the page's partial (htmx), so every page works without JS.
 """
 
+import django_otp
 from django.contrib import messages
 from django.contrib.auth import login
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.shortcuts import get_object_or_404, redirect, render
 from django.templatetags.static import static
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.http import reswap, retarget
+from django_otp.plugins.otp_static.models import StaticDevice
 
 from . import selectors
-from .access import staff_required
+from .access import (
+    forbidden,
+    second_factor_pending,
+    second_factor_required,
+    second_factor_url,
+    second_factor_verified,
+    staff_required,
+)
 from .forms import (
     ApplicationForm,
     AuditFilterForm,
     DecisionForm,
+    LoginForm,
+    SecondFactorForm,
     SignupForm,
     SpendCapForm,
     UserSearchForm,
@@ -29,7 +45,7 @@ from .models import (
     ServiceSettings,
     UserStatus,
 )
-from .services import applications, service
+from .services import applications, second_factor, service
 
 # ---------------------------------------------------------------------------------------
 # Landing page and dashboard
@@ -62,6 +78,100 @@ def apply(request):
             messages.success(request, "Thank you: your application is waiting for review.")
             return redirect("home")
     return render(request, "accounts/apply.html", {"form": form})
+
+
+# ---------------------------------------------------------------------------------------
+# Login and staff's second factor
+
+
+class LoginView(auth_views.LoginView):
+    """Django's login page with the throttled form. Staff go on to their second factor (to
+    enrol one, the first time), then where they were going."""
+
+    authentication_form = LoginForm
+    redirect_authenticated_user = True
+
+    def get_success_url(self):
+        url = super().get_success_url()
+        if second_factor_pending(self.request):
+            return second_factor_url(self.request.user, url)
+        return url
+
+
+def _next_url(request) -> str:
+    """Where to go once the second factor is passed: the page asked for, if it is this site's."""
+    url = request.POST.get("next") or request.GET.get("next") or ""
+    if url_has_allowed_host_and_scheme(
+        url, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return url
+    return reverse("home")
+
+
+def _second_factor_passed(request, device):
+    """This session has passed its user's second factor with `device` (from now on
+    `request.user.is_verified()`), under a new session key, as after a password sign-in."""
+    django_otp.login(request, device)
+    request.session.cycle_key()
+
+
+@never_cache
+@login_required
+@require_http_methods(["GET", "POST"])
+def second_factor_verify(request):
+    """A staff member types a code of their authenticator app, or a recovery code, after their
+    password and before the admin and the staff pages (wrong ones throttled as passwords)."""
+    user = request.user
+    if not second_factor_required(user):
+        return forbidden(request, "This page is for ACS staff.", title="Staff only")
+    next_url = _next_url(request)
+    if second_factor_verified(request):
+        return redirect(next_url)
+    if not django_otp.user_has_device(user):
+        return redirect(second_factor_url(user, next_url))
+    form = SecondFactorForm(request.POST or None, request=request)
+    if request.method == "POST" and form.is_valid():
+        _second_factor_passed(request, form.device)
+        if isinstance(form.device, StaticDevice):
+            left = second_factor.recovery_codes_left(user=user)
+            messages.warning(
+                request,
+                f"You signed in with a recovery code; {left} left. If you lost your "
+                "authenticator, ask another staff member to reset your second factor (the "
+                "admin's user list, “Reset the second factor”), and enrol a new one.",
+            )
+        return redirect(next_url)
+    return render(request, "accounts/second_factor_verify.html", {"form": form, "next": next_url})
+
+
+@never_cache
+@login_required
+@require_http_methods(["GET", "POST"])
+def second_factor_enrol(request):
+    """A staff member with no authenticator yet adds one: the page shows its secret (as an
+    otpauth:// URI and as text to type), they confirm with one of its codes, and get recovery
+    codes, shown this once."""
+    user = request.user
+    if not second_factor_required(user):
+        return forbidden(request, "This page is for ACS staff.", title="Staff only")
+    next_url = _next_url(request)
+    if django_otp.user_has_device(user):
+        return redirect(second_factor_url(user, next_url))
+    device = second_factor.second_factor_enrolment(user=user)
+    form = SecondFactorForm(request.POST or None, request=request, enrolling=True)
+    if request.method == "POST" and form.is_valid():
+        codes = second_factor.second_factor_enrol(device=form.device)
+        _second_factor_passed(request, form.device)
+        return render(
+            request, "accounts/second_factor_codes.html", {"codes": codes, "next": next_url}
+        )
+    context = {
+        "form": form,
+        "next": next_url,
+        "config_url": device.config_url,
+        "secret": second_factor.totp_secret(device),
+    }
+    return render(request, "accounts/second_factor_enrol.html", context)
 
 
 # ---------------------------------------------------------------------------------------

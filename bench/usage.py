@@ -71,6 +71,7 @@ def main() -> int:
     from metering.models import UsageDaily, UsageRecord
     from metering.selectors import RequestLogFilter, request_log_page
     from portal.usage_forms import cursor_encode
+    from testsupport.second_factor import sign_in
 
     call_command("migrate", verbosity=0)
     # Pages link the hashed static names of the manifest (production settings).
@@ -97,7 +98,7 @@ def main() -> int:
     year = f"range=custom&from={today - dt.timedelta(days=364)}&to={today}"
     as_user, as_staff = Client(), Client()
     as_user.force_login(user)
-    as_staff.force_login(staff)
+    sign_in(as_staff, staff)  # the staff pages need the second factor passed too
     newest = UsageRecord.objects.filter(user=user).order_by("-created_at", "-id").first()
     _, last_of_first_page = request_log_page(RequestLogFilter(user_id=user.pk))
     page_two = cursor_encode(*last_of_first_page)

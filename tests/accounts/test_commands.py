@@ -125,6 +125,9 @@ def test_acs_demo_is_idempotent_and_prints_the_key_only_once(db, settings):
     first = run("acs_demo")
     assert "http://127.0.0.1:8765/" in first
     assert "staff@acs.local" in first and "researcher@acs.local" in first
+    # The demo staff enrol their second factor at their first sign-in (no known secret).
+    assert "then a second factor: at the first sign-in" in first
+    assert "acs_accounts reset-second-factor staff@acs.local" in first
     secret = first.split("shown only this once): ", 1)[1].split()[0]
     key = api_key_authenticate(f"Bearer {secret}")
     assert key.user.email == "researcher@acs.local"

@@ -6,11 +6,13 @@ from django.urls import reverse
 
 from accounts.models import User
 
+from .support import sign_in
+
 
 def csrf_client(user=None):
     client = Client(enforce_csrf_checks=True)
     if user is not None:
-        client.force_login(user)
+        sign_in(client, user)
     return client
 
 

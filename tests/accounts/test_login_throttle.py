@@ -222,8 +222,7 @@ def test_staff_lift_an_accounts_lock_from_the_admin_with_an_audit_row(approved_u
     assert ACCOUNT_LOCKED in log_in(client, approved_user.email, PASSWORD).content.decode()
     staff_user.is_superuser = True
     staff_user.save()
-    admin = Client()
-    admin.force_login(staff_user)
+    admin = logged_in(staff_user)
     admin.post(
         reverse("admin:accounts_user_changelist"),
         {"action": "lift_login_lock", "_selected_action": [approved_user.pk]},

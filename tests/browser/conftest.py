@@ -20,6 +20,7 @@ from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
 from tests.conftest import ENGINE_MODEL_FIELDS, PASSWORD, make_user
 from testsupport.gate import UpstreamGate
+from testsupport.second_factor import TOTP_KEY, authenticator_enrolled, totp_code
 
 from .system import System, launch_chromium
 
@@ -79,7 +80,8 @@ def _system(running, django_db_blocker):
         )
         if not User.objects.filter(email=BROWSER_USER).exists():
             make_user(BROWSER_USER)
-            make_user(STAFF_USER, is_staff=True)
+            # Staff with their authenticator enrolled (of TOTP_KEY): `sign_in` types its code.
+            authenticator_enrolled(make_user(STAFF_USER, is_staff=True), key=TOTP_KEY)
             make_user(HARVEST_USER)
             for email in APPLICANTS:
                 AccessApplication.objects.create(
@@ -229,7 +231,8 @@ def watched_page(browser, system, expected_http_errors: list[str], storage_state
 def sign_in(system, browser):
     """`sign_in(email)`: that persona's browser storage (its session cookie) after signing in
     through the login form, once per session: the servers hash passwords at the production
-    cost (a second of a core per sign-in), which each test's own sign-in paid before."""
+    cost (a second of a core per sign-in), which each test's own sign-in paid before. Staff,
+    whom the login sends on to their second factor, type their authenticator's code there."""
     states = {}
 
     def signed_in_state(email: str) -> dict:
@@ -240,6 +243,10 @@ def sign_in(system, browser):
                 page.fill("input[name=password]", PASSWORD)
                 page.click("main form button[type=submit]")
                 page.wait_for_url(lambda url: "/login/" not in url)
+                if "/second-factor/" in page.url:
+                    page.fill("input[name=code]", totp_code(TOTP_KEY))
+                    page.click("main form button[type=submit]")
+                    page.wait_for_url(lambda url: "/second-factor/" not in url)
                 states[email] = page.context.storage_state()
         return states[email]
 

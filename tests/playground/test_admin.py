@@ -15,15 +15,14 @@ from playground.models import (
     SteeringScore,
     WorkStatus,
 )
+from testsupport.second_factor import sign_in
 
 
 @pytest.fixture
 def superuser(staff_user):
     staff_user.is_superuser = True
     staff_user.save()
-    client = Client()
-    client.force_login(staff_user)
-    return client
+    return sign_in(Client(), staff_user)
 
 
 @pytest.fixture

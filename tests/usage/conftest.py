@@ -8,6 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 from metering.usage import usage_record_create
+from testsupport.second_factor import sign_in
 
 _request_ids = itertools.count()
 
@@ -43,8 +44,8 @@ def user_client(client, approved_user):
 
 @pytest.fixture
 def staff_client(client, staff_user):
-    client.force_login(staff_user)
-    return client
+    """Signed in as staff, their second factor passed."""
+    return sign_in(client, staff_user)
 
 
 class _TableReader(HTMLParser):

@@ -2,6 +2,7 @@
 
     acs_accounts create EMAIL [--password P] [--name N] [--approve] [--staff]
     acs_accounts approve|reject|suspend|reactivate EMAIL
+    acs_accounts reset-second-factor EMAIL
 
 Bad input (unknown e-mail, wrong status) exits non-zero with a one-line message.
 """
@@ -13,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from accounts.models import AccessApplication, ApplicationStatus, User
-from accounts.services import applications, users
+from accounts.services import applications, second_factor, users
 
 OPERATOR_APPLICATION = "Account created by an operator from the command line."
 
@@ -46,6 +47,12 @@ class Command(BaseCommand):
         for action in ("approve", "reject", "suspend", "reactivate"):
             sub = actions.add_parser(action, help=f"{action.capitalize()} an account.")
             sub.add_argument("email")
+        reset = actions.add_parser(
+            "reset-second-factor",
+            help="Remove a staff account's authenticator and recovery codes (both lost): it "
+            "enrols a new one at its next staff page.",
+        )
+        reset.add_argument("email")
 
     def handle(self, *args, action, email, **options):
         try:
@@ -53,6 +60,15 @@ class Command(BaseCommand):
                 self.create(email, **options)
                 return
             user = user_by_email(email)
+            if action == "reset-second-factor":
+                had = second_factor.second_factor_reset(user=user, acting_user=None)
+                self.stdout.write(
+                    f"{user.email}'s second factor is reset: they enrol a new authenticator "
+                    "at their next staff page."
+                    if had
+                    else f"{user.email} had no second factor."
+                )
+                return
             if action == "approve":
                 applications.application_approve(
                     application=pending_application(user), acting_user=None

@@ -1,5 +1,8 @@
 """Demo data for `make run`: a staff account and an approved researcher with a key.
 
+The staff account enrols its second factor at its first sign-in, as any staff account does (no
+known secret is planted, so the demo data is safe on a reachable machine); the output says so.
+
 Idempotent: later runs create nothing and never print a key again (its secret is not
 stored); they say how to make another.
 """
@@ -27,6 +30,11 @@ class Command(BaseCommand):
         site = settings.SITE_URL.rstrip("/")
         self.stdout.write(f"ACS Portal: {site}/")
         self.stdout.write(f"  staff login:      {STAFF_EMAIL} / {STAFF_PASSWORD}")
+        self.stdout.write(
+            "    then a second factor: at the first sign-in, add the secret the page shows to an "
+            "authenticator app\n    (or use `oathtool --totp -b SECRET`); lost it: "
+            f"python manage.py acs_accounts reset-second-factor {STAFF_EMAIL}"
+        )
         self.stdout.write(f"  researcher login: {RESEARCHER_EMAIL} / {RESEARCHER_PASSWORD}")
         if secret:
             self.stdout.write(f"  researcher's demo API key (shown only this once): {secret}")
