@@ -165,7 +165,8 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
     A's settings, then under B's) with the user's playground key, and keep the ids sent and
     the raw answers; an error fails it with a message a person can read. None if it could
     not be claimed."""
-    if not work_claim(RunComparison, pk=comparison_id, now=timezone.now()):
+    attempt = work_claim(RunComparison, pk=comparison_id, now=timezone.now())
+    if attempt is None:
         return None
     comparison = RunComparison.objects.select_related("user", "run_a", "run_b").get(
         pk=comparison_id
@@ -175,7 +176,7 @@ def comparison_execute(*, comparison_id) -> RunComparison | None:
         lambda: _compare(client, comparison.run_a, comparison.run_b),
         what=f"run comparison {comparison.pk}",
     )
-    RunComparison.objects.filter(pk=comparison.pk).update(**fields)
+    attempt.write(**fields)  # nothing once the sweep failed it
     comparison.refresh_from_db()
     return comparison
 
@@ -263,18 +264,23 @@ def activation_difference(run_a: Run, run_b: Run) -> tuple[dict | None, str]:
     count = min(a.tensor.shape[1], b.tensor.shape[1])
     rows_a = a.tensor[[a.layers.index(layer) for layer in layers], :count]
     rows_b = b.tensor[[b.layers.index(layer) for layer in layers], :count]
-    labels = []
+    labels, texts = [], []
     for position in range(count):
         token_a, token_b = a.rows[position].token, b.rows[position].token
         if token_a == token_b:
             labels.append(a.rows[position].label)
+            texts.append(a.rows[position].text_label)
         else:
             shown = [figures.visible_token(t) if t is not None else "?" for t in (token_a, token_b)]
             labels.append(f"{position} {shown[0]}/{shown[1]}")
+            own = ["?" if t is None else t for t in (token_a, token_b)]
+            texts.append(f"{position} {own[0]}/{own[1]}")
     return {
         "layers": layers,
         "norms": np.linalg.norm(rows_a - rows_b, axis=-1),
         "labels": labels,
+        # The labels with the tokens' own text, for the figure's downloads.
+        "texts": texts,
         "lengths": (a.tensor.shape[1], b.tensor.shape[1]),
     }, ""
 
@@ -291,17 +297,20 @@ def logprob_difference_figure(side: str, sequence: TokenSequence, difference: di
     tokens, a dashed line where the prompt ends."""
     positions = difference["positions"]
     labels = [figures._label(sequence.strings[p]) for p in positions]
+    scores = [
+        [sequence.strings[p], under_a, under_b]
+        for p, under_a, under_b in zip(
+            positions, difference["under_a"], difference["under_b"], strict=True
+        )
+    ]
     figure = go.Figure(
         go.Bar(
             x=positions,
             y=difference["delta"],
             marker_color="#1f5fbf" if side == "a" else "#e08214",
-            customdata=[
-                [label, under_a, under_b]
-                for label, under_a, under_b in zip(
-                    labels, difference["under_a"], difference["under_b"], strict=True
-                )
-            ],
+            customdata=[[label, *rest] for label, (_, *rest) in zip(labels, scores, strict=True)],
+            # The downloads hold the tokens' own text (static/js/exports.js).
+            meta={"customdata": scores},
             hovertemplate=(
                 "position %{x} %{customdata[0]}: log p under A %{customdata[1]:.3f}, "
                 "under B %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
@@ -316,6 +325,8 @@ def logprob_difference_figure(side: str, sequence: TokenSequence, difference: di
         ticktext=[f"{p} {label}" for p, label in zip(positions, labels, strict=True)][::step],
         tickangle=-45,
     )
+    figures.export_labels(figure, "x", {p: f"{p} {sequence.strings[p]}" for p in positions})
+    figures.download_meta(figure, customdata=["token", "log p under A", "log p under B"])
     if 1 < sequence.prompt_length < len(sequence.ids):
         figure.add_vline(
             x=sequence.prompt_length - 0.5, line={"color": "#444444", "width": 1, "dash": "dash"}
@@ -346,6 +357,7 @@ def activation_difference_figure(difference: dict) -> go.Figure:
         ticktext=[figures._text(label) for label in difference["labels"]][::step],
         tickangle=-45,
     )
+    figures.export_labels(figure, "x", dict(enumerate(difference["texts"])))
     figure.update_yaxes(title="layer", type="category")
     return figures._layout(
         figure, "Activation difference ‖h_A − h_B‖ by layer × position", height=460

@@ -41,6 +41,26 @@ def _label(token: str) -> str:
     return _text(visible_token(token))
 
 
+# A figure draws tokens with their whitespace made visible (`_label`); its downloads
+# (static/js/exports.js) hold the tokens' own text, which the figure carries beside what it
+# draws: a trace's `meta` holds the plain text of its `text`, `x`, `y`, `customdata` or
+# `name` where they show tokens, the layout's `meta["labels"]` the plain text naming each
+# value of an axis ("x", "y2") whose ticks show tokens.
+
+
+def export_labels(figure: go.Figure, axis: str, labels: dict) -> None:
+    """Name each value of `axis` by its plain text (`labels`: value → text) in the figure's
+    downloads, in place of the tick labels drawn."""
+    meta = dict(figure.layout.meta or {})
+    meta["labels"] = {**meta.get("labels", {}), axis: {str(k): v for k, v in labels.items()}}
+    figure.update_layout(meta=meta)
+
+
+def download_meta(figure: go.Figure, **entries) -> None:
+    """Add `entries` to the layout's `meta`, which the downloads read."""
+    figure.update_layout(meta={**(figure.layout.meta or {}), **entries})
+
+
 # An axis of whole numbers (token positions, layers) shows at most this many ticks.
 MAX_INTEGER_TICKS = 12
 
@@ -279,17 +299,19 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
             rows.append(
                 (f"{source} #{first}–{last}" if last > first else f"{source} #{first}", cells)
             )
-    z, text, custom, names = [], [], [], []
+    z, text, tokens, custom, names = [], [], [], [], []
     for name, cells in rows:
         padding = STRIP_WIDTH - len(cells)
         names.append(name)
         z.append([c["probability"] for c in cells] + [None] * padding)
         text.append([_label(c["token"]) for c in cells] + [""] * padding)
+        tokens.append([c["token"] for c in cells] + [""] * padding)
         custom.append([[_hover(c), c["position"]] for c in cells] + [["", -1]] * padding)
     figure = go.Figure(
         go.Heatmap(
             z=z,
             text=text,
+            meta={"text": tokens},
             customdata=custom,
             texttemplate="%{text}",
             textfont=CELL_TEXT,
@@ -307,7 +329,7 @@ def token_strip_figure(positions: list[dict]) -> go.Figure:
     )
     figure.update_xaxes(visible=False)
     # The names of a cell's hover values, for its numbers' download (static/js/exports.js).
-    figure.update_layout(meta={"customdata": ["hover", "position"]})
+    download_meta(figure, customdata=["hover", "position"])
     return _layout(figure, "Tokens by probability", height=max(160, 48 * len(names) + 80))
 
 
@@ -334,6 +356,7 @@ def top_k_figure(position: dict) -> go.Figure:
         go.Bar(
             x=[math.exp(item["logprob"]) for item in top],
             y=[_label(item["token"]) for item in top],
+            meta={"y": [item["token"] for item in top]},
             orientation="h",
             marker_color=["#1f5fbf" if item["is_actual"] else "#9db3d6" for item in top],
             hovertemplate="%{y}: p=%{x:.4f}<extra></extra>",
@@ -360,6 +383,7 @@ def prompt_surprisal_figure(positions: list[dict]) -> go.Figure:
             x=[p["position"] for p in scored],
             y=[-p["logprob"] for p in scored],
             text=[_label(p["token"]) for p in scored],
+            meta={"text": [p["token"] for p in scored]},
             hovertemplate="#%{x} %{text}: %{y:.3f} nats<extra></extra>",
             marker_color="#1f5fbf",
         )
@@ -379,6 +403,7 @@ def prompt_distribution_figure(prompt_logprobs: list, position: int, limit: int 
             x=[item["rank"] for item in ordered],
             y=[math.exp(item["logprob"]) for item in ordered],
             text=[_label(item["decoded_token"]) for item in ordered],
+            meta={"text": [item["decoded_token"] for item in ordered]},
             mode="lines",
             hovertemplate="rank %{x}: %{text} p=%{y:.2e}<extra></extra>",
             name="distribution",
@@ -410,6 +435,11 @@ class CapturedRow:
         """ "index token" as plain text (whitespace made visible), the index alone when the
         token is unknown."""
         return str(self.row) if self.token is None else f"{self.row} {visible_token(self.token)}"
+
+    @property
+    def text_label(self) -> str:
+        """ "index token" with the token's own text, as the downloads hold it."""
+        return str(self.row) if self.token is None else f"{self.row} {self.token}"
 
 
 @dataclass
@@ -529,7 +559,14 @@ NORM_COLOUR_SCALES = {
 }
 
 
-def _position_axis(figure: go.Figure, capture: Capture, rows: list[int], axis="x", **extra):
+def _position_axis(
+    figure: go.Figure,
+    capture: Capture,
+    rows: list[int],
+    axis="x",
+    title="position (token)",
+    **extra,
+):
     update = figure.update_xaxes if axis == "x" else figure.update_yaxes
     labels = capture.labels
     # At most ~40 labelled ticks: every position's label would overlap on a long capture.
@@ -538,9 +575,11 @@ def _position_axis(figure: go.Figure, capture: Capture, rows: list[int], axis="x
         tickmode="array",
         tickvals=rows[::step],
         ticktext=[_text(labels[row]) for row in rows[::step]],
-        title="position (token)",
+        title=title,
         **extra,
     )
+    # The downloads name every position shown by its token's own text.
+    export_labels(figure, axis, {row: capture.rows[row].text_label for row in rows})
 
 
 def _prompt_end_line(figure: go.Figure, capture: Capture, rows: list[int], axes="x") -> None:
@@ -632,11 +671,12 @@ def activation_cosine_figure(
             zmax=1,
             colorscale="RdBu",
             colorbar={"title": {"text": "cos"}},
-            hovertemplate="positions %{y} · %{x}: %{z:.3f}<extra></extra>",
+            hovertemplate="positions i %{y}, j %{x}: cos %{z:.3f}<extra></extra>",
         )
     )
-    _position_axis(figure, capture, rows, "y", autorange="reversed")
-    _position_axis(figure, capture, rows, tickangle=-45)
+    # A row position and a column position: both in the downloads, under their own names.
+    _position_axis(figure, capture, rows, "y", title="position i (token)", autorange="reversed")
+    _position_axis(figure, capture, rows, title="position j (token)", tickangle=-45)
     _prompt_end_line(figure, capture, rows, axes="xy")
     title = (
         f"Cosine similarity between positions, layer {layer}, "
@@ -671,6 +711,7 @@ def activation_pca_figure(
             x=coordinates[:, 0].tolist(),
             y=coordinates[:, 1].tolist(),
             text=[_text(capture.labels[row]) for row in rows],
+            meta={"text": [capture.rows[row].text_label for row in rows]},
             mode="markers+text",
             textposition="top center",
             marker={
@@ -715,14 +756,14 @@ DELTA_AXIS = "Δ logprob, steered − baseline (nats)"
 KL_AXIS = "KL(baseline ‖ steered) (nats)"
 
 
-def _pair_label(position: int, base: str | None, steered: str | None) -> str:
+def _pair_label(position: int, base: str | None, steered: str | None, shown=_label) -> str:
+    """ "position baseline/steered" (the token once where both are the same), each token
+    `shown` (by default as a figure shows it; `str` for the downloads' own text)."""
     if base == steered or steered is None:
-        return (
-            f"{position} {_label(base)}" if base is not None else f"{position} –/{_label(steered)}"
-        )
+        return f"{position} {shown(base)}" if base is not None else f"{position} –/{shown(steered)}"
     if base is None:
-        return f"{position} –/{_label(steered)}"
-    return f"{position} {_label(base)}/{_label(steered)}"
+        return f"{position} –/{shown(steered)}"
+    return f"{position} {shown(base)}/{shown(steered)}"
 
 
 def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
@@ -735,6 +776,14 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
     base_delta = np.asarray(base["under_steered"]) - np.asarray(base["under_baseline"])
     own_delta = np.asarray(own["under_steered"]) - np.asarray(own["under_baseline"])
     steered_strings = own["strings"]
+    # Per token: the token, log p under the baseline, under the steered model.
+    base_scores, own_scores = (
+        [
+            list(row)
+            for row in zip(strings, part["under_baseline"], part["under_steered"], strict=True)
+        ]
+        for strings, part in ((baseline_strings, base), (steered_strings, own))
+    )
     count = max(len(baseline_strings), len(steered_strings))
     figure = go.Figure()
     figure.add_trace(
@@ -743,12 +792,8 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
             y=base_delta.tolist(),
             name="on the baseline's tokens",
             marker_color="#1f5fbf",
-            customdata=[
-                [_label(token), b, s]
-                for token, b, s in zip(
-                    baseline_strings, base["under_baseline"], base["under_steered"], strict=True
-                )
-            ],
+            customdata=[[_label(token), b, s] for token, b, s in base_scores],
+            meta={"customdata": base_scores},
             hovertemplate=(
                 "baseline's token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
                 " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
@@ -761,12 +806,8 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
             y=own_delta.tolist(),
             name="on the steered run's tokens",
             marker_color="#e08214",
-            customdata=[
-                [_label(token), b, s]
-                for token, b, s in zip(
-                    steered_strings, own["under_baseline"], own["under_steered"], strict=True
-                )
-            ],
+            customdata=[[_label(token), b, s] for token, b, s in own_scores],
+            meta={"customdata": own_scores},
             hovertemplate=(
                 "steered token #%{x} %{customdata[0]}: log p_baseline %{customdata[1]:.3f},"
                 " log p_steered %{customdata[2]:.3f}, Δ %{y:.3f} nats<extra></extra>"
@@ -810,6 +851,15 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
         tickangle=-45,
         range=[-0.5, count - 0.5],
     )
+    export_labels(
+        figure,
+        "x",
+        {
+            j: _pair_label(j, b, o, shown=str)
+            for j, b, o in zip(positions, padded_base, padded_own, strict=True)
+        },
+    )
+    download_meta(figure, customdata=["token", "log p_baseline", "log p_steered"])
     # (update_yaxes would retitle the KL axis too.)
     figure.update_layout(
         yaxis={"title": {"text": DELTA_AXIS}, "zeroline": True, "zerolinecolor": "#888888"}
@@ -905,6 +955,7 @@ def scale_sweep_figure(points: list[dict], target: str, unit: str = "scale") -> 
                 y=[p["target_logprob"] for p in known],
                 mode="lines+markers",
                 name=f"logprob of {_label(target)} (left)",
+                meta={"name": f"logprob of {target} (left)"},
             )
         )
     shifts = [p for p in points if p["mean_shift"] is not None]
@@ -1013,6 +1064,7 @@ def logit_lens_figure(capture: Capture, cells: LensCells, colour: str, target: s
             x=cells.rows,
             y=[str(layer) for layer in cells.layers],
             text=[[_label(tokens[0]) for tokens in row] for row in cells.top_tokens],
+            meta={"text": [[tokens[0] for tokens in row] for row in cells.top_tokens]},
             texttemplate="%{text}",
             textfont={**CELL_TEXT, "size": 10},
             customdata=[
@@ -1062,7 +1114,7 @@ def lens_rank_figure(
         tickvals=ticks,
         ticktext=[f"{tick:,}" for tick in ticks],
     )
-    figure.update_layout(meta={"customdata": ["target logprob (nats)"]})
+    download_meta(figure, customdata=["target logprob (nats)"])
     title = f"Rank of {target} by layer at position {_text(capture.labels[position])}"
     return _layout(figure, title)
 

@@ -4,15 +4,31 @@
 // its values (a position's token); `layout.meta.customdata` names the hover values a figure
 // carries (hover texts, which are HTML, are left out). plotly text is HTML-escaped, so every
 // text is read back as plain text.
+//
+// A figure draws tokens with their whitespace made visible (·, ⏎); the downloads hold the
+// tokens' own text, which the figure carries beside what it draws (playground/figures.py):
+// a trace's `meta` the plain text of its `text`, `x`, `y`, `customdata` or `name`, the
+// layout's `meta.labels` the plain text naming each value of an axis ("x", "y2").
+//
+// Under node (tests/playground/test_figure_downloads.py) the file exports its functions and
+// listens to no click.
 (function () {
   "use strict";
 
-  var parser = new DOMParser();
+  var parser = null;
 
   function plain(text) {
     if (text === null || text === undefined) return "";
     var html = String(text).replace(/<br\s*\/?>/gi, " ");
+    parser = parser || new DOMParser();
     return parser.parseFromString(html, "text/html").documentElement.textContent;
+  }
+
+  // The figure's own plain text of a trace's `key` (see above), or undefined.
+  function ownText(trace, key) {
+    var meta = trace.meta;
+    if (!meta || typeof meta !== "object" || Array.isArray(meta)) return undefined;
+    return meta[key];
   }
 
   function titleOf(thing) {
@@ -27,6 +43,8 @@
     (settings.tickvals || []).forEach(function (value, index) {
       labels.set(String(value), plain((settings.ticktext || [])[index]));
     });
+    var own = ((layout.meta || {}).labels || {})[ref] || {};
+    Object.keys(own).forEach(function (value) { labels.set(value, own[value]); });
     return { name: titleOf(settings.title) || fallback, labels: labels };
   }
 
@@ -36,30 +54,43 @@
     if (label !== undefined) record[axis.name + " label"] = label;
   }
 
-  // The hover values of one bar, point or cell: numbers and plain strings, by name.
-  function setCustom(record, custom, names) {
+  // The hover values of one bar, point or cell: numbers and plain strings, by name. `own`:
+  // the figure's own plain values (nothing to read back, no HTML to leave out).
+  function setCustom(record, custom, names, own) {
     if (custom === undefined || custom === null) return;
     var values = Array.isArray(custom) ? custom : [custom];
     values.forEach(function (value, index) {
-      if (typeof value === "string" && /<[a-z]/i.test(value)) return;
+      if (!own && typeof value === "string" && /<[a-z]/i.test(value)) return;
       var name = names[index] || (values.length > 1 ? "hover " + index : "hover value");
-      record[name] = typeof value === "string" ? plain(value) : value;
+      record[name] = typeof value === "string" && !own ? plain(value) : value;
     });
+  }
+
+  // What a download holds of a trace's `key`: the figure's own plain text where it gives
+  // it, else the values drawn (read back as plain text when `text`).
+  function source(trace, key) {
+    var own = ownText(trace, key);
+    return { values: own !== undefined ? own : trace[key], own: own !== undefined };
   }
 
   function heatmapRecords(trace, base, x, y, names) {
     var records = [];
     var zName = titleOf((trace.colorbar || {}).title) || "value";
+    var texts = source(trace, "text");
+    var xs = source(trace, "x").values;
+    var ys = source(trace, "y").values;
+    var custom = source(trace, "customdata");
     trace.z.forEach(function (row, i) {
       row.forEach(function (value, j) {
         var text = trace.text ? trace.text[i][j] : "";
         if (value === null && !text) return; // padding
         var record = Object.assign({}, base);
-        setValue(record, x, trace.x ? trace.x[j] : j);
-        setValue(record, y, trace.y ? trace.y[i] : i);
+        setValue(record, x, xs ? xs[j] : j);
+        setValue(record, y, ys ? ys[i] : i);
         record[zName] = value;
-        if (trace.text) record.text = plain(text);
-        setCustom(record, trace.customdata && trace.customdata[i] && trace.customdata[i][j], names);
+        if (texts.values) record.text = texts.own ? texts.values[i][j] : plain(text);
+        setCustom(record, custom.values && custom.values[i] && custom.values[i][j], names,
+          custom.own);
         records.push(record);
       });
     });
@@ -69,12 +100,18 @@
   function pointRecords(trace, base, x, y, names) {
     var count = (trace.x || trace.y || []).length;
     var records = [];
+    var texts = source(trace, "text");
+    var xs = source(trace, "x").values;
+    var ys = source(trace, "y").values;
+    var custom = source(trace, "customdata");
     for (var k = 0; k < count; k += 1) {
       var record = Object.assign({}, base);
-      setValue(record, x, trace.x ? trace.x[k] : k);
-      setValue(record, y, trace.y ? trace.y[k] : k);
-      if (Array.isArray(trace.text)) record.text = plain(trace.text[k]);
-      setCustom(record, trace.customdata && trace.customdata[k], names);
+      setValue(record, x, xs ? xs[k] : k);
+      setValue(record, y, ys ? ys[k] : k);
+      if (Array.isArray(texts.values)) {
+        record.text = texts.own ? texts.values[k] : plain(texts.values[k]);
+      }
+      setCustom(record, custom.values && custom.values[k], names, custom.own);
       records.push(record);
     }
     return records;
@@ -87,16 +124,34 @@
     figure.data.forEach(function (trace, index) {
       var x = axisOf(layout, trace.xaxis || "x", "x");
       var y = axisOf(layout, trace.yaxis || "y", "y");
-      var base = { trace: plain(trace.name || "trace " + index) };
+      if (x.name === y.name) {
+        // Both positions of a pairwise matrix, say: each under its own name.
+        x.name += " (x)";
+        y.name += " (y)";
+      }
+      var name = ownText(trace, "name");
+      var base = { trace: name !== undefined ? name : plain(trace.name || "trace " + index) };
       var add = trace.type === "heatmap" ? heatmapRecords : pointRecords;
       records = records.concat(add(trace, base, x, y, names));
     });
     return records;
   }
 
+  // A CSV cell a spreadsheet reads as data, never as a formula (CSV injection, as OWASP
+  // names it; the same rule as infra/spreadsheet.py's on the server): text starting with
+  // = + - @, a tab or a carriage return gets a leading ', unless the whole text is a decimal
+  // number ("-1.25", which a spreadsheet reads as that number); numbers are written as they
+  // are. A program reading the CSV sees the ' (a token "-" is "'-"); the JSON download holds
+  // every text as it is.
+  var FORMULA_START = /^[=+\-@\t\r]/;
+  var NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/;
+
   function csvCell(value) {
     if (value === null || value === undefined) return "";
     var text = String(value);
+    if (typeof value !== "number" && FORMULA_START.test(text) && !NUMBER.test(text)) {
+      text = "'" + text;
+    }
     return /[",\n\r]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
   }
 
@@ -124,22 +179,31 @@
     setTimeout(function () { URL.revokeObjectURL(link.href); }, 0);
   }
 
+  // The JSON download of figure `name` on page `page`.
+  function figureDocument(name, figure, page) {
+    return {
+      figure: name,
+      title: titleOf((figure.layout || {}).title),
+      page: page,
+      records: figureRecords(figure),
+    };
+  }
+
+  if (typeof module === "object" && module.exports) {
+    module.exports = { csvCell: csvCell, figureDocument: figureDocument, toCsv: toCsv };
+  }
+  if (typeof document === "undefined") return;
+
   document.addEventListener("click", function (event) {
     var button = event.target.closest("[data-figure-export]");
     if (!button) return;
     var name = button.dataset.figure;
     var figure = JSON.parse(document.getElementById(name).textContent);
-    var records = figureRecords(figure);
+    var document_ = figureDocument(name, figure, window.location.href);
     if (button.dataset.figureExport === "csv") {
-      save(name + ".csv", toCsv(records), "text/csv");
+      save(name + ".csv", toCsv(document_.records), "text/csv");
       return;
     }
-    var document_ = {
-      figure: name,
-      title: titleOf((figure.layout || {}).title),
-      page: window.location.href,
-      records: records,
-    };
     save(name + ".json", JSON.stringify(document_, null, 1), "application/json");
   });
 })();
