@@ -65,8 +65,10 @@ class CompletionResult:
 class _Request:
     """Timing and metering state of one completion request."""
 
-    def __init__(self, *, key, payload, request_id, endpoint, workload, stream):
+    def __init__(self, *, key, payload, request_id, endpoint, workload, stream, fence=None):
         self.key = key
+        # A worker's bill is fenced by its attempt at the job (`metering.gateway.meter`).
+        self.fence = fence
         self.payload = payload
         self.status, self.error_code = 500, "internal_error"
         self.request_id = request_id
@@ -146,6 +148,7 @@ class _Request:
             record=self.record(status=status, error_code=error_code),
             urgent=urgent,
             activations_refunded=error_code == "capture_incomplete",
+            fence=self.fence,
         )
 
     async def finish(self, *, status: int, error_code: str = "") -> None:
@@ -210,13 +213,16 @@ async def completion_run(
     endpoint: str = "completions",
     workload: str = "",
     settle_in_background: bool = False,
+    fence=None,
 ) -> "CompletionResult":
     """Serve one non-streaming completion body for `key` exactly as POST /v1/completions
     does; never raises ApiError (errors come back as a result with the error envelope).
 
     The budget is settled and the usage recorded before returning, unless
     `settle_in_background` (the HTTP view: the client gets its body without waiting for
-    those writes; `background.pending()` counts the ones still running)."""
+    those writes; `background.pending()` counts the ones still running). `fence` (a job's
+    worker: `infra.lifecycle.Attempt.fence_steps`) bills nothing when its attempt no longer
+    holds the job (`metering.gateway.meter`)."""
     state = _Request(
         key=key,
         payload=payload,
@@ -224,6 +230,7 @@ async def completion_run(
         endpoint=endpoint,
         workload=workload,
         stream=False,
+        fence=fence,
     )
     try:
         result = await _run(state)

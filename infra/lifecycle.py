@@ -1,24 +1,36 @@
 """The one lifecycle of background work (completion and harvest jobs, playground runs, scores,
 comparisons and job submissions, and so the grids made of runs): its status vocabulary, the
-claim a worker makes (`work_claim`), the lease it renews (`work_heartbeat`), giving a row back
-to be retried later (`work_requeue`) and the sweep of rows that can no longer finish on their
-own (`work_sweep`). Takes model classes as arguments: imports no app's models.
+claim a worker makes (`work_claim`, starting an `Attempt`), the lease it renews
+(`Attempt.heartbeat`), giving a row back to be retried later (`Attempt.requeue`) and the sweep
+of rows that can no longer finish on their own (`work_sweep`). Takes model classes as
+arguments: imports no app's models.
 
 A row moves queued → running → succeeded | failed | cancelled; an ended row whose stored
 output was deleted after its retention is expired. Every move is a conditional update on the
 status it leaves, so two workers (or a worker and a cancel, or a worker and the sweep) never
 both move one row. Where a page or the API words a status otherwise (the harvest API's
-"pending" and "done", the Jobs page's "Submitted"), the model says so next to its table."""
+"pending" and "done", the Jobs page's "Submitted"), the model says so next to its table.
 
+Each claim starts an attempt (`Attempt`): the row's `attempts` count after it. A worker holds
+its row only while the row is running and claimed by no later attempt, and every write of its
+worker (heartbeat, progress, outcome, re-queue) and every bill of its work is conditional on
+that, so a worker whose row the sweep took back (its lease ran out while it was paused or slow)
+and another worker claimed writes and bills nothing: it finds out at its next write, logs it
+and stops."""
+
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import models
+from django.db import connections, models
 from django.db.models import F, Q
+from django.db.models.sql import UpdateQuery
 
 from .tasks import task_send
+
+logger = logging.getLogger(__name__)
 
 
 class WorkStatus(models.TextChoices):
@@ -36,42 +48,139 @@ ACTIVE = (WorkStatus.QUEUED, WorkStatus.RUNNING)
 ENDED = (WorkStatus.SUCCEEDED, WorkStatus.FAILED, WorkStatus.CANCELLED)
 
 
-def work_claim(model, *, pk, now: datetime, lease: timedelta | None = None) -> bool:
-    """Move row `pk` of `model` from queued to running if it is still queued; whether it did
-    (False: another worker, a cancel or the sweep got there first). Counts the attempt and
-    stamps its start where the table keeps them (`attempts`, `started_at`); with `lease` the
-    row is held until `now + lease` (`lease_expires_at`), when the sweep takes it back."""
+def work_claim(model, *, pk, now: datetime, lease: timedelta | None = None) -> "Attempt | None":
+    """Move row `pk` of `model` from queued to running if it is still queued, and return the
+    attempt this claim starts; None when another worker, a cancel or the sweep got there
+    first. Counts the attempt and stamps its start where the table keeps them (`attempts`,
+    `started_at`); with `lease` the row is held until `now + lease` (`lease_expires_at`),
+    when the sweep takes it back. One statement: the count comes back from the update."""
     fields = {"status": WorkStatus.RUNNING}
-    kept = {field.name for field in model._meta.concrete_fields}
-    if "attempts" in kept:
+    counted = _counts_attempts(model)
+    if counted:
         fields["attempts"] = F("attempts") + 1
-    if "started_at" in kept:
+    if "started_at" in _fields(model):
         fields["started_at"] = now
     if lease is not None:
         fields["lease_expires_at"] = now + lease
-    return bool(model.objects.filter(pk=pk, status=WorkStatus.QUEUED).update(**fields))
+    queued = model.objects.filter(pk=pk, status=WorkStatus.QUEUED)
+    if not counted:
+        # Such a table's sweep never puts a row back to queued: it has one attempt.
+        return Attempt(model, pk, 1) if queued.update(**fields) else None
+    with connections[queued.db].cursor() as cursor:
+        cursor.execute(*_update_sql(queued, fields, returning="attempts"))
+        row = cursor.fetchone()
+    return Attempt(model, pk, row[0]) if row else None
 
 
-def work_heartbeat(model, *, pk, lease: timedelta, now: datetime, **progress) -> bool:
-    """Renew the lease of running row `pk` until `now + lease`, writing `progress` (what the
-    worker records as it goes) with it; False when the row is no longer running (cancelled,
-    or taken back by the sweep): its worker should stop."""
-    renewed = model.objects.filter(pk=pk, status=WorkStatus.RUNNING).update(
-        lease_expires_at=now + lease, **progress
-    )
-    return bool(renewed)
+@dataclass(frozen=True)
+class Attempt:
+    """The `number`th attempt at row `pk` of `model` (its `attempts` count once claimed; 1 for
+    a table that counts none, whose rows are never re-queued). It holds the row while the row
+    is running with that count: every write its worker makes and every bill of its work goes
+    through `rows()`, `write`, `heartbeat`, `requeue` or `fence_steps`, which change nothing
+    once a later attempt claimed the row (or it was cancelled or failed)."""
+
+    model: type[models.Model]
+    pk: object
+    number: int
+
+    @classmethod
+    def of(cls, row: models.Model) -> "Attempt":
+        """The attempt of the worker that claimed `row` and then loaded it."""
+        return cls(type(row), row.pk, getattr(row, "attempts", 1))
+
+    def rows(self, *statuses: str) -> models.QuerySet:
+        """The row while this attempt holds it (running, or in `statuses` where given)."""
+        rows = self.model.objects.filter(pk=self.pk, status__in=statuses or [WorkStatus.RUNNING])
+        if _counts_attempts(self.model):
+            rows = rows.filter(attempts=self.number)
+        return rows
+
+    def write(self, **fields) -> bool:
+        """Write `fields` (an outcome, progress) while this attempt holds the row; False,
+        writing nothing, when it no longer does (logged)."""
+        if self.rows().update(**fields):
+            return True
+        self.refused("its write")
+        return False
+
+    def heartbeat(self, *, lease: timedelta, now: datetime, **progress) -> bool:
+        """Renew the lease until `now + lease`, writing `progress` (what the worker records as
+        it goes) with it; False when this attempt no longer holds the row (cancelled, or
+        taken back by the sweep): its worker should stop."""
+        if self.rows().update(lease_expires_at=now + lease, **progress):
+            return True
+        self.refused("its heartbeat")
+        return False
+
+    def requeue(self, *, task: str, delay_s: int, lease: timedelta, now: datetime) -> bool:
+        """Put the row back to queued and send `task` for it in `delay_s` seconds (what an
+        upstream asking to retry then wants); the sweep re-sends it if no worker took it
+        `lease` after that. False, sending nothing, when this attempt no longer holds it."""
+        requeued = self.rows().update(
+            status=WorkStatus.QUEUED, lease_expires_at=now + timedelta(seconds=delay_s) + lease
+        )
+        if not requeued:
+            self.refused("its re-queue")
+            return False
+        task_send(task, str(self.pk), countdown=delay_s)
+        return True
+
+    def fence_steps(self, *statuses: str, **fields):
+        """Steps (`metering.sql`) that a bill of this attempt's work runs first, in the bill's
+        transaction: whether this attempt holds the row (running, or in `statuses`), writing
+        `fields` with it. The row stays locked until the bill commits, so the sweep cannot
+        take it back between the check and the bill; False: bill nothing."""
+        write = fields or {"status": F("status")}  # changes nothing, and locks the row
+        rows = yield [_update_sql(self.rows(*statuses), write, returning="pk")]
+        if not rows:
+            self.refused("its bill", look=False)
+        return bool(rows)
+
+    def refused(self, what: str, *, look: bool = True) -> None:
+        """Log that `what` of this attempt was refused; `look`: say why (one query)."""
+        name = f"{self.model._meta.verbose_name} {self.pk}"
+        current = None
+        if look and _counts_attempts(self.model):
+            current = self.model.objects.filter(pk=self.pk).values("status", "attempts").first()
+        if current is not None and current["attempts"] != self.number:
+            logger.warning(
+                "%s: attempt %s is stale (attempt %s claimed it since, now %s): %s was refused;"
+                " its worker stops",
+                name, self.number, current["attempts"], current["status"], what,
+            )  # fmt: skip
+        elif current is not None:
+            logger.info(
+                "%s: attempt %s no longer holds it (now %s): %s was refused; its worker stops",
+                name, self.number, current["status"], what,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "%s: attempt %s no longer holds it (cancelled, failed, or claimed again): %s"
+                " was refused; its worker stops",
+                name, self.number, what,
+            )  # fmt: skip
 
 
-def work_requeue(model, *, pk, task: str, delay_s: int, lease: timedelta, now: datetime) -> bool:
-    """Put running row `pk` back to queued and send `task` for it in `delay_s` seconds (what
-    an upstream asking to retry then wants); the sweep re-sends it if no worker took it
-    `lease` after that. False, sending nothing, when the row is no longer running."""
-    requeued = model.objects.filter(pk=pk, status=WorkStatus.RUNNING).update(
-        status=WorkStatus.QUEUED, lease_expires_at=now + timedelta(seconds=delay_s) + lease
-    )
-    if requeued:
-        task_send(task, str(pk), countdown=delay_s)
-    return bool(requeued)
+def _fields(model) -> set[str]:
+    return {field.name for field in model._meta.concrete_fields}
+
+
+def _counts_attempts(model) -> bool:
+    return "attempts" in _fields(model)
+
+
+def _update_sql(rows: models.QuerySet, fields: dict, *, returning: str) -> tuple[str, list]:
+    """The UPDATE `rows.update(**fields)` runs, returning the column of field `returning` of
+    each row it changed (an update Django's ORM runs only for a row count), for a cursor or
+    a metering step."""
+    query = rows.query.chain(UpdateQuery)
+    query.add_update_values(fields)
+    compiler = query.get_compiler(rows.db)
+    meta = rows.model._meta
+    compiler.returning_fields = [meta.pk if returning == "pk" else meta.get_field(returning)]
+    sql, params = compiler.as_sql()
+    return sql, list(params)
 
 
 @dataclass(frozen=True)

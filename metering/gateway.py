@@ -81,8 +81,13 @@ def _worst_case(prompt_tokens: int, max_tokens: int, completions: int) -> int:
     return prompt_tokens + completions * max_tokens
 
 
-def _settle_and_record_steps(hold, record: UsageRecord, *, activations_refunded: bool, retry: bool):
+def _settle_and_record_steps(
+    hold, record: UsageRecord, *, activations_refunded: bool, retry: bool, fence=None
+):
     if retry and (yield from usage_record_written_steps(record=record)):
+        return
+    if fence is not None and not (yield from fence()):
+        yield from unbilled_release_steps(hold)
         return
     if hold is not None:
         settled = yield from budget_settle_steps(
@@ -97,27 +102,51 @@ def _settle_and_record_steps(hold, record: UsageRecord, *, activations_refunded:
     yield from usage_records_steps(records=[record])
 
 
-def meter(*, hold, record: UsageRecord, urgent: bool, activations_refunded: bool = False):
+def meter(
+    *, hold, record: UsageRecord, urgent: bool, activations_refunded: bool = False, fence=None
+):
     """Settle `hold` (what `reserve` returned, or None) to the usage of the unsaved usage
     `record` and write the record. Returns a future done once both are written; `urgent`
     asks the lease writer not to wait for a fuller batch. `activations_refunded`: the
-    activation requests the hold counted are given back (the upstream did no capture)."""
-    if isinstance(hold, leases.LeaseHold) or (hold is None and leases.active()):
+    activation requests the hold counted are given back (the upstream did no capture).
+
+    `fence` (background work: `infra.lifecycle.Attempt.fence_steps`) makes steps run first in
+    the same transaction; when they return False the work is no longer its worker's (a later
+    attempt took it over): the hold is released and nothing is billed. A fenced bill is never
+    taken from a lease (workers hold none)."""
+    if fence is None and (isinstance(hold, leases.LeaseHold) or (hold is None and leases.active())):
         # Activation requests are never held out of a lease: nothing to give back.
         return leases.current().meter(hold=hold, record=record, urgent=urgent)
+    if isinstance(hold, leases.LeaseHold):
+        raise ValueError("a fenced bill needs a hold of its own, not one of a lease")
     return background.spawn(
-        _settle_and_record(hold, record, activations_refunded=activations_refunded)
+        _settle_and_record(hold, record, activations_refunded=activations_refunded, fence=fence)
     )
 
 
-async def _settle_and_record(hold, record: UsageRecord, *, activations_refunded: bool) -> None:
+def unbilled_release_steps(hold):
+    """Steps: free `hold` (a `BudgetReservation`, or None) of work that is not billed, giving
+    back the activation requests it counted."""
+    if hold is not None:
+        yield from budget_settle_steps(
+            reservation_id=hold.pk, prompt_tokens=0, completion_tokens=0, release=True
+        )
+
+
+async def _settle_and_record(
+    hold, record: UsageRecord, *, activations_refunded: bool, fence=None
+) -> None:
     """Settle and write `record` in one transaction, retried while the database is out of
     reach. A retry first looks for the record: a broken attempt may have committed."""
     for attempt, pause in enumerate((*SETTLE_RETRY_S, None)):
         try:
             await run_steps_async(
                 lambda retry=attempt > 0: _settle_and_record_steps(
-                    hold, record, activations_refunded=activations_refunded, retry=retry
+                    hold,
+                    record,
+                    activations_refunded=activations_refunded,
+                    retry=retry,
+                    fence=fence,
                 )
             )
             return

@@ -15,6 +15,7 @@ from django.utils import timezone
 from accounts.models import ApiKey
 
 from .budgets import budget_activations_refund_steps, budget_reserve, budget_settle_steps
+from .gateway import unbilled_release_steps
 from .models import BudgetReservation, UsageRecord
 from .sql import run_steps
 from .usage import usage_records_steps
@@ -46,10 +47,14 @@ def job_meter(
     completion_tokens: int,
     latency_ms: float,
     activation_layers: list[int],
-) -> None:
+    fence=None,
+) -> bool:
     """Settle `hold` to the usage of the `completions` captures that happened, give back the
     activation requests of those it held that did not, and write the batch's usage record,
-    in one transaction."""
+    in one transaction; True. `fence` (`infra.lifecycle.Attempt.fence_steps`, which may
+    record the batch on the job's row) runs first in that transaction: when its steps return
+    False the job is no longer this worker's, the hold is released, nothing is billed, and
+    False is returned."""
     record = UsageRecord(
         created_at=timezone.now(),
         key_id=key.pk,
@@ -63,7 +68,9 @@ def job_meter(
         completion_tokens=completion_tokens,
         activation_layers=activation_layers,
     )
-    run_steps(lambda: _settle_steps(hold, completions=completions, record=record))
+    return run_steps(
+        lambda: _settle_steps(hold, completions=completions, record=record, fence=fence)
+    )
 
 
 def job_release(*, hold: BudgetReservation) -> None:
@@ -72,7 +79,12 @@ def job_release(*, hold: BudgetReservation) -> None:
     run_steps(lambda: _settle_steps(hold, completions=0, record=None))
 
 
-def _settle_steps(hold: BudgetReservation, *, completions: int, record: UsageRecord | None):
+def _settle_steps(
+    hold: BudgetReservation, *, completions: int, record: UsageRecord | None, fence=None
+):
+    if fence is not None and not (yield from fence()):
+        yield from unbilled_release_steps(hold)
+        return False
     settled = yield from budget_settle_steps(
         reservation_id=hold.pk,
         prompt_tokens=record.prompt_tokens if record else 0,
@@ -84,6 +96,7 @@ def _settle_steps(hold: BudgetReservation, *, completions: int, record: UsageRec
         )
     if record is not None:
         yield from usage_records_steps(records=[record])
+    return True
 
 
 def job_metered(*, key_id: int, request_id: str, since: dt.datetime) -> bool:

@@ -13,8 +13,12 @@ from django.utils import timezone
 
 from api.jobs import tasks as jobs_tasks
 from api.jobs.models import CompletionJob, HarvestJob
+from api.jobs.services import harvests
 from infra import lifecycle
 from infra.lifecycle import WorkStatus
+from metering import windows
+from metering.jobs import job_meter, job_reserve
+from metering.models import BudgetReservation, ReservationStatus, UsagePeriod, UsageRecord
 from playground import tasks as playground_tasks
 from playground.models import JobKind, JobSubmission, Run, RunComparison, SteeringScore
 
@@ -155,13 +159,14 @@ def test_the_jobs_sweep_requeues_a_job_whose_worker_died_and_resends_it(
         attempts=1,
         lease_expires_at=timezone.now() - dt.timedelta(seconds=1),
     )
-    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now()) is False
+    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now()) is None
     jobs_tasks.jobs_sweep_task()
     job.refresh_from_db()
     assert (job.status, job.attempts) == (WorkStatus.QUEUED, 1)
     assert sent_tasks_of_lifecycle == [("api.jobs.tasks.harvest_job_run_task", str(job.pk))]
     lease = dt.timedelta(minutes=1)
-    assert lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now(), lease=lease)
+    attempt = lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now(), lease=lease)
+    assert attempt == lifecycle.Attempt(HarvestJob, job.pk, 2)
     job.refresh_from_db()
     assert (job.status, job.attempts) == (WorkStatus.RUNNING, 2)
     assert job.lease_expires_at == job.started_at + lease
@@ -180,20 +185,73 @@ def test_a_heartbeat_renews_a_running_lease_and_tells_a_cancelled_worker_to_stop
     approved_user, api_key, sent_tasks_of_lifecycle
 ):
     now, lease = timezone.now(), dt.timedelta(minutes=1)
-    job = harvest_job(approved_user, api_key, status=WorkStatus.RUNNING)
-    assert lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now, prompts_done=1)
+    job = harvest_job(approved_user, api_key)
+    attempt = lifecycle.work_claim(HarvestJob, pk=job.pk, now=now)
+    assert attempt.heartbeat(lease=lease, now=now, prompts_done=1)
     job.refresh_from_db()
     assert (job.lease_expires_at, job.prompts_done) == (now + lease, 1)
 
-    assert lifecycle.work_requeue(HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now)
+    assert attempt.requeue(task="t", delay_s=30, lease=lease, now=now)
     job.refresh_from_db()
     assert job.status == WorkStatus.QUEUED
     assert job.lease_expires_at == now + dt.timedelta(seconds=30) + lease
     assert sent_tasks_of_lifecycle == [("t", str(job.pk))]
 
+    attempt = lifecycle.work_claim(HarvestJob, pk=job.pk, now=now)
     HarvestJob.objects.filter(pk=job.pk).update(status=WorkStatus.CANCELLED)
-    assert not lifecycle.work_heartbeat(HarvestJob, pk=job.pk, lease=lease, now=now)
-    assert not lifecycle.work_requeue(
-        HarvestJob, pk=job.pk, task="t", delay_s=30, lease=lease, now=now
-    )
+    assert not attempt.heartbeat(lease=lease, now=now)
+    assert not attempt.requeue(task="t", delay_s=30, lease=lease, now=now)
     assert len(sent_tasks_of_lifecycle) == 1
+
+
+def test_a_stale_attempt_writes_and_bills_nothing_and_the_attempt_holding_the_row_does(
+    approved_user, api_key, sent_tasks_of_lifecycle
+):
+    """Attempt 1 claims a job; its lease runs out, the sweep puts the job back to queued and
+    attempt 2 claims it. Attempt 1's heartbeat, result write, re-queue and bill are refused;
+    attempt 2's go through: one result, billed once."""
+    now, lease = timezone.now(), dt.timedelta(minutes=10)
+    job = harvest_job(approved_user, api_key)
+    first = lifecycle.work_claim(HarvestJob, pk=job.pk, now=now, lease=lease)
+    assert harvests.harvest_jobs_recover_stuck(now=now + lease + dt.timedelta(seconds=1)) == 1
+    second = lifecycle.work_claim(HarvestJob, pk=job.pk, now=timezone.now(), lease=lease)
+    assert (first.number, second.number) == (1, 2)
+
+    def bill(attempt) -> bool:
+        hold = job_reserve(key=api_key, prompt_tokens=3, max_tokens=1, completions=1)
+        return job_meter(
+            hold=hold,
+            key=api_key,
+            request_id=f"attempt-{attempt.number}",
+            endpoint="harvest",
+            model="m",
+            completions=1,
+            prompt_tokens=3,
+            completion_tokens=1,
+            latency_ms=1.0,
+            activation_layers=[1],
+            fence=lambda: attempt.fence_steps(prompts_done=1),
+        )
+
+    assert not first.heartbeat(lease=lease, now=timezone.now(), prompts_done=1)
+    assert not bill(first)
+    assert not first.write(status=WorkStatus.SUCCEEDED, files=["stale"])
+    assert not first.requeue(task="t", delay_s=1, lease=lease, now=timezone.now())
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.prompts_done, job.files) == ("running", 2, 0, [])
+
+    assert second.heartbeat(lease=lease, now=timezone.now())
+    assert bill(second)
+    assert second.write(status=WorkStatus.SUCCEEDED, files=["result"])
+    job.refresh_from_db()
+    assert (job.status, job.prompts_done, job.files) == (WorkStatus.SUCCEEDED, 1, ["result"])
+    assert [r.request_id for r in UsageRecord.objects.filter(key=api_key)] == ["attempt-2"]
+    holds = BudgetReservation.objects.filter(key=api_key).order_by("pk")
+    assert [hold.status for hold in holds] == [
+        ReservationStatus.RELEASED,
+        ReservationStatus.SETTLED,
+    ]
+    month = UsagePeriod.objects.get(key=api_key, period=windows.MONTH.name)
+    assert (month.used_tokens, month.reserved_tokens, month.activation_requests) == (4, 0, 1)
+    # Only the sweep's re-send went out: attempt 1's re-queue sent nothing.
+    assert sent_tasks_of_lifecycle == [("api.jobs.tasks.harvest_job_run_task", str(job.pk))]

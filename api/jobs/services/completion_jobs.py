@@ -16,7 +16,7 @@ from api.auth import key_recheck
 from api.completions import completion_run
 from api.errors import ApiError, result_unstorable, worker_lost
 from infra.database import written_through_reconnects
-from infra.lifecycle import Resend, WorkStatus, work_claim, work_requeue, work_sweep
+from infra.lifecycle import Attempt, Resend, WorkStatus, work_claim, work_sweep
 from infra.tasks import task_send
 from metering.models import UsageRecord
 
@@ -70,20 +70,26 @@ def completion_job_execute(*, job_id, now=None) -> None:
     retryable (it has Retry-After) re-queues the job after that delay, up to
     ACS_JOB_MAX_ATTEMPTS attempts in all. A result the database cannot store fails the job
     with result_unstorable (it ran and was billed once). Does nothing if the job is not
-    queued."""
+    queued.
+
+    The claim's attempt fences what the worker writes and bills (`infra.lifecycle`): when
+    the sweep took the job back meanwhile (its lease ran out while the worker waited, for
+    admission or the upstream) and another worker claimed it, this attempt's completion is
+    not billed (its hold is released) and its result not stored."""
     now = now or timezone.now()
     lease = timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
-    if not work_claim(CompletionJob, pk=job_id, now=now, lease=lease):
+    attempt = work_claim(CompletionJob, pk=job_id, now=now, lease=lease)
+    if attempt is None:
         return
     job = CompletionJob.objects.select_related("key", "key__user").get(pk=job_id)
-    billed = _attempt_billed(job)
+    billed = _attempt_billed(job, attempt)
     if billed is not None:
         # An earlier attempt's completion ran and was billed, and its result was lost with
         # its worker: running it again would bill it twice.
         error = result_unstorable(
             RuntimeError("the worker that ran it stopped before storing it"), request_id=billed
         )
-        _completion_job_stored(job, status=error.status, body=error.body(), headers={})
+        _completion_job_stored(attempt, status=error.status, body=error.body(), headers={})
         return
     request_id = f"{_request_id_prefix(job)}{uuid.uuid4().hex[:12]}"
     try:
@@ -93,6 +99,7 @@ def completion_job_execute(*, job_id, now=None) -> None:
             request_id=request_id,
             endpoint="completion-jobs",
             workload=job.workload,
+            fence=attempt.fence_steps,
         )
         status, body, headers = result.status, result.body, dict(result.headers)
     except ApiError as refusal:
@@ -106,11 +113,9 @@ def completion_job_execute(*, job_id, now=None) -> None:
         )
         status, body, headers = error.status, error.body(), error.headers()
     retry_after = headers.get("Retry-After")
-    if status >= 400 and retry_after and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS:
+    if status >= 400 and retry_after and attempt.number < settings.ACS_JOB_MAX_ATTEMPTS:
         written_through_reconnects(
-            lambda: work_requeue(
-                CompletionJob,
-                pk=job.pk,
+            lambda: attempt.requeue(
                 task=COMPLETION_JOB_RUN_TASK,
                 delay_s=int(retry_after),
                 lease=timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS),
@@ -119,12 +124,14 @@ def completion_job_execute(*, job_id, now=None) -> None:
         )
         return
     try:
-        _completion_job_stored(job, status=status, body=body, headers=headers)
+        _completion_job_stored(attempt, status=status, body=body, headers=headers)
     except DataError as refused:
         # Run again, the job would be billed again and refused again: it fails, once.
         logger.warning("completion job %s: result not stored: %s", job.pk, refused)
         error = result_unstorable(refused, request_id=request_id)
-        _completion_job_stored(job, status=error.status, body=error.body(), headers=error.headers())
+        _completion_job_stored(
+            attempt, status=error.status, body=error.body(), headers=error.headers()
+        )
 
 
 def _request_id_prefix(job: CompletionJob) -> str:
@@ -132,9 +139,10 @@ def _request_id_prefix(job: CompletionJob) -> str:
     return f"job-{job.pk.hex[:12]}-"
 
 
-def _attempt_billed(job: CompletionJob) -> str | None:
-    """The request id of an earlier attempt of `job` that was answered and billed, if any."""
-    if job.attempts <= 1:
+def _attempt_billed(job: CompletionJob, attempt: Attempt) -> str | None:
+    """The request id of an earlier attempt of `job` that was answered and billed, if any
+    (an attempt bills only while it holds the job, so a billed one held it before this)."""
+    if attempt.number <= 1:
         return None
     billed = UsageRecord.objects.filter(
         key_id=job.key_id, request_id__startswith=_request_id_prefix(job), status_code__lt=400
@@ -142,18 +150,19 @@ def _attempt_billed(job: CompletionJob) -> str | None:
     return billed.values_list("request_id", flat=True).first()
 
 
-def _completion_job_stored(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
+def _completion_job_stored(attempt: Attempt, *, status: int, body: dict, headers: dict) -> None:
     """`_completion_job_finish`, through a connection PostgreSQL ended or a database that is
     back within a minute: the work it stores ran, and was billed, once."""
     written_through_reconnects(
-        lambda: _completion_job_finish(job, status=status, body=body, headers=headers)
+        lambda: _completion_job_finish(attempt, status=status, body=body, headers=headers)
     )
 
 
-def _completion_job_finish(job: CompletionJob, *, status: int, body: dict, headers: dict) -> None:
-    """Store a running job's outcome (DataError when the database cannot hold `body`)."""
+def _completion_job_finish(attempt: Attempt, *, status: int, body: dict, headers: dict) -> None:
+    """Store the job's outcome while `attempt` holds it (DataError when the database cannot
+    hold `body`); a stale attempt stores nothing."""
     with transaction.atomic():
-        CompletionJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+        attempt.write(
             status=WorkStatus.SUCCEEDED if status < 400 else WorkStatus.FAILED,
             finished_at=timezone.now(),
             lease_expires_at=None,

@@ -30,10 +30,17 @@ def batch_request_id(job: HarvestJob, first_index: int) -> str:
 class HarvestOutput:
     """A job's files as its batches arrive: one shard per batch, the running stats, and the
     bytes written, kept under ACS_HARVEST_MAX_JOB_BYTES. It starts from the shards an
-    earlier attempt recorded (`HarvestJob.shards`), reading them back for the stats."""
+    earlier attempt recorded (`HarvestJob.shards`), reading them back for the stats.
 
-    def __init__(self, job: HarvestJob, *, hidden_size: int):
+    Attempt `attempt` (the claim's count, `infra.lifecycle.Attempt`) names its shards
+    `shard_00003.safetensors` on the first attempt and `shard_00003-attempt2.safetensors`
+    on the second: a worker whose attempt went stale (another claimed the job) may still
+    write a shard before it finds out, and then writes a file of its own, which no attempt
+    records, rather than replacing one that a later attempt recorded."""
+
+    def __init__(self, job: HarvestJob, *, hidden_size: int, attempt: int = 1):
         self.job = job
+        self.attempt = attempt
         self.hidden_size = hidden_size
         self.stats = ActivationStats(n_layers=len(job.layers), hidden_size=hidden_size)
         self.shards: list[dict] = list(job.shards)
@@ -66,9 +73,21 @@ class HarvestOutput:
         first_index: int,
         token_strings: list[list[str] | None],
     ) -> None:
-        """Write one batch's shard: per prompt i its activations (`prompt_i`) and token ids
-        (`tokens_i`), with the metadata `acs_client.downloads` reads (token strings, layers,
-        model, request id)."""
+        """Write one batch's shard (`shard_write`) and count it as written (`shard_keep`)."""
+        shard = self.shard_write(captures, first_index=first_index, token_strings=token_strings)
+        self.shard_keep(shard, captures)
+
+    def shard_write(
+        self,
+        captures: list[Capture],
+        *,
+        first_index: int,
+        token_strings: list[list[str] | None],
+    ) -> dict:
+        """Write one batch's shard file, as the next shard: per prompt i its activations
+        (`prompt_i`) and token ids (`tokens_i`), with the metadata `acs_client.downloads`
+        reads (token strings, layers, model, request id). Returns its entry of
+        `HarvestJob.shards`; it counts once given to `shard_keep` (when it was recorded)."""
         tensors, described = {}, []
         request_id = batch_request_id(self.job, first_index)
         for index, (capture, strings) in enumerate(
@@ -87,8 +106,8 @@ class HarvestOutput:
                     request_id=request_id,
                 )
             )
-            self.stats.add(capture.bits)
-        name = f"shard_{len(self.shards):05d}.safetensors"
+        suffix = "" if self.attempt == 1 else f"-attempt{self.attempt}"
+        name = f"shard_{len(self.shards):05d}{suffix}.safetensors"
         metadata = file_metadata(
             kind="harvest_shard",
             model=self.job.model,
@@ -100,16 +119,20 @@ class HarvestOutput:
         )
         content = safetensors_bytes(tensors, metadata)
         harvest_file_write(self.job.storage_prefix, name, content)
-        self.shards.append(
-            {
-                "name": name,
-                "tensors": list(tensors),
-                "prompts": len(captures),
-                "bytes": len(content),
-            }
-        )
-        self.bytes_written += len(content)
-        self.prompts_written += len(captures)
+        return {
+            "name": name,
+            "tensors": list(tensors),
+            "prompts": len(captures),
+            "bytes": len(content),
+        }
+
+    def shard_keep(self, shard: dict, captures: list[Capture]) -> None:
+        """Count the shard `shard_write` wrote for `captures` as one of the job's."""
+        for capture in captures:
+            self.stats.add(capture.bits)
+        self.shards.append(shard)
+        self.bytes_written += shard["bytes"]
+        self.prompts_written += shard["prompts"]
 
     def finish(self) -> list[str]:
         """Write the stats and the manifest of the shards written; the files' names, the

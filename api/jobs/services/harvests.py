@@ -18,16 +18,7 @@ from api.models import LanguageModel
 from api.selectors import model_sizes_ensure
 from api.tokenizer import token_strings
 from api.upstream import tenant_of
-from infra.lifecycle import (
-    ACTIVE,
-    ENDED,
-    Resend,
-    WorkStatus,
-    work_claim,
-    work_heartbeat,
-    work_requeue,
-    work_sweep,
-)
+from infra.lifecycle import ACTIVE, ENDED, Attempt, Resend, WorkStatus, work_claim, work_sweep
 from infra.tasks import task_send
 from metering.budgets import BudgetExceeded, harvest_quota_consume, harvest_quota_refund
 from metering.jobs import job_meter, job_metered, job_release, job_reserve
@@ -174,52 +165,62 @@ def harvest_job_execute(*, job_id, now=None) -> None:
 
     Before each batch the worker checks for cancellation and renews its lease, re-checks the
     key and its account (a key revoked or paused, or an account suspended, fails the job
-    with the API's code), and pays for the batch like /v1 captures (`_batch_capture`). A
+    with the API's code), and pays for the batch like /v1 captures (`_batch_harvest`). A
     budget, quota or spend-cap refusal, or a batch that would take the job's files past
     ACS_HARVEST_MAX_JOB_BYTES, fails the job with that code and keeps what was written (with
     its stats and a manifest) for download: a paused service fails a harvest rather than
     holding its job slot for the hour the pause lasts at least. A retryable upstream error
     (Retry-After) puts the job back to queued after that delay, up to ACS_JOB_MAX_ATTEMPTS
     attempts; any other error fails it with a message. Every attempt resumes after the last
-    shard an earlier one recorded (`HarvestJob.shards`), and a batch an earlier attempt paid
-    for but had not recorded is captured again at no second charge."""
+    shard an earlier one recorded (`HarvestJob.shards`).
+
+    The claim's attempt fences every write of the worker and every bill (`infra.lifecycle`):
+    a batch is paid for and recorded as a shard of the job in one transaction, only while
+    this attempt holds the job. When the sweep took the job back (its lease ran out while a
+    batch took longer, or the worker was paused) and another worker claimed it, this attempt
+    bills and records nothing more and stops; the shards it recorded before stay the job's
+    (paid once: the next attempt resumes after them). A shard file it writes meanwhile is
+    never one of the job's: each attempt after the first names its shards after itself
+    (`HarvestOutput`), so it cannot replace the file of a shard a later attempt recorded."""
     now = now or timezone.now()
     lease = timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
-    if not work_claim(HarvestJob, pk=job_id, now=now, lease=lease):
+    attempt = work_claim(HarvestJob, pk=job_id, now=now, lease=lease)
+    if attempt is None:
         return
     job = HarvestJob.objects.select_related("key", "key__user").get(pk=job_id)
     try:
-        files = _harvest(job)
+        files = _harvest(attempt, job)
     except _HarvestStopped:
         return
     except _HarvestRefused as refused:
-        _harvest_fail(job, refused.error, prompts_done=refused.prompts_done, files=refused.files)
+        _harvest_fail(
+            attempt, job, refused.error, prompts_done=refused.prompts_done, files=refused.files
+        )
         return
     except ApiError as error:
         if (
             error.should_retry
             and error.retry_after
-            and job.attempts < settings.ACS_JOB_MAX_ATTEMPTS
+            and attempt.number < settings.ACS_JOB_MAX_ATTEMPTS
         ):
-            work_requeue(
-                HarvestJob,
-                pk=job.pk,
+            attempt.requeue(
                 task=HARVEST_JOB_RUN_TASK,
                 delay_s=error.retry_after,
                 lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
                 now=timezone.now(),
             )
             return
-        _harvest_fail(job, error)
+        _harvest_fail(attempt, job, error)
         return
     except Exception:
         logger.exception("harvest job %s crashed", job.pk)
         _harvest_fail(
+            attempt,
             job,
             ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
         )
         return
-    HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+    attempt.write(
         status=WorkStatus.SUCCEEDED,
         prompts_done=job.n_prompts,
         completed_at=timezone.now(),
@@ -228,10 +229,11 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     )
 
 
-def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
-    """Fail a running job with `error`; `kept` may set the `files` and `prompts_done` of
-    the output it keeps. A job that keeps no files gives its harvest-quota slot back."""
-    failed = HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.RUNNING).update(
+def _harvest_fail(attempt: Attempt, job: HarvestJob, error: ApiError, **kept) -> None:
+    """Fail the job with `error` while `attempt` holds it; `kept` may set the `files` and
+    `prompts_done` of the output it keeps. A job that keeps no files gives its harvest-quota
+    slot back."""
+    failed = attempt.write(
         status=WorkStatus.FAILED,
         completed_at=timezone.now(),
         lease_expires_at=None,
@@ -242,12 +244,11 @@ def _harvest_fail(job: HarvestJob, error: ApiError, **kept) -> None:
         _harvest_quota_give_back(job)
 
 
-def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
+def _harvest_heartbeat(attempt: Attempt, output: HarvestOutput) -> None:
     """Record the shards written (the progress a later attempt resumes from) and renew the
-    lease, or raise _HarvestStopped if the job was cancelled meanwhile."""
-    renewed = work_heartbeat(
-        HarvestJob,
-        pk=job.pk,
+    lease, or raise _HarvestStopped if `attempt` no longer holds the job (cancelled, or taken
+    back by the sweep)."""
+    renewed = attempt.heartbeat(
         lease=timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS),
         now=timezone.now(),
         prompts_done=output.prompts_written,
@@ -257,7 +258,7 @@ def _harvest_heartbeat(job: HarvestJob, output: HarvestOutput) -> None:
         raise _HarvestStopped
 
 
-def _harvest(job: HarvestJob) -> list[str]:
+def _harvest(attempt: Attempt, job: HarvestJob) -> list[str]:
     """Write the job's files; returns their names, the manifest last."""
     language_model = LanguageModel.objects.filter(name=job.model).first()
     if language_model is None or not language_model.supports_activations:
@@ -266,10 +267,10 @@ def _harvest(job: HarvestJob) -> list[str]:
             f"Model {job.model!r} no longer offers activation capture.",
         )
     model_sizes_ensure(language_model)
-    output = HarvestOutput(job, hidden_size=language_model.hidden_size)
+    output = HarvestOutput(job, hidden_size=language_model.hidden_size, attempt=attempt.number)
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
     for start in range(output.prompts_written, job.n_prompts, batch_size):
-        _harvest_continue(job, output)
+        _harvest_continue(attempt, output)
         key = key_recheck(job.key_id)
         token_lists = async_to_sync(tokenize_batch)(
             language_model,
@@ -281,50 +282,64 @@ def _harvest(job: HarvestJob) -> list[str]:
         try:
             if too_large := output.overflow(token_lists, first_index=start):
                 raise _HarvestRefused(too_large)
-            captures = _batch_capture(
-                job, key=key, model=language_model, token_lists=token_lists, first_index=start
+            _batch_harvest(
+                attempt,
+                output,
+                key=key,
+                model=language_model,
+                token_lists=token_lists,
+                first_index=start,
             )
         except _HarvestRefused as refused:
+            # The files it keeps are written only while this attempt holds the job.
+            _harvest_continue(attempt, output)
             refused.prompts_done = output.prompts_written
             refused.files = output.finish() if output.shards else []
             raise
-        output.add_shard(
-            captures,
-            first_index=start,
-            token_strings=async_to_sync(token_strings)(language_model, token_lists),
-        )
-    _harvest_continue(job, output)
+    _harvest_continue(attempt, output)
     return output.finish()
 
 
-def _harvest_continue(job: HarvestJob, output: HarvestOutput) -> None:
-    """`_harvest_heartbeat`; when the job was cancelled meanwhile, first keep the batches it
-    wrote (with their stats and a manifest) as the cancelled job's files."""
+def _harvest_continue(attempt: Attempt, output: HarvestOutput) -> None:
+    """`_harvest_heartbeat`; when the job was cancelled meanwhile (while this attempt held
+    it), first keep the batches it wrote (with their stats and a manifest) as the cancelled
+    job's files. An attempt that lost the job otherwise writes nothing more."""
     try:
-        _harvest_heartbeat(job, output)
+        _harvest_heartbeat(attempt, output)
     except _HarvestStopped:
+        cancelled = attempt.rows(WorkStatus.CANCELLED)
+        if not cancelled.exists():
+            raise
         kept = {}
         if output.shards:
             kept = {"files": output.finish(), "prompts_done": output.prompts_written}
-        HarvestJob.objects.filter(pk=job.pk, status=WorkStatus.CANCELLED).update(
-            lease_expires_at=None, **kept
-        )
+        cancelled.update(lease_expires_at=None, **kept)
         raise
 
 
-def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture]:
-    """Capture one tokenized batch, paid for like the same captures sent to /v1/completions:
-    its worst case (its prompt tokens, one generated token and one activation request per
-    prompt) is reserved against every budget window first (raising _HarvestRefused with the
-    API's code when they cannot cover it), then settled to the upstream's usage, with a usage
-    record; a batch that fails is settled to nothing and its activation requests given back."""
+def _batch_harvest(
+    attempt: Attempt, output: HarvestOutput, *, key, model, token_lists, first_index
+) -> None:
+    """Capture one tokenized batch and write its shard, paid for like the same captures sent
+    to /v1/completions: its worst case (its prompt tokens, one generated token and one
+    activation request per prompt) is reserved against every budget window first (raising
+    _HarvestRefused with the API's code when they cannot cover it); once its shard is
+    written, the hold is settled to the upstream's usage, with a usage record, in the
+    transaction that records the shard on the job's row while `attempt` holds the job
+    (running, or cancelled while it ran). Otherwise the hold is released, nothing is billed
+    or recorded, and _HarvestStopped is raised. A batch that fails is settled to nothing and
+    its activation requests given back."""
+    job = output.job
     started = time.perf_counter()
     request_id = batch_request_id(job, first_index)
     batch = {"model": model, "token_lists": token_lists, "first_index": first_index}
+    strings = {"token_strings": async_to_sync(token_strings)(model, token_lists)}
     if job_metered(key_id=key.pk, request_id=request_id, since=job.created_at):
-        # An earlier attempt paid for this batch before its worker died: the new attempt
-        # captures it again for its files, at no second charge.
-        return _capture(job, **batch)
+        # Paid for by an attempt whose worker died before recording it (when a batch's bill
+        # and record were written apart): captured again for its files, at no second charge.
+        output.add_shard(_capture(job, **batch), first_index=first_index, **strings)
+        _harvest_heartbeat(attempt, output)
+        return
     try:
         hold = job_reserve(
             key=key,
@@ -336,10 +351,11 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         raise _HarvestRefused(metering_refusal(exceeded)) from None
     try:
         captures = _capture(job, **batch)
+        shard = output.shard_write(captures, first_index=first_index, **strings)
     except BaseException:
         job_release(hold=hold)
         raise
-    job_meter(
+    recorded = job_meter(
         hold=hold,
         key=key,
         request_id=request_id,
@@ -350,8 +366,16 @@ def _batch_capture(job, *, key, model, token_lists, first_index) -> list[Capture
         completion_tokens=sum(capture.completion_tokens for capture in captures),
         latency_ms=(time.perf_counter() - started) * 1000,
         activation_layers=job.layers,
+        fence=lambda: attempt.fence_steps(
+            WorkStatus.RUNNING,
+            WorkStatus.CANCELLED,
+            shards=[*output.shards, shard],
+            prompts_done=output.prompts_written + len(captures),
+        ),
     )
-    return captures
+    if not recorded:
+        raise _HarvestStopped
+    output.shard_keep(shard, captures)
 
 
 def _capture(job: HarvestJob, *, model, token_lists, first_index) -> list[Capture]:
