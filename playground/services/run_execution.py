@@ -12,7 +12,7 @@ from django.utils import timezone
 from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
-from infra.lifecycle import WorkStatus, work_claim
+from infra.lifecycle import Attempt, WorkStatus, work_claim
 
 from .. import streams
 from ..models import Run, RunKind
@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 def run_claim(*, run_id) -> Run | None:
     """Move a queued run to running and return it; None if another worker has it or it has
-    finished. The conditional update makes the claim atomic across workers."""
+    finished. The conditional update makes the claim atomic across workers. The run's
+    `attempts` is then the claim's attempt, which fences what its worker writes
+    (`Attempt.of`)."""
     with transaction.atomic():
         if connection.vendor == "postgresql":
             # The claim is on the path to the first token; a claim lost in a crash only
@@ -55,11 +57,14 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     Raises `RunRetry` for a transient error (unreachable API, 429/502/503 with a Retry-After
     of at most `PLAYGROUND_RUN_MAX_RETRY_DELAY`) when nothing was published yet and this is
     not the final attempt; any other error fails the run with the API's code and message.
-    Returns None if the run could not be claimed.
+    Returns None if the run could not be claimed. Every write of the run is fenced by the
+    claim's attempt (`infra.lifecycle`): once the sweep failed the run (its worker ran past
+    the API's request limit), a late answer is neither stored nor published as its end.
     """
     run = run_claim(run_id=run_id)
     if run is None:
         return None
+    attempt = Attempt.of(run)
     streams.publish(
         run.id, {"type": "status", "status": WorkStatus.RUNNING, "label": WorkStatus.RUNNING.label}
     )
@@ -79,27 +84,39 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
         countdown = error.retry_after if error.retry_after is not None else 1
         retryable = error.should_retry and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
         if retryable and not progress["tokens"] and not final_attempt:
-            _run_requeue(run)
-            raise RunRetry(countdown) from error
+            if _run_requeue(run, attempt):
+                raise RunRetry(countdown) from error
+            run.refresh_from_db()
+            return run
         message = error.message
         if retryable and final_attempt:
             message = f"Gave up after {run.attempts} attempts. {message}"
-        return _run_failed(run, code=error.code, message=message, request_id=error.request_id)
+        return _run_failed(
+            run, attempt, code=error.code, message=message, request_id=error.request_id
+        )
     except Exception:
         logger.exception("playground run %s failed", run.id)
         return _run_failed(
             run,
+            attempt,
             code="playground_error",
             message="The playground worker could not process the answer; see the worker log.",
         )
     try:
-        run = _run_succeed(run=run, **result)
+        stored = _run_succeed(run=run, attempt=attempt, **result)
     except DataError as refused:
         logger.warning("playground run %s: result not stored: %s", run.id, refused)
         error = result_unstorable(refused, request_id=result["request_id"])
         return run_fail(
-            run=run, code=error.code, message=error.message, request_id=result["request_id"]
+            run=run,
+            code=error.code,
+            message=error.message,
+            request_id=result["request_id"],
+            attempt=attempt,
         )
+    run.refresh_from_db()
+    if not stored:
+        return run
     if run.group is not None:
         group_runs_dispatch(group=run.group)
     if run.kind == RunKind.CONTRAST:
@@ -109,17 +126,15 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     return run
 
 
-def _run_requeue(run: Run) -> None:
+def _run_requeue(run: Run, attempt: Attempt) -> bool:
+    """Put the run back to queued for a retry while `attempt` holds it; whether it did."""
     streams.reset(run.id)
-    written_through_reconnects(
-        lambda: Run.objects.filter(pk=run.pk, status=WorkStatus.RUNNING).update(
-            status=WorkStatus.QUEUED
-        )
-    )
+    return written_through_reconnects(lambda: attempt.write(status=WorkStatus.QUEUED))
 
 
 def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
     body = dict(run.request)
+    held = Attempt.of(run).rows()  # the run, while this worker's claim holds it
     frames = []
     sent = time.perf_counter()
     with client.stream_completions(body) as stream:
@@ -136,9 +151,9 @@ def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:
                 if not progress["tokens"]:
                     ttft_ms = (time.perf_counter() - sent) * 1000
                     written_through_reconnects(
-                        lambda arrived=arrived, ttft_ms=ttft_ms: Run.objects.filter(
-                            pk=run.pk
-                        ).update(first_token_at=arrived, api_ttft_ms=ttft_ms)
+                        lambda arrived=arrived, ttft_ms=ttft_ms: held.update(
+                            first_token_at=arrived, api_ttft_ms=ttft_ms
+                        )
                     )
                 progress["tokens"] += 1
         return {
@@ -189,16 +204,19 @@ def merge_stream_frames(frames: list[dict]) -> dict:
     return merged
 
 
-def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> Run:
-    """Store the run's response (DataError when the database cannot hold it) and end its
-    stream."""
+def _run_succeed(
+    *, run: Run, attempt: Attempt, response: dict, request_id: str, timing: dict
+) -> bool:
+    """Store the run's response while `attempt` holds it (DataError when the database cannot
+    hold it) and end its stream; False, storing and publishing nothing, when it no longer
+    does."""
     # Tokenized after the answer, off the path to the first token; the lens before the run
     # is stored, so that its page shows it at once.
     tokens = run_tokens(run.request, response)
     lens = run_lens(run.request, response)
     now = timezone.now()
-    written_through_reconnects(
-        lambda: Run.objects.filter(pk=run.pk).update(
+    stored = written_through_reconnects(
+        lambda: attempt.write(
             status=WorkStatus.SUCCEEDED,
             response=response,
             tokens=tokens,
@@ -210,13 +228,13 @@ def _run_succeed(*, run: Run, response: dict, request_id: str, timing: dict) -> 
             finished_at=now,
         )
     )
-    streams.publish(run.id, {"type": "end", "status": WorkStatus.SUCCEEDED})
-    run.refresh_from_db()
-    return run
+    if stored:
+        streams.publish(run.id, {"type": "end", "status": WorkStatus.SUCCEEDED})
+    return stored
 
 
-def _run_failed(run: Run, **error) -> Run:
-    run = run_fail(run=run, **error)
+def _run_failed(run: Run, attempt: Attempt, **error) -> Run:
+    run = run_fail(run=run, attempt=attempt, **error)
     if run.kind in STEERING_KINDS:
         # The other runs may all be done: compare the ones that succeeded.
         steering_score_queue(group=run.group)

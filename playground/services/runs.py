@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from infra.database import written_through_reconnects
-from infra.lifecycle import ACTIVE, WorkStatus, work_sweep
+from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 
 from .. import streams
@@ -160,12 +160,16 @@ def submitted_once(*, user: User, submit_token: uuid.UUID | None, create, existi
         return existing(run)
 
 
-def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
+def run_fail(
+    *, run: Run, code: str, message: str, request_id: str = "", attempt: Attempt | None = None
+) -> Run:
     """Mark the run failed with a message a person can read (through a connection
     PostgreSQL ended, or a database back within a minute), end its stream, and send its
-    group's next run."""
-    written_through_reconnects(
-        lambda: Run.objects.filter(pk=run.pk).update(
+    group's next run. With `attempt` (its worker's claim) only while that attempt holds the
+    run: a stale worker's failure changes nothing, and the run is returned as it is."""
+    rows = Run.objects.filter(pk=run.pk) if attempt is None else attempt.rows()
+    failed = written_through_reconnects(
+        lambda: rows.update(
             status=WorkStatus.FAILED,
             error_code=code,
             error_message=message,
@@ -173,6 +177,10 @@ def run_fail(*, run: Run, code: str, message: str, request_id: str = "") -> Run:
             finished_at=timezone.now(),
         )
     )
+    if attempt is not None and not failed:
+        attempt.refused("its failure")
+        run.refresh_from_db()
+        return run
     return _run_failed(run)
 
 

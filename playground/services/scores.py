@@ -82,7 +82,8 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     playground key and store the per-token logprobs and KL divergences (see
     `_steering_compare`); an error fails it with a message a person can read. Returns None
     if it could not be claimed."""
-    if not work_claim(SteeringScore, pk=score_id, now=timezone.now()):
+    attempt = work_claim(SteeringScore, pk=score_id, now=timezone.now())
+    if attempt is None:
         return None
     score = SteeringScore.objects.select_related("user").get(pk=score_id)
     runs = Run.objects.filter(group=score.group, status=WorkStatus.SUCCEEDED).order_by("scale")
@@ -92,7 +93,7 @@ def steering_score_execute(*, score_id) -> SteeringScore | None:
     fields = scoring_outcome(
         lambda: _steering_compare(client, baseline, steered), what=f"steering score {score.pk}"
     )
-    SteeringScore.objects.filter(pk=score.pk).update(**fields)
+    attempt.write(**fields)  # nothing once the sweep failed it
     score.refresh_from_db()
     return score
 

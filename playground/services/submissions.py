@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from acs_client.client import AcsApiError, AcsClient
-from infra.lifecycle import WorkStatus, work_claim, work_sweep
+from infra.lifecycle import Attempt, WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from ..models import JobKind, JobSubmission
@@ -81,8 +81,11 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
     never makes a second job). Keeps the API's job id, or its error. Raises
     `SubmissionRetry` for an answer that asks to retry within
     `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
-    the final attempt. Returns None if the submission could not be claimed."""
-    if not work_claim(JobSubmission, pk=submission_id, now=timezone.now()):
+    the final attempt. Returns None if the submission could not be claimed. Its writes are
+    fenced by the claim's attempt (`infra.lifecycle`): once the sweep refused it, they change
+    nothing."""
+    attempt = work_claim(JobSubmission, pk=submission_id, now=timezone.now())
+    if attempt is None:
         return None
     submission = JobSubmission.objects.select_related("user").get(pk=submission_id)
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(submission.user))
@@ -102,18 +105,20 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
             and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
             and not final_attempt
         ):
-            JobSubmission.objects.filter(pk=submission.pk).update(status=WorkStatus.QUEUED)
-            raise SubmissionRetry(countdown) from error
-        return _job_submission_refuse(submission, code=error.code, message=error.message)
-    JobSubmission.objects.filter(pk=submission.pk).update(
-        status=WorkStatus.SUCCEEDED, job_id=job_id, sent_at=timezone.now()
-    )
+            if attempt.write(status=WorkStatus.QUEUED):
+                raise SubmissionRetry(countdown) from error
+            submission.refresh_from_db()
+            return submission
+        return _job_submission_refuse(attempt, submission, code=error.code, message=error.message)
+    attempt.write(status=WorkStatus.SUCCEEDED, job_id=job_id, sent_at=timezone.now())
     submission.refresh_from_db()
     return submission
 
 
-def _job_submission_refuse(submission: JobSubmission, *, code: str, message: str):
-    JobSubmission.objects.filter(pk=submission.pk).update(
+def _job_submission_refuse(
+    attempt: Attempt, submission: JobSubmission, *, code: str, message: str
+) -> JobSubmission:
+    attempt.write(
         status=WorkStatus.FAILED,
         error_code=code,
         error_message=message,
