@@ -11,6 +11,7 @@ and without logprobs (5 alternatives).
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -89,7 +90,7 @@ def main() -> None:
             parses, relays = [], []
             for _ in range(args.rounds):
                 parses.append(per_chunk_us(json.loads, raw, args.chunks))
-                relays.append(per_chunk_us(lambda r: relay(r, valid), raw, args.chunks))
+                relays.append(per_chunk_us(functools.partial(relay, valid=valid), raw, args.chunks))
             parse, relayed = statistics.median(parses), statistics.median(relays)
             name = f"{'vLLM' if vllm else 'engine'}{', logprobs 5' if logprobs else ''}"
             print(
