@@ -138,6 +138,46 @@ def test_a_failed_batch_is_not_charged_and_gives_its_activation_requests_back(
         assert window.activation_requests == 1
 
 
+@pytest.mark.parametrize(
+    ("failure", "code"),
+    [
+        (ApiError("capture_incomplete", "lost", should_retry=False), "capture_incomplete"),
+        (RuntimeError("a bug"), "internal_error"),
+    ],
+)
+def test_a_late_failure_keeps_and_bills_the_batches_that_ran_and_says_what_failed(
+    api_client, api_key, engine_model, engine_url, redis_client, settings, monkeypatch,
+    failure, code,
+):  # fmt: skip
+    """The third of three batches fails for good: the job fails with its code and keeps the
+    two batches it paid for (they used to be thrown away, the quota slot given back)."""
+    settings.ACS_HARVEST_BATCH_SIZE = 1
+    job = _submit(api_key)
+    real_capture = harvests.capture_batch
+
+    async def third_batch_fails(*args, **kwargs):
+        if kwargs["first_index"] == 2:
+            raise failure
+        return await real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(harvests, "capture_batch", third_batch_fails)
+    harvests.harvest_job_execute(job_id=job.pk)
+
+    job.refresh_from_db()
+    assert job.status == WorkStatus.FAILED
+    assert job.error["code"] == code
+    assert job.prompts_done == 2
+    assert _manifest(job)["prompts_captured"] == 2
+    counts = _token_counts(engine_url)
+    key_month = _windows(api_key)[0]
+    assert (key_month.used_tokens, key_month.reserved_tokens) == (counts[0] + counts[1] + 2, 0)
+    assert key_month.harvest_jobs == 1  # the job kept files: its quota slot stays spent
+    assert UsageRecord.objects.filter(key=api_key, endpoint="harvest").count() == 2
+    body = api_client.get(f"/v1/harvest/{job.pk}").json()
+    assert (body["status"], body["error"]["code"]) == ("failed", code)
+    assert len(body["result"]["shard_urls"]) == 2
+
+
 def test_a_paused_service_refuses_harvest_submits_and_fails_a_pending_job_with_spend_cap(
     api_client, api_key, engine_model, redis_client, staff_user, monkeypatch
 ):

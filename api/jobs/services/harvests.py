@@ -147,8 +147,9 @@ class _HarvestStopped(Exception):
 
 
 class _HarvestRefused(Exception):
-    """A budget, quota, spend-cap or size limit refused the next batch: the job fails with
-    `error` and keeps the batches already written (`files`, `prompts_done`)."""
+    """A budget, quota, spend-cap or size limit refused the next batch, or a batch failed
+    for good: the job fails with `error` and keeps the batches already written and paid for
+    (`files`, `prompts_done`)."""
 
     def __init__(self, error: ApiError):
         super().__init__(error.message)
@@ -198,11 +199,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
         )
         return
     except ApiError as error:
-        if (
-            error.should_retry
-            and error.retry_after
-            and attempt.number < settings.ACS_JOB_MAX_ATTEMPTS
-        ):
+        if _retried(error, attempt):
             attempt.requeue(
                 task=HARVEST_JOB_RUN_TASK,
                 delay_s=error.retry_after,
@@ -214,11 +211,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
         return
     except Exception:
         logger.exception("harvest job %s crashed", job.pk)
-        _harvest_fail(
-            attempt,
-            job,
-            ApiError("internal_error", f"The harvest failed inside the service (job {job.pk})."),
-        )
+        _harvest_fail(attempt, job, _crashed(job))
         return
     attempt.write(
         status=WorkStatus.SUCCEEDED,
@@ -227,6 +220,18 @@ def harvest_job_execute(*, job_id, now=None) -> None:
         lease_expires_at=None,
         files=files,
     )
+
+
+def _retried(error: ApiError, attempt: Attempt) -> bool:
+    """Whether the job goes back to the queue for `error` (an upstream that said when to come
+    back, while attempts remain) rather than failing: the next attempt resumes after the
+    shards recorded."""
+    retry = error.should_retry and error.retry_after
+    return bool(retry) and attempt.number < settings.ACS_JOB_MAX_ATTEMPTS
+
+
+def _crashed(job: HarvestJob) -> ApiError:
+    return ApiError("internal_error", f"The harvest failed inside the service (job {job.pk}).")
 
 
 def _harvest_fail(attempt: Attempt, job: HarvestJob, error: ApiError, **kept) -> None:
@@ -271,15 +276,15 @@ def _harvest(attempt: Attempt, job: HarvestJob) -> list[str]:
     batch_size = settings.ACS_HARVEST_BATCH_SIZE
     for start in range(output.prompts_written, job.n_prompts, batch_size):
         _harvest_continue(attempt, output)
-        key = key_recheck(job.key_id)
-        token_lists = async_to_sync(tokenize_batch)(
-            language_model,
-            prompts=job.prompts[start : start + batch_size],
-            layers=job.layers,
-            add_special_tokens=job.add_special_tokens,
-            first_index=start,
-        )
         try:
+            key = key_recheck(job.key_id)
+            token_lists = async_to_sync(tokenize_batch)(
+                language_model,
+                prompts=job.prompts[start : start + batch_size],
+                layers=job.layers,
+                add_special_tokens=job.add_special_tokens,
+                first_index=start,
+            )
             if too_large := output.overflow(token_lists, first_index=start):
                 raise _HarvestRefused(too_large)
             _batch_harvest(
@@ -291,13 +296,32 @@ def _harvest(attempt: Attempt, job: HarvestJob) -> list[str]:
                 first_index=start,
             )
         except _HarvestRefused as refused:
-            # The files it keeps are written only while this attempt holds the job.
-            _harvest_continue(attempt, output)
-            refused.prompts_done = output.prompts_written
-            refused.files = output.finish() if output.shards else []
+            raise _keeping_written(attempt, output, refused) from None
+        except ApiError as error:
+            if _retried(error, attempt) or not output.shards:
+                raise
+            # A late failure: the batches written before it were paid for; they are kept.
+            raise _keeping_written(attempt, output, _HarvestRefused(error)) from error
+        except (_HarvestStopped, KeyboardInterrupt):
             raise
+        except Exception as crash:
+            if not output.shards:
+                raise
+            logger.exception("harvest job %s crashed after %s shards", job.pk, len(output.shards))
+            raise _keeping_written(attempt, output, _HarvestRefused(_crashed(job))) from crash
     _harvest_continue(attempt, output)
     return output.finish()
+
+
+def _keeping_written(
+    attempt: Attempt, output: HarvestOutput, refused: _HarvestRefused
+) -> _HarvestRefused:
+    """`refused`, carrying the files of the batches written so far (with their stats and a
+    manifest), which are written only while this attempt holds the job."""
+    _harvest_continue(attempt, output)
+    refused.prompts_done = output.prompts_written
+    refused.files = output.finish() if output.shards else []
+    return refused
 
 
 def _harvest_continue(attempt: Attempt, output: HarvestOutput) -> None:
