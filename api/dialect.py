@@ -13,8 +13,7 @@ public behaviour is one:
   caller bills no activation request for it);
 - an answer carries the contract's fields only (`public_fields`);
 - `text_offset` maps each token into `text` (`public_offsets`): vLLM counts a generated
-  special token at its full length though `text` leaves it out, the engine an echoed one at
-  length 0 though `text` holds it;
+  special token at its full length though `text` leaves it out;
 - a seed is sent hashed (`upstream_seed`): vLLM's samples of neighbouring seeds overlap;
 - a steered request of several sequences is sent one sequence per request (`api.fanout`):
   vLLM-Lens steers only a request's first sequence.

@@ -243,8 +243,9 @@ _ids_by_string: dict[int, dict[str, int | None]] = {}
 
 async def token_ids_of_strings(model, strings: list[str]) -> list[int | None] | None:
     """The id of each token given as the API's logprobs show it (the token decoded alone),
-    None for a string that several tokens decode to (pieces of a character, shown as
-    U+FFFD); None altogether without a local tokenizer."""
+    None for a string that no token or several tokens decode to alone (the pieces of a
+    character: named "" or by the character they complete, as vLLM names them); None
+    altogether without a local tokenizer."""
     tokenizer = await load_tokenizer(model)
     if tokenizer is None:
         return None

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 
 from engine.decoder import LlamaDecoder
 from engine.kernels import bfloat16_prefills_faster
+from engine.outputs import TokenNames
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,15 @@ def model_spec() -> ModelSpec:
 class LoadedModel:
     """The model in eval mode, the decoder that runs it for the engine (same weights), and its
     tokenizer; `model_id` is the id it is served under; `token_strings[i]` is token i decoded
-    alone. Its sizes are those of its config.json."""
+    alone; `token_names` names tokens in logprobs as vLLM does (a byte token by its context).
+    Its sizes are those of its config.json."""
 
     model_id: str
     model: torch.nn.Module
     decoder: LlamaDecoder
     tokenizer: object
     token_strings: list[str]
+    token_names: TokenNames
     eos_token_ids: frozenset[int]
 
     @property
@@ -191,12 +194,14 @@ def load_model(cache_dir: Path | None = None) -> LoadedModel:
     device = engine_device()
     model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=compute_dtype(device, cache_dir))
     model.to(device).eval()
+    token_strings = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
     return LoadedModel(
         model_id=spec.id,
         model=model,
         decoder=LlamaDecoder(model),
         tokenizer=tokenizer,
-        token_strings=[tokenizer.decode([i]) for i in range(model.config.vocab_size)],
+        token_strings=token_strings,
+        token_names=TokenNames(tokenizer, token_strings),
         eos_token_ids=_eos_token_ids(model, tokenizer),
     )
 

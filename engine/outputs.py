@@ -9,6 +9,16 @@ import torch
 # Rows of prompt logits materialised at once when scoring a prompt (bounds memory on long prompts).
 PROMPT_SCORING_CHUNK = 256
 
+# What a decode shows for bytes that are not (yet) a whole UTF-8 character.
+REPLACEMENT = "\ufffd"
+
+# Tokens before a position that vLLM decodes with a byte token to name it: enough for the
+# longest UTF-8 character (4 bytes).
+MAX_CONTEXT = 4
+
+# Contexts whose names of the whole vocabulary's byte tokens are kept (a few kB each).
+VOCABULARY_CONTEXTS_CACHED = 1024
+
 
 @dataclass
 class LogprobsChunk:
@@ -91,7 +101,9 @@ def finite_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete characters."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete characters
+    (as vLLM's detokenizer, tokenizers' DecodeStream, does: text only ever gets whole
+    characters, and the bytes of one left unfinished at the end never reach it)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -103,18 +115,11 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return full[len(prefix) :]
         return ""
-
-    def flush(self) -> str:
-        """Whatever was held back (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
@@ -137,14 +142,18 @@ class ChoiceText:
         self.echo_sent = False
 
     def add_token(self, token_id: int) -> tuple[int, str | None]:
-        """Add a token; return its offset in the returned text and the stop string it completed."""
+        """Add a token; return its offset in the returned text and the stop string it completed.
+
+        The offset is where the token's text starts: a token that leaves a character
+        unfinished adds no text, and the one that completes it carries the whole character
+        from there, as its name in logprobs does (`TokenNames`). So each offset is the previous
+        one plus the length of the previous token's name, as vLLM counts them, but where the
+        text differs from the names: a special token it leaves out takes no room, and bytes
+        that never form a character take the room of the U+FFFD they show as."""
         offset = len(self.echo_text) + len(self.generated)
         before = len(self.generated)
         self.generated += self.detokenizer.push(token_id)
         return offset, self._cut_at_stop(before)
-
-    def finish(self) -> None:
-        self.generated += self.detokenizer.flush()
 
     def take_sendable(self, finished: bool) -> str:
         """The text not yet handed out that is safe to hand out now (echo prefix first)."""
@@ -171,20 +180,121 @@ class ChoiceText:
         return stop
 
 
-def top_entries(row_logprobs: torch.Tensor, k: int, token_strings: list[str]) -> dict[str, float]:
-    """{decoded token: logprob} of the k most likely tokens of one row."""
-    if k == 0:
-        return {}
-    values, ids = torch.topk(row_logprobs, k)
-    return {token_strings[i]: v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+class TokenNames:
+    """The names of tokens in logprobs (`tokens`, `top_logprobs` keys, `decoded_token`), as
+    vLLM 0.32 gives them (vllm/v1/engine/logprobs.py, `LogprobsProcessor._verify_tokens` and
+    `_correct_decoded_token`).
+
+    A token is named as it decodes alone (`alone`, the loader's `token_strings`), unless that
+    ends in U+FFFD: then it is a byte token (of byte-fallback or byte-level BPE) whose
+    character its context, the up to MAX_CONTEXT tokens chosen before its position, may
+    complete. Its name is then what it adds to the shortest tail of the context it decodes
+    with to something not ending in U+FFFD, beyond the text of that tail's tokens before
+    their own trailing byte tokens (the completing token carries the whole character), or ""
+    when no tail completes it. Names at one position are those of alternatives after the
+    same context, never after each other.
+    """
+
+    def __init__(self, tokenizer, token_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.alone = token_strings
+        # 314 of SmolLM2's 49,152 ids: the only ones a context can rename.
+        self.byte_tokens = tuple(i for i, s in enumerate(token_strings) if s.endswith(REPLACEMENT))
+        # Per context: a full-vocabulary position names every byte token, and a prompt scored
+        # again (or a repeated phrase) meets the same contexts again.
+        self._byte_token_names = functools.lru_cache(VOCABULARY_CONTEXTS_CACHED)(
+            functools.partial(self._names, self.byte_tokens)
+        )
+
+    def at(self, token_ids: list[int], context: list[int]) -> list[str]:
+        """The names of `token_ids`, alternatives at one position after `context` (the chosen
+        tokens before it, oldest first; only the last MAX_CONTEXT count)."""
+        names = [self.alone[token_id] for token_id in token_ids]
+        renamed = [j for j, name in enumerate(names) if name.endswith(REPLACEMENT)]
+        if renamed:
+            ids = tuple(token_ids[j] for j in renamed)
+            for j, name in zip(
+                renamed, self._names(ids, tuple(context[-MAX_CONTEXT:])), strict=True
+            ):
+                names[j] = name
+        return names
+
+    def vocabulary(self, context: list[int]) -> list[str]:
+        """The name of every token (indexed by id) at a position after `context`; the byte
+        tokens' names are computed once per context (up to ~4 decodes each)."""
+        names = list(self.alone)
+        byte_names = self._byte_token_names(tuple(context[-MAX_CONTEXT:]))
+        for token_id, name in zip(self.byte_tokens, byte_names, strict=True):
+            names[token_id] = name
+        return names
+
+    def _names(self, token_ids: tuple[int, ...], context: tuple[int, ...]) -> list[str]:
+        """The names of byte tokens `token_ids` after `context` (at most MAX_CONTEXT tokens):
+        vLLM's `_correct_decoded_token` of each, which tries the context's tails from the
+        shortest."""
+        names = [""] * len(token_ids)  # for a token no tail completes
+        pending = list(range(len(token_ids)))
+        for length in range(1, len(context) + 1):
+            if not pending:
+                break
+            tail = list(context[-length:])
+            prefix = self._clean_prefix(tail)
+            unfinished = []
+            for j in pending:
+                full = self.tokenizer.decode([*tail, token_ids[j]])
+                if full.endswith(REPLACEMENT):
+                    unfinished.append(j)
+                else:
+                    names[j] = full[_common_prefix_length(prefix, full) :]
+            pending = unfinished
+        return names
+
+    def _clean_prefix(self, tail: list[int]) -> str:
+        """The text of `tail` before its trailing byte tokens: those were named "" (or only a
+        part of what they decode to), so their text belongs to the token that completes it."""
+        end = len(tail)
+        while end and self.alone[tail[end - 1]].endswith(REPLACEMENT):
+            end -= 1
+        return self.tokenizer.decode(tail[:end]) if end else ""
 
 
-def generated_entry(row_logprobs, token_id: int, k: int, token_strings):
-    """(logprob, top_logprobs dict) of a sampled token; the sampled token is always listed."""
+def _common_prefix_length(prefix: str, text: str) -> int:
+    """How many leading characters `text` shares with `prefix`: all of `prefix` normally;
+    fewer where a tokenizer's normalisation makes a decode of more tokens differ earlier
+    (vLLM then names the token from the first difference on)."""
+    for length, (a, b) in enumerate(zip(prefix, text, strict=False)):
+        if a != b:
+            return length
+    return min(len(prefix), len(text))
+
+
+def generated_entry(row_logprobs, output_ids: list[int], k: int, names: TokenNames):
+    """(name, logprob, top_logprobs dict) of the sampled token, the last of `output_ids` (the
+    sequence's generated tokens so far, whose earlier ones name its byte tokens); the sampled
+    token is always listed, first."""
+    token_id = output_ids[-1]
     logprob = float(row_logprobs[token_id])
-    top = top_entries(row_logprobs, k, token_strings)
-    top[token_strings[token_id]] = logprob
-    return logprob, top
+    top_ids, top_values = [], []
+    if k:
+        values, ids = torch.topk(row_logprobs, k)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    ids = [token_id, *top_ids]
+    strings = names.at(ids, output_ids[-1 - MAX_CONTEXT : -1])
+    return strings[0], logprob, legacy_top(ids, [logprob, *top_values], strings)
+
+
+def legacy_top(ids: list[int], logprobs: list[float], strings: list[str]) -> dict[str, float]:
+    """A legacy `top_logprobs` entry {name: logprob} of one position, from its chosen token
+    and then its top tokens (`ids`), built as vLLM builds it: from a dict keyed by token id (a
+    top token that is the chosen one keeps the chosen one's place), then keyed by name, where
+    of tokens with the same name (byte tokens named "") the later one's logprob wins."""
+    top: dict[str, float] = {}
+    seen = set()
+    for token_id, logprob, string in zip(ids, logprobs, strings, strict=True):
+        if token_id not in seen:
+            seen.add(token_id)
+            top[string] = logprob
+    return top
 
 
 @dataclass
@@ -228,53 +338,52 @@ def score_prompt(final_hidden, lm_head, prompt_ids: list[int], top_k: int, full_
     return scores
 
 
-def vllm_prompt_logprobs(scores: PromptScores, prompt_ids, k: int, token_strings) -> list:
+def vllm_prompt_logprobs(scores: PromptScores, prompt_ids, k: int, names: TokenNames) -> list:
     """vLLM's prompt_logprobs: None, then per position {token id: {logprob, rank, decoded_token}}
-    (the top k, plus the actual token)."""
+    (the top k, plus the actual token; every token with prompt_logprobs -1)."""
     result: list = [None]
     for position, token_id in enumerate(prompt_ids[1:]):
+        context = prompt_context(prompt_ids, position + 1)
         if scores.full_vocab is not None:
-            entry = _full_vocab_entry(scores.full_vocab[position], token_strings)
+            entry = _full_vocab_entry(scores.full_vocab[position], names.vocabulary(context))
         else:
             entry = {}
             ids = scores.top_ids[position][:k]
             values = scores.top_logprobs[position][:k]
-            for rank, (other_id, logprob) in enumerate(zip(ids, values, strict=True), start=1):
-                entry[str(other_id)] = _entry(logprob, rank, token_strings[other_id])
+            strings = names.at(ids, context)
+            for rank, (other_id, logprob, string) in enumerate(
+                zip(ids, values, strings, strict=True), start=1
+            ):
+                entry[str(other_id)] = _entry(logprob, rank, string)
         entry[str(token_id)] = _entry(
-            scores.token_logprobs[position], scores.ranks[position], token_strings[token_id]
+            scores.token_logprobs[position],
+            scores.ranks[position],
+            names.at([token_id], context)[0],
         )
         result.append(entry)
     return result
 
 
-def echo_logprobs(scores: PromptScores, prompt_ids, k: int, token_strings, tokenizer):
-    """Legacy logprobs of the echoed prompt tokens (the first one has none, as in vLLM)."""
+def echo_logprobs(scores: PromptScores, prompt_ids, k: int, names: TokenNames) -> LogprobsChunk:
+    """Legacy logprobs of the echoed prompt tokens, as vLLM makes them of its prompt_logprobs:
+    the first token has none and is named as decoded alone; each offset is the previous one
+    plus the length of the previous token's name."""
     chunk = LogprobsChunk()
-    offsets = prompt_text_offsets(prompt_ids, tokenizer)
-    chunk.append(token_strings[prompt_ids[0]], None, None, offsets[0])
+    chunk.append(names.alone[prompt_ids[0]], None, None, 0)
     for position, token_id in enumerate(prompt_ids[1:]):
-        top = {
-            token_strings[i]: v
-            for i, v in zip(
-                scores.top_ids[position][:k], scores.top_logprobs[position][:k], strict=True
-            )
-        }
-        top[token_strings[token_id]] = scores.token_logprobs[position]
-        chunk.append(
-            token_strings[token_id], scores.token_logprobs[position], top, offsets[position + 1]
-        )
+        ids = [token_id, *scores.top_ids[position][:k]]
+        logprobs = [scores.token_logprobs[position], *scores.top_logprobs[position][:k]]
+        strings = names.at(ids, prompt_context(prompt_ids, position + 1))
+        offset = chunk.text_offset[-1] + len(chunk.tokens[-1])
+        chunk.append(strings[0], logprobs[0], legacy_top(ids, logprobs, strings), offset)
     return chunk
 
 
-def prompt_text_offsets(prompt_ids, tokenizer) -> list[int]:
-    """Character offset of each prompt token in the decoded prompt text."""
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    offsets, length = [], 0
-    for token_id in prompt_ids:
-        offsets.append(length)
-        length += len(detokenizer.push(token_id))
-    return offsets
+def prompt_context(prompt_ids: list[int], position: int) -> list[int]:
+    """The tokens that name the byte tokens at prompt position `position` (>= 1): the prompt
+    tokens before it that have prompt logprobs, so never the first one (vLLM takes them from
+    its prompt_logprobs list, whose first entry is None)."""
+    return prompt_ids[max(1, position - MAX_CONTEXT) : position]
 
 
 def _full_vocab_entry(row_logprobs: torch.Tensor, token_strings) -> dict:

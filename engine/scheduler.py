@@ -428,13 +428,11 @@ class Scheduler:
             top_k=max(prompt_k, echo_k),
             full_vocab=params.prompt_logprobs == -1,
         )
-        strings = self.loaded.token_strings
+        names = self.loaded.token_names
         if params.prompt_logprobs is not None:
-            delta.prompt_logprobs = vllm_prompt_logprobs(scores, prompt_ids, prompt_k, strings)
+            delta.prompt_logprobs = vllm_prompt_logprobs(scores, prompt_ids, prompt_k, names)
         if params.echo and params.logprobs is not None:
-            delta.logprobs = echo_logprobs(
-                scores, prompt_ids, echo_k, strings, self.loaded.tokenizer
-            )
+            delta.logprobs = echo_logprobs(scores, prompt_ids, echo_k, names)
         return delta
 
     def _decode_step(self) -> None:
@@ -484,10 +482,10 @@ class Scheduler:
             delta.logprobs = LogprobsChunk()
             if first is not None and first.logprobs is not None:
                 delta.logprobs.extend(first.logprobs)
-            logprob, top = generated_entry(
-                logprobs, token, params.logprobs, self.loaded.token_strings
+            name, logprob, top = generated_entry(
+                logprobs, sequence.output_ids, params.logprobs, self.loaded.token_names
             )
-            delta.logprobs.append(self.loaded.token_strings[token], logprob, top, offset)
+            delta.logprobs.append(name, logprob, top, offset)
         if params.return_token_ids:
             # As vLLM: the prompt's ids in the first delta (never with echo: check_field_pairs).
             delta.token_ids = [token]
@@ -499,8 +497,6 @@ class Scheduler:
             delta.finish_reason = "stop"
         elif len(sequence.output_ids) >= params.max_tokens:
             delta.finish_reason = "length"
-        if delta.finish_reason is not None and stop_hit is None:
-            sequence.text.finish()
         delta.text = sequence.text.take_sendable(finished=delta.finish_reason is not None)
         if (
             delta.text

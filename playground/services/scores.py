@@ -105,12 +105,12 @@ RESOLVE_TOP_K = 20
 def run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
     """The prompt's token ids, and the completion's ids and strings, of a run's first choice.
 
-    A completion token whose string several tokens decode to (a piece of a character, shown
-    as U+FFFD) has no id in `run.tokens`: it is found by one teacher-forced request under the
-    run's own model, on the prompt and the tokens before it plus a placeholder, whose last
-    prompt_logprobs entry lists the likeliest tokens there: the one sampled has that string
-    and, of those, the logprob closest to the one the run reported (`send(purpose, body)`
-    sends a request)."""
+    A completion token whose string names no single token (a piece of a character, named ""
+    or by the character it completes) has no id in `run.tokens`: it is found by one
+    teacher-forced request under the run's own model, on the prompt and the tokens before it
+    plus a placeholder, whose last prompt_logprobs entry lists the likeliest tokens there:
+    the one sampled has that string and, of those, the logprob closest to the one the run
+    reported (`send(purpose, body)` sends a request)."""
     tokens = run.tokens or {}
     prompt = (tokens.get("prompts") or [None])[0]
     completion = (tokens.get("completions") or [None])[0]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from acs_client.codec import encode_vector
 from api import admission
+from tests.vllm.test_text_offsets import assert_offsets_map_into_text
 from tests.vllm.test_vllm_lens import (
     assert_same_first_distribution,
     assert_same_generation,
@@ -189,10 +190,16 @@ def assert_same_answer(vllm: dict, engine: dict, body: dict) -> None:
         assert_same_prompt_logprobs(got.get("prompt_logprobs"), expected.get("prompt_logprobs"))
         if body.get("echo") and isinstance(body["prompt"], str):
             assert got["text"].startswith(body["prompt"])
+        # Not with echo: both name an echoed prompt's first token alone (vLLM's rule), so a
+        # prompt that begins inside a multi-byte character names it "\ufffd", not its text.
+        for choice in (got, expected):
+            if choice["logprobs"] and not body.get("echo"):
+                assert_offsets_map_into_text(choice)
         if body["temperature"] == 0 and expected["logprobs"]:
             agreed = assert_same_generation(got, expected)
             if agreed == len(expected["logprobs"]["tokens"]):
                 assert got["finish_reason"] == expected["finish_reason"]
+                assert got["text"] == expected["text"]
             else:
                 agreed_everywhere = False
         elif expected["logprobs"] and expected["logprobs"]["top_logprobs"]:

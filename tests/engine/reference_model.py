@@ -70,9 +70,15 @@ class ReferenceModel:
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         self._ids_of_string: dict[str, list[int]] = {}
+        # Tokens that decode alone to an unfinished character: vLLM names them by context.
+        self._byte_tokens: list[int] = []
         for token_id in range(self.model.config.vocab_size):
             string = self.tokenizer.decode([token_id])
-            self._ids_of_string.setdefault(string, []).append(token_id)
+            if string.endswith("\ufffd"):
+                self._byte_tokens.append(token_id)
+            else:
+                self._ids_of_string.setdefault(string, []).append(token_id)
+        self._byte_tokens_named: dict[tuple[int, ...], dict[str, list[int]]] = {}
 
     @property
     def blocks(self) -> torch.nn.ModuleList:
@@ -81,12 +87,51 @@ class ReferenceModel:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
 
-    def ids_of(self, string: str) -> list[int]:
-        """The token ids that decode alone to `string` (usually one), or the id of
-        "token_id:N", as vLLM names tokens with `return_tokens_as_token_ids`."""
+    def ids_of(self, string: str, context: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """The token ids named `string` in logprobs at a generated position after `context`
+        (the tokens generated before it; usually one id): those that decode alone to it, and
+        byte tokens that vLLM names so there (`vllm_name`); or the id of "token_id:N", as vLLM
+        names tokens with `return_tokens_as_token_ids`."""
         if string.startswith("token_id:"):
             return [int(string.removeprefix("token_id:"))]
-        return self._ids_of_string.get(string, [])
+        named = self._byte_tokens_after(tuple(context[-4:]))
+        return self._ids_of_string.get(string, []) + named.get(string, [])
+
+    def _byte_tokens_after(self, context: tuple[int, ...]) -> dict[str, list[int]]:
+        """The byte tokens by their name after `context`, computed once per context."""
+        if context not in self._byte_tokens_named:
+            named: dict[str, list[int]] = {}
+            for token_id in self._byte_tokens:
+                named.setdefault(self.vllm_name(token_id, list(context)), []).append(token_id)
+            self._byte_tokens_named[context] = named
+        return self._byte_tokens_named[context]
+
+    def vllm_name(self, token_id: int, context_token_ids: list[int]) -> str:
+        """vLLM 0.32's name of a byte token after the tokens chosen before it: its
+        `LogprobsProcessor._correct_decoded_token` (vllm/v1/engine/logprobs.py), transcribed."""
+        decode = self.tokenizer.decode
+        max_ctx = min(len(context_token_ids), 4)
+        for num_ctx in range(1, max_ctx + 1):
+            context = context_token_ids[-num_ctx:]
+            full_decoded = decode([*context, token_id])
+            if full_decoded.endswith("\ufffd"):
+                continue
+            clean_end = len(context)
+            for j in range(len(context) - 1, -1, -1):
+                if decode([context[j]]).endswith("\ufffd"):
+                    clean_end = j
+                else:
+                    break
+            clean_prefix = decode(context[:clean_end]) if clean_end > 0 else ""
+            if full_decoded.startswith(clean_prefix):
+                return full_decoded[len(clean_prefix) :]
+            common_len = 0
+            for a, b in zip(clean_prefix, full_decoded, strict=False):
+                if a != b:
+                    break
+                common_len += 1
+            return full_decoded[common_len:]
+        return ""
 
     def run(
         self, ids: list[int], steering: list[Steering] = (), capture: list[int] = ()
@@ -110,11 +155,11 @@ class ReferenceModel:
     def token_ids(
         self, prompt_ids: list[int], strings: list[str], steering: list[Steering] = ()
     ) -> list[int]:
-        """The ids of generated tokens given as strings: a string several ids decode to is
-        the one the reference finds likeliest after the tokens before it."""
+        """The ids of generated tokens given as their names in logprobs: a name several ids
+        have there is the one the reference finds likeliest after the tokens before it."""
         ids = list(prompt_ids)
         for string in strings:
-            candidates = self.ids_of(string)
+            candidates = self.ids_of(string, ids[len(prompt_ids) :])
             if len(candidates) != 1:
                 assert candidates, f"no token decodes to {string!r}"
                 last = self.run(ids, steering).logprobs[-1]

@@ -11,6 +11,7 @@ The tolerances come from the dtype the engine computes in (TOLERANCES says why e
 is); the `test_the_bounds_catch_*` tests show that each bound still fails on a real defect.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,7 +210,12 @@ def generated_discrepancies(
         top = logprobs["top_logprobs"][step]
         problems += [
             f"step {step} top: {problem}"
-            for problem in top_discrepancies(top, expected, ids_of, tolerance.logprob)
+            for problem in top_discrepancies(
+                top,
+                expected,
+                functools.partial(ids_of, context=generated[:step]),
+                tolerance.logprob,
+            )
         ]
     return problems
 

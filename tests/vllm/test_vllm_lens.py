@@ -129,7 +129,7 @@ def assert_same_generation(got: dict, expected: dict) -> int:
     tokens agree."""
     ours, theirs = got["logprobs"], expected["logprobs"]
     for step, (token, other) in enumerate(zip(ours["tokens"], theirs["tokens"], strict=False)):
-        if not same_token_string(token, other):
+        if token != other:
             top = ours["top_logprobs"][step], theirs["top_logprobs"][step]
             margins = greedy_divergence_margins(*top, token, other)
             assert max(margins) <= 2 * BOUND.greedy_margin, (step, token, other, top)
@@ -146,20 +146,21 @@ def assert_same_generation(got: dict, expected: dict) -> int:
 def assert_same_first_distribution(ours: dict, theirs: dict) -> None:
     """Sampled tokens differ, but the first one is drawn from the prompt's distribution: its
     top logprobs agree (with echo, those of the prompt's second token, the first listed).
-    Entries are keyed by token string; byte-fallback tokens share one key on each side
-    (`same_token_string`), so such an entry's logprob is whichever token came last."""
+    Entries are keyed by token string; byte-fallback tokens of an unfinished character share
+    the key "" on both sides, so such an entry's logprob is whichever came last: not
+    compared."""
     first, other = (next(top for top in side["top_logprobs"] if top) for side in (ours, theirs))
-    pairs = [(a, b) for a in first for b in other if same_token_string(a, b)]
-    assert pairs, (first, other)
-    for a, b in pairs:
-        if "\ufffd" not in b:
-            assert abs(first[a] - other[b]) <= 2 * BOUND.logprob, (a, first, other)
+    shared = [token for token in first if token in other]
+    assert shared, (first, other)
+    for token in shared:
+        if token:
+            assert abs(first[token] - other[token]) <= 2 * BOUND.logprob, (token, first, other)
 
 
 def assert_same_prompt_logprobs(got, expected) -> None:
-    """Entries of the same tokens agree. A byte-fallback token that decodes to part of a
-    character alone is "" on vLLM (or the character its previous tokens complete) and "\ufffd"
-    on the engine: the one known difference (docs/deploy.md §5)."""
+    """Entries of the same tokens agree, their names too (a byte-fallback token that decodes
+    to part of a character alone is "" on both, or the character its previous tokens
+    complete)."""
     if expected is None:
         assert got is None
         return
@@ -168,16 +169,7 @@ def assert_same_prompt_logprobs(got, expected) -> None:
         assert ours.keys() & theirs.keys()
         for token in ours.keys() & theirs.keys():
             assert abs(ours[token]["logprob"] - theirs[token]["logprob"]) <= 2 * BOUND.logprob
-            assert same_token_string(ours[token]["decoded_token"], theirs[token]["decoded_token"])
-
-
-def same_token_string(vllm: str, engine: str) -> bool:
-    """A token's string on both, but for the one known difference (docs/deploy.md §5): a
-    byte-fallback token that decodes to part of a character alone is "" on vLLM (or the
-    character its previous tokens complete) and "\ufffd" on the engine."""
-    if "\ufffd" in engine and "\ufffd" not in vllm:
-        return len(vllm) <= len(engine)
-    return vllm == engine
+            assert ours[token]["decoded_token"] == theirs[token]["decoded_token"], token
 
 
 def assert_same_rows(vllm: dict, engine: dict, *, rows: int, same_shape: bool = True) -> None:
