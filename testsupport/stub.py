@@ -3,6 +3,7 @@ and the gateway benchmark. Its behaviour is switched through `StubUpstream.mode`
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -36,7 +37,9 @@ class StubUpstream:
     every token, as Python's json writes it), `token` (refuse every request but /health
     without `Authorization: Bearer <token>` as the engine with ACS_ENGINE_TOKEN does: 401
     invalid_token), `models` (the model entries GET /v1/models lists, as vLLM's
-    `{"id", "object": "model", "max_model_len", ...}`; without it, GET /v1/models is a 404)."""
+    `{"id", "object": "model", "max_model_len", ...}`; without it, GET /v1/models is a 404),
+    `large` (`large_mode(...)`: answer a non-streaming full-vocabulary request with a large
+    body sent in chunks as it is generated)."""
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
@@ -93,16 +96,16 @@ class StubUpstream:
         elif path == "/v1/completions":
             headers = dict(scope["headers"])
             self.tenants.append(headers.get(b"x-acs-tenant", b"").decode())
-            await self.completions(json.loads(body), send)
+            await self.completions(json.loads(body), send, receive)
         else:
             await _json(send, {"error": {"code": "not_found", "message": path}}, 404)
 
-    async def completions(self, payload, send):
+    async def completions(self, payload, send, receive=None):
         self.requests.append(payload)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await self._completions(payload, send)
+            await self._completions(payload, send, receive)
         finally:
             self.in_flight -= 1
 
@@ -120,7 +123,7 @@ class StubUpstream:
         self.probes = 0
         self.max_in_flight = 0
 
-    async def _completions(self, payload, send):
+    async def _completions(self, payload, send, receive=None):
         mode = self.mode
         if mode.get("delay"):
             await asyncio.sleep(mode["delay"])
@@ -144,6 +147,15 @@ class StubUpstream:
         }
         header = {"id": "cmpl-stub", "object": "text_completion", "created": 1, "model": "stub"}
         header["model"] = payload["model"]
+        if mode.get("large") and payload.get("prompt_logprobs") == -1 and not payload.get("stream"):
+            large = mode["large"]
+            if "completion_tokens" in large:
+                usage["completion_tokens"] = large["completion_tokens"]
+                usage["total_tokens"] = prompt_tokens + large["completion_tokens"]
+            counts = [self.count(p, payload.get("add_special_tokens", True)) for p in prompts]
+            pieces = large_body(large, header, counts, n, max_tokens, usage, payload)
+            await _send_large(send, receive, large, pieces)
+            return
         capture = self._capture(payload, prompt_tokens + max_tokens - 1)
         if not payload.get("stream"):
             choices = []
@@ -220,6 +232,161 @@ class StubUpstream:
 
     def stop(self) -> None:
         stop_server(self.server, self.thread)
+
+
+# Decoded tokens of `large_mode`'s vocabulary: plain words, and strings that hold the bytes
+# a byte-level relay looks for (escaped in JSON, as they are within a real answer).
+LARGE_TOKENS = [
+    "tok",
+    " the",
+    ',"metrics":null',
+    '"model":"x"',
+    '"usage":{"prompt_tokens":1}',
+    '"logprob":NaN',
+    "\\",
+    '\\"',
+    "é\n",
+    ',"token_ids":null}],',
+]
+
+
+def large_mode(
+    *,
+    vocab: int,
+    shape: str = "vllm",
+    chunk: int = 65536,
+    extras: dict | None = None,
+    usage: bool = True,
+    pause: "threading.Event | None" = None,
+    completion_tokens: int | None = None,
+    break_after: int | None = None,
+) -> dict:
+    """The stub's `large` mode: a non-streaming request with prompt_logprobs -1 is answered
+    with `vocab` entries per prompt position (vLLM's {token id: {logprob, rank,
+    decoded_token}}), sent in pieces of about `chunk` bytes as generated. `shape` "vllm":
+    vLLM's members, its extras null but those in `extras` (name: value); "engine": the
+    embedded engine's. `usage` False: the body ends without one; `completion_tokens`
+    reported instead of the stub's; `pause`: after the first piece, wait for this Event;
+    `break_after`: close the connection after that many pieces. A position's entries are
+    made here once (in the caller's thread, before any measure of memory) and sent for every
+    position."""
+    entries = []
+    for token in range(vocab):
+        word = LARGE_TOKENS[token % len(LARGE_TOKENS)]
+        entry = {"logprob": -(token % 997) / 31.0 - 0.5, "rank": token + 1, "decoded_token": word}
+        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+        entries.append(f"{json.dumps(str(token))}:{text}")
+    position = ("{" + ",".join(entries) + "}").encode()
+    return {
+        "position": position,
+        "shape": shape,
+        "chunk": chunk,
+        "extras": extras or {},
+        "usage": usage,
+        "pause": pause,
+        "break_after": break_after,
+        **({"completion_tokens": completion_tokens} if completion_tokens is not None else {}),
+    }
+
+
+VLLM_TOP_EXTRAS = ("service_tier", "system_fingerprint")
+VLLM_TAIL_EXTRAS = ("kv_transfer_params", "ec_transfer_params", "metrics")
+
+
+def large_body(
+    large: dict, header: dict, counts: list[int], n: int, max_tokens: int, usage, payload
+):
+    """The pieces (bytes) of `large_mode`'s answer, generated lazily: prompts of `counts`
+    tokens, `n` choices each."""
+    vllm = large["shape"] == "vllm"
+    extras = large["extras"]
+    token_ids = bool(payload.get("return_token_ids"))
+
+    def value(name, default=None):
+        return json.dumps(extras.get(name, default), separators=(",", ":")).encode()
+
+    yield json.dumps(header, separators=(",", ":")).encode()[:-1] + b',"choices":['
+    for index, count in enumerate(c for c in counts for _ in range(n)):
+        ids = list(range(count))
+        yield b"," if index else b""
+        yield b'{"index":%d,"text":"%s","logprobs":null,"finish_reason":"length",' % (
+            index,
+            b" tok" * max_tokens,
+        )
+        yield b'"stop_reason":null,'
+        if vllm:
+            yield (
+                b'"token_ids":'
+                + (value("token_ids", [1] * max_tokens) if token_ids else b"null")
+                + b","
+            )
+        yield b'"prompt_logprobs":[null'
+        for _ in range(count - 1):
+            yield b","
+            yield large["position"]
+        yield b"]"
+        if vllm:
+            yield b',"prompt_token_ids":' + (json.dumps(ids).encode() if token_ids else b"null")
+            yield b',"routed_experts":' + value("routed_experts")
+        elif token_ids:
+            yield b',"prompt_token_ids":' + json.dumps(ids).encode() + b',"token_ids":[1]'
+        yield b"}"
+    yield b"]"
+    if vllm:
+        for name in VLLM_TOP_EXTRAS:
+            yield b',"%s":%s' % (name.encode(), value(name))
+    if large["usage"]:
+        usage = (
+            {**usage, "prompt_tokens_details": extras.get("prompt_tokens_details")}
+            if vllm
+            else usage
+        )
+        yield b',"usage":' + json.dumps(usage, separators=(",", ":")).encode()
+    if vllm:
+        for name in VLLM_TAIL_EXTRAS:
+            yield b',"%s":%s' % (name.encode(), value(name))
+    yield b"}"
+
+
+async def _send_large(send, receive, large: dict, pieces) -> None:
+    """Send `pieces` as one body in chunks of about large["chunk"] bytes, stopping when the
+    client goes away."""
+    gone = asyncio.Event()
+
+    async def watch():
+        while receive is not None and (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch()) if receive is not None else None
+    raw_headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+    size, sent, pending = large["chunk"], 0, []
+    pending_bytes = 0
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                take = view[: size - pending_bytes]
+                view = view[len(take) :]
+                pending.append(bytes(take))
+                pending_bytes += len(take)
+                if pending_bytes < size:
+                    continue
+                if gone.is_set():
+                    return
+                await send(
+                    {"type": "http.response.body", "body": b"".join(pending), "more_body": True}
+                )
+                pending, pending_bytes, sent = [], 0, sent + 1
+                if large["break_after"] is not None and sent >= large["break_after"]:
+                    raise ConnectionAbortedError("stub breaks its answer off")
+                while sent == 1 and large["pause"] is not None and not large["pause"].is_set():
+                    await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"".join(pending)})
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 def _logprobs(mode: dict, tokens: int) -> dict | None:
