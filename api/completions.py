@@ -3,14 +3,21 @@
 `completion_run` serves a non-streaming body (the view, completion jobs via async_to_sync);
 `completion_stream` serves `stream: true`. Both: validate → admission slot → reserve the
 budget → upstream → settle to the actual usage → one usage record.
+
+A full-vocabulary request (prompt_logprobs -1) also takes one of the process's
+FULL_VOCAB_IN_FLIGHT slots (`full_vocab_slot`), and the HTTP endpoint relays such an answer
+as it arrives where `relay.relayable` (a `CompletionResult` with a `Relay`), settling it
+once the relay ends.
 """
 
 import asyncio
+import collections
 import contextlib
 import gzip
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from django.utils import timezone
@@ -20,7 +27,7 @@ from metering.budgets import BudgetExceeded
 from metering.models import UsageRecord
 from metering.sql import DatabaseBusy
 
-from . import dialect, fanout, upstream
+from . import dialect, fanout, relay, upstream
 from .admission import admission_slot
 from .errors import ApiError, metering_refusal, sse_error_frame, unexpected_error
 from .validation import ValidCompletion, validate_completion
@@ -34,17 +41,29 @@ GZIP_MIN_BYTES = 1024
 # zlib's fastest level: a full-vocabulary answer of 18.6 MB took 0.25 s of the gateway's CPU
 # and became 6.1 MB, against 0.43 s and 5.4 MB at level 5.
 GZIP_LEVEL = 1
+# Full-vocabulary requests (prompt_logprobs -1: up to ~1 GB of answer) served at once by one
+# process; more wait in their admission slot up to FULL_VOCAB_WAIT_S, then are refused 429
+# queue_full with Retry-After FULL_VOCAB_RETRY_AFTER_S.
+FULL_VOCAB_IN_FLIGHT = 2
+FULL_VOCAB_WAIT_S = 30.0
+FULL_VOCAB_RETRY_AFTER_S = 5
+# Whether the HTTP endpoint relays `relay.relayable` answers as they arrive (False: the parse
+# path, as before issue 43; bench/gateway.py compares the two).
+RELAY_LARGE_ANSWERS = True
 
 
 @dataclass
 class CompletionResult:
     """`status`, `body` (the completion or the error envelope) and response `headers`;
-    `content` is the already-encoded body when the gateway relays the upstream's bytes."""
+    `content` is the already-encoded body when the gateway relays the upstream's bytes, and
+    `relay` the answer still arriving where it is relayed as it arrives."""
 
     status: int
     body: dict
     headers: dict = field(default_factory=dict)
     content: bytes | None = None
+    # The answer still to relay from the upstream (`Relay`); `body` is then empty.
+    relay: "Relay | None" = None
 
     def encoded(self) -> bytes:
         if self.content is None:
@@ -60,6 +79,77 @@ class CompletionResult:
             headers["Content-Encoding"] = "gzip"
             headers["Vary"] = "Accept-Encoding"
         return content, headers
+
+
+class _FullVocabSlots:
+    """The full-vocabulary slots of one event loop (one web process's server loop): at most
+    FULL_VOCAB_IN_FLIGHT held, waiters served in arrival order."""
+
+    def __init__(self):
+        self.running = 0
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.running < FULL_VOCAB_IN_FLIGHT and not self.waiters:
+            self.running += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.waiters.append(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), FULL_VOCAB_WAIT_S)
+        except BaseException as failure:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed a slot as it gave up: pass it on
+            else:
+                turn.cancel()
+                self.waiters.remove(turn)
+            if isinstance(failure, TimeoutError):
+                raise ApiError(
+                    "queue_full",
+                    f"This server already serves {FULL_VOCAB_IN_FLIGHT} full-vocabulary "
+                    "requests (prompt_logprobs -1) and more are waiting; retry after the delay "
+                    "given.",
+                    retry_after=FULL_VOCAB_RETRY_AFTER_S,
+                ) from None
+            raise
+
+    def release(self) -> None:
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)  # the slot passes on: `running` is unchanged
+                return
+        self.running -= 1
+
+
+_full_vocab_by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _FullVocabSlots]"
+_full_vocab_by_loop = weakref.WeakKeyDictionary()
+
+
+@contextlib.asynccontextmanager
+async def full_vocab_slot():
+    """Hold one of this process's FULL_VOCAB_IN_FLIGHT full-vocabulary slots (per event loop:
+    a Celery task's async_to_sync loop, one job at a time, has its own); raises ApiError 429
+    queue_full after FULL_VOCAB_WAIT_S without one."""
+    loop = asyncio.get_running_loop()
+    slots = _full_vocab_by_loop.get(loop)
+    if slots is None:
+        slots = _full_vocab_by_loop[loop] = _FullVocabSlots()
+    await slots.acquire()
+    try:
+        yield
+    finally:
+        slots.release()
+
+
+def full_vocab_counts() -> dict:
+    """Full-vocabulary requests running and waiting, over every loop of the process (for
+    tests and the benchmark)."""
+    slots = list(_full_vocab_by_loop.values())
+    return {
+        "running": sum(slot.running for slot in slots),
+        "waiting": sum(len(slot.waiters) for slot in slots),
+    }
 
 
 class _Request:
@@ -162,6 +252,8 @@ class _Request:
         returns the max_tokens to send upstream."""
         valid = self.valid
         await stack.enter_async_context(admission_slot(self.key.pk, self.key.user_id))
+        if valid.request.prompt_logprobs == -1:
+            await stack.enter_async_context(full_vocab_slot())
         terms = {
             "key": self.key,
             "prompt_tokens": valid.prompt_tokens,
@@ -214,6 +306,7 @@ async def completion_run(
     workload: str = "",
     settle_in_background: bool = False,
     fence=None,
+    relay_large: bool = False,
 ) -> "CompletionResult":
     """Serve one non-streaming completion body for `key` exactly as POST /v1/completions
     does; never raises ApiError (errors come back as a result with the error envelope).
@@ -222,7 +315,12 @@ async def completion_run(
     `settle_in_background` (the HTTP view: the client gets its body without waiting for
     those writes; `background.pending()` counts the ones still running). `fence` (a job's
     worker: `infra.lifecycle.Attempt.fence_steps`) bills nothing when its attempt no longer
-    holds the job (`metering.gateway.meter`)."""
+    holds the job (`metering.gateway.meter`).
+
+    `relay_large` (the HTTP endpoint; a job stores its result whole): an answer that
+    `relay.relayable` comes back as soon as the upstream's headers are in, as a result whose
+    `relay` the caller sends (`Relay`); its admission slot, full-vocabulary slot and hold
+    stay taken, and it is settled and metered, when the relay ends."""
     state = _Request(
         key=key,
         payload=payload,
@@ -233,10 +331,12 @@ async def completion_run(
         fence=fence,
     )
     try:
-        result = await _run(state)
+        result = await _run(state, relay_large=relay_large)
     except BaseException:
         await state.finish(status=499, error_code="client_disconnected")
         raise
+    if result.relay is not None:
+        return result  # settled by the relay's end
     if settle_in_background:
         state.finish_in_background(status=state.status, error_code=state.error_code)
     else:
@@ -244,7 +344,7 @@ async def completion_run(
     return result
 
 
-async def _run(state: "_Request") -> "CompletionResult":
+async def _run(state: "_Request", *, relay_large: bool = False) -> "CompletionResult":
     try:
         state.valid = await validate_completion(state.payload)
         if state.valid.request.stream:
@@ -253,6 +353,8 @@ async def _run(state: "_Request") -> "CompletionResult":
             max_tokens = await state.admit_and_reserve(stack)
             state.upstream_started = time.perf_counter()
             body = dialect.upstream_body(state.valid, max_tokens=max_tokens)
+            if relay_large and RELAY_LARGE_ANSWERS and relay.relayable(state.valid):
+                return await _opened_relay(state, body, stack)
             reply = await fanout.send_completion(state.valid, body, tenant=state.tenant)
             state.upstream_ms = reply.upstream_ms
             state.ttft_ms = state.elapsed_ms()
@@ -281,6 +383,97 @@ async def _run(state: "_Request") -> "CompletionResult":
     finally:
         if state.upstream_started is not None and state.upstream_ms is None:
             state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+
+
+async def _opened_relay(state: "_Request", body: dict, stack) -> "CompletionResult":
+    """The result of a request whose answer is relayed as it arrives, once the upstream's
+    status and headers are in (an error before them raises its ApiError here). The relay
+    takes over `stack` (the admission and full-vocabulary slots, and the upstream's
+    response)."""
+    chunks = await stack.enter_async_context(
+        upstream.open_completion(state.valid.urls, body, tenant=state.tenant)
+    )
+    answer = Relay(state, chunks, stack.pop_all())
+    state.status, state.error_code = 200, ""
+    headers = {"Server-Timing": state.server_timing(), **state.clamp_headers()}
+    return CompletionResult(200, {}, headers, relay=answer)
+
+
+class Relay:
+    """An answer relayed to the client as the upstream sends it (`api.relay`): `pieces()`
+    yields its public bytes; `end()`, once the last was sent (or with the failure that ended
+    the relay early: the client gone, the upstream failing mid-body), releases the request's
+    slots and the upstream's response, then settles and meters it.
+
+    Billed: the `usage` the upstream's body ends with (read from its tail); where the body
+    ended without one, the hold's worst case (prompt tokens + max_tokens per sequence),
+    logged; where the relay ended early, the prompt tokens, as a stream cut off is billed
+    (the usage comes last, and the upstream took the request)."""
+
+    def __init__(self, state: "_Request", chunks, stack: contextlib.AsyncExitStack):
+        self.state = state
+        self._chunks = chunks
+        self._stack = stack
+        valid = state.valid
+        self._public = relay.PublicBody(
+            model_name=valid.model.name, keep_token_ids=bool(valid.request.return_token_ids)
+        )
+        self._pieces = self._public_pieces()
+        self._ended = False
+
+    def pieces(self):
+        return self._pieces
+
+    async def _public_pieces(self):
+        state = self.state
+        async for chunk in self._chunks:
+            if state.ttft_ms is None:
+                state.ttft_ms = state.elapsed_ms()
+            state.keep_reservation_alive()
+            piece = self._public.feed(chunk)
+            if piece:
+                yield piece
+        state.upstream_ms = (time.perf_counter() - state.upstream_started) * 1000
+        last = self._public.end()
+        if last:
+            yield last
+
+    async def end(self, failure: BaseException | None = None) -> None:
+        """Release, settle and meter the request (once); `failure` ended the relay early."""
+        if self._ended:
+            return
+        self._ended = True
+        state = self.state
+        try:
+            await self._pieces.aclose()
+            await self._chunks.aclose()
+        finally:
+            await self._stack.aclose()
+        status, error_code = 200, ""
+        if isinstance(failure, (asyncio.CancelledError, GeneratorExit)):
+            status, error_code = 499, "client_disconnected"
+        elif isinstance(failure, ApiError):
+            status, error_code = failure.status, failure.code
+            logger.warning("relay of %s broken mid-body: %s", state.request_id, failure.code)
+        elif failure is not None:
+            logger.error("relay of %s failed", state.request_id, exc_info=failure)
+            status, error_code = 500, "internal_error"
+        usage = _usage_tokens({"usage": self._public.usage()})
+        if usage is not None:
+            state.prompt_tokens, state.completion_tokens = usage
+        elif failure is None:
+            logger.warning(
+                "the upstream's answer to %s (%d bytes) ended without usage: billing its "
+                "hold's worst case",
+                state.request_id,
+                self._public.upstream_bytes,
+            )
+            state.prompt_tokens = state.valid.prompt_tokens
+            state.completion_tokens = state.reservation.max_tokens_applied * state.valid.completions
+        else:
+            state.prompt_tokens, state.completion_tokens = state.valid.prompt_tokens, 0
+        state.status, state.error_code = status, error_code
+        await state.finish(status=status, error_code=error_code)
 
 
 def _count_chunk_tokens(frame: dict) -> int:

@@ -13,13 +13,20 @@ functions then settle and meter what was used (status 499).
 
 import asyncio
 import logging
+import zlib
 
 from accounts.models import Scope
 from infra.background import on_server_loop
 
 from .auth import authenticate_header
 from .bodies import ClientGone, check_content_type, check_declared_length, decode_json, read_body
-from .completions import CompletionResult, StreamOpened, completion_run, completion_stream
+from .completions import (
+    GZIP_LEVEL,
+    CompletionResult,
+    StreamOpened,
+    completion_run,
+    completion_stream,
+)
 from .errors import ApiError, unexpected_error
 from .middleware import request_id_from
 
@@ -66,8 +73,15 @@ async def _serve(reply, key, payload, rid, headers) -> None:
             await frames.aclose()
         return
     result = await completion_run(
-        key=key, payload=payload, request_id=rid, workload=workload, settle_in_background=True
+        key=key,
+        payload=payload,
+        request_id=rid,
+        workload=workload,
+        settle_in_background=True,
+        relay_large=True,
     )
+    if result.relay is not None:
+        return await reply.relay(result, headers.get("accept-encoding", ""))
     await reply.result(result, headers.get("accept-encoding", ""))
 
 
@@ -133,6 +147,43 @@ class _Reply:
         }
         await self._start(result.status, headers)
         await self.send({"type": "http.response.body", "body": content})
+        self.complete = True
+
+    async def relay(self, result: CompletionResult, accept_encoding: str) -> None:
+        """Send an answer relayed as it arrives (`completions.Relay`), gzipped as a stream
+        for a client that accepts it, without a Content-Length (chunked). The request is
+        settled after its last byte went out and before the response ends, so that a client
+        that read it finds its usage current. A failure mid-body (the upstream's connection,
+        an answer that cannot be made public) can no longer change the status: the
+        connection is closed without the body's end, which the client sees as a broken
+        response, never as a complete one."""
+        answer = result.relay
+        headers = {"Content-Type": "application/json", **result.headers, "Vary": "Accept-Encoding"}
+        compressor = None
+        if "gzip" in accept_encoding:
+            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)
+            headers["Content-Encoding"] = "gzip"
+        try:
+            await self._start(result.status, headers)
+            async for piece in answer.pieces():
+                if compressor is not None:
+                    piece = compressor.compress(piece)
+                if piece:
+                    await self.send(
+                        {"type": "http.response.body", "body": piece, "more_body": True}
+                    )
+            if compressor is not None:
+                last = compressor.flush()
+                await self.send({"type": "http.response.body", "body": last, "more_body": True})
+        except ApiError as failure:
+            # Returning with the response incomplete: uvicorn closes the connection.
+            await answer.end(failure)
+            return
+        except BaseException as failure:
+            await answer.end(failure)
+            raise
+        await answer.end()
+        await self.send({"type": "http.response.body", "body": b""})
         self.complete = True
 
     async def stream(self, opened: StreamOpened, frames) -> None:

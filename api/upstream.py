@@ -67,6 +67,8 @@ NON_STREAMING_TIMEOUT_S = 14 * 60
 STREAM_IDLE_TIMEOUT_S = 10 * 60
 HEALTH_TIMEOUT_S = 3.0
 TOKENIZE_TIMEOUT_S = 30.0
+# The most bytes `open_completion` hands over at a time.
+RELAY_CHUNK_BYTES = 64 * 1024
 
 # Contract codes of upstream errors that say nothing against the upstream's health (see the
 # module docstring).
@@ -542,6 +544,32 @@ async def send_completion(urls: list[str], payload: dict, *, tenant: str) -> Ups
         raise ApiError("upstream_server_error", "The upstream sent invalid JSON.") from error
     await record_success(target)
     return UpstreamReply(content, body, (time.perf_counter() - started) * 1000)
+
+
+@asynccontextmanager
+async def open_completion(urls: list[str], payload: dict, *, tenant: str):
+    """A non-streaming completion for `tenant` whose body is relayed as it arrives, never
+    held whole (`api.relay`): yields an async iterator of the body's raw chunks (each at
+    most RELAY_CHUNK_BYTES; aiohttp stops reading the connection while its buffer holds
+    more than 128 KiB). The URL choice, circuit breaker and error mapping are `send_completion`'s: a
+    failure before the first byte (no connection, an error status) raises its ApiError here;
+    the connection failing or timing out mid-body raises `vllm_engine_dead` or
+    `upstream_deadline` from the iterator. The body is not parsed, so an answer that is not
+    JSON does not count against the circuit as it does in `send_completion`."""
+    async with _exchange(
+        urls, "/v1/completions", payload, read_timeout_s=NON_STREAMING_TIMEOUT_S, tenant=tenant
+    ) as (target, response):
+        await _raise_for_status(target, response)
+        yield _body_chunks(target, response)
+
+
+async def _body_chunks(target: Target, response: aiohttp.ClientResponse):
+    try:
+        async for chunk in response.content.iter_chunked(RELAY_CHUNK_BYTES):
+            yield chunk
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise await _transport_failure(target, error) from error
+    await record_success(target)
 
 
 PROBE_TIMEOUT_S = 60.0
