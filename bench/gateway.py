@@ -18,6 +18,19 @@ researcher's requests),
 requests/s and p99 at 64 concurrent connections, and added time to first token for streams;
 then each gateway column against the aiohttp floor (the issue 23 goal).
 
+Then large answers (issue 43 item 1), from a stub in its `large` mode (a vLLM-shaped
+full-vocabulary answer, 49,152 entries per prompt position, generated and sent in 64 KiB
+chunks; not the real engine): LARGE_CONCURRENT requests with prompt_logprobs -1 at once, each
+with gzip, while another account sends small requests one after another (their latency
+p50/p99 beside the same account's idle p50/p99), with the gateway's RSS before, at its peak
+and after; for the relay (this gateway) at LARGE_TOKENS prompt tokens and at
+PARSE_PATH_TOKENS, and for the parse path (a second gateway process with
+api.completions.RELAY_LARGE_ANSWERS off and no full-vocabulary cap: the code before issue
+43) at PARSE_PATH_TOKENS only, as its memory grows with the body (about 1 GB each at 256
+tokens). Last, one large answer alone, from the aiohttp floor (a bare relay of the same
+bytes: the stub labels the answer text/event-stream, which the floor relays chunk by chunk)
+and from the gateway. `--large-answers` runs only this part; BENCH_LARGE=0 leaves it out.
+
 The 64-connection load comes from wrk (`apt-get install wrk`) when it is on the PATH: a Python
 client tops out near the gateway's own rate on 2 cores, so it would measure itself, not the
 floors. Without wrk the httpx client below is used, and the run says so.
@@ -32,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +94,34 @@ stub.mode["serve_tokenizer_json"] = {serve_tokenizer_json}
 uvicorn.run(stub, host="127.0.0.1", port={port}, log_level="warning",
             lifespan="off", access_log=False)
 """
+# Large answers (issue 43 item 1): full-vocabulary requests at once, their prompt tokens on
+# the relay and on the parse path, the vocabulary, and the other account's idle requests.
+LARGE = os.environ.get("BENCH_LARGE", "1") != "0"
+LARGE_CONCURRENT = 4
+LARGE_TOKENS = int(os.environ.get("BENCH_LARGE_TOKENS", 256))
+PARSE_PATH_TOKENS = int(os.environ.get("BENCH_PARSE_PATH_TOKENS", 64))
+LARGE_VOCAB = 49_152
+IDLE_SMALL = 100
+LARGE_MODEL = "bench-large"
+LARGE_STUB_MAIN = """
+import sys, uvicorn
+sys.path.insert(0, {root!r})
+from testsupport.stub import StubUpstream, large_mode
+stub = StubUpstream()
+stub.mode["large"] = large_mode(vocab={vocab}, content_type="text/event-stream")
+uvicorn.run(stub, host="127.0.0.1", port={port}, log_level="warning",
+            lifespan="off", access_log=False)
+"""
+PARSE_PATH_GATEWAY_MAIN = """
+import sys, uvicorn
+sys.path.insert(0, {root!r})
+from acs_portal.asgi import application
+from api import completions
+completions.RELAY_LARGE_ANSWERS = False
+completions.FULL_VOCAB_IN_FLIGHT = 10**6
+uvicorn.run(application, host="127.0.0.1", port={port}, log_level="warning",
+            lifespan="off", access_log=False)
+"""
 # The passthrough floors: (column, ASGI app in bench.passthrough).
 FLOORS = [("httpx floor", "httpx_app"), ("aiohttp floor", "aiohttp_app")]
 WRK = shutil.which("wrk")
@@ -114,8 +156,9 @@ def body(model: str, **fields) -> dict:
     return {"model": model, "prompt": PROMPT, "max_tokens": 8, **fields}
 
 
-def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
-    """Migrate, then (re)create the bench models and KEYS users with one key each."""
+def setup_rows(stub_urls: dict[bool, str], large_url: str | None = None) -> list[str]:
+    """Migrate, then (re)create the bench models (`LARGE_MODEL` at `large_url`) and KEYS users
+    with one key each."""
     import django
 
     django.setup()
@@ -142,6 +185,15 @@ def setup_rows(stub_urls: dict[bool, str]) -> list[str]:
         if attached:
             content = build_tokenizer().to_str().encode()
             language_model_tokenizer_set(model=model, content=content)
+    if large_url is not None:
+        LanguageModel.objects.create(
+            name=LARGE_MODEL,
+            upstream_urls=[large_url],
+            max_model_len=8192,
+            n_layers=4,
+            hidden_size=8,
+            vocab_size=LARGE_VOCAB,
+        )
     secrets = []
     for index in range(KEYS):
         user = User.objects.create_user(
@@ -297,6 +349,7 @@ def start_server(app: str, port: int, env: dict) -> subprocess.Popen:
 
 def main():
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    large_only = "--large-answers" in sys.argv[1:]
     gateway_port = free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     processes = []
@@ -310,8 +363,15 @@ def main():
             processes.append(subprocess.Popen([sys.executable, "-c", code]))
             stub_urls[serves_tokenizer] = f"http://127.0.0.1:{port}"
             wait_ready(f"{stub_urls[serves_tokenizer]}/health", processes[-1], "a stub upstream")
+        large_url = None
+        if LARGE or large_only:
+            port = free_port()
+            code = LARGE_STUB_MAIN.format(root=str(ROOT), port=port, vocab=LARGE_VOCAB)
+            processes.append(subprocess.Popen([sys.executable, "-c", code]))
+            large_url = f"http://127.0.0.1:{port}"
+            wait_ready(f"{large_url}/health", processes[-1], "the large stub upstream")
         floors = {}
-        for column, app in FLOORS:
+        for column, app in [] if large_only else FLOORS:
             port = free_port()
             env = {**os.environ, "PASSTHROUGH_UPSTREAM": stub_urls[True]}
             processes.append(start_server(f"bench.passthrough:{app}", port, env))
@@ -321,11 +381,14 @@ def main():
             subprocess.run([str(ROOT / "scripts" / "ensure-test-db")], check=True)
         # The production settings, here and in the gateway: they share the API-key secret.
         os.environ.update(loopback_production_env())
-        secrets = setup_rows(stub_urls)
+        secrets = setup_rows(stub_urls, large_url)
         env = {**os.environ, "LOG_LEVEL": "WARNING"}
         processes.append(start_server("acs_portal.asgi:application", gateway_port, env))
         wait_ready(f"{gateway_url}/v1/openapi.json", processes[-1], "the gateway")
-        run(stub_urls[True], floors, gateway_url, secrets, processes[-1].pid)
+        if not large_only:
+            run(stub_urls[True], floors, gateway_url, secrets, processes[-1].pid)
+        if large_url is not None:
+            run_large(large_url, (gateway_url, processes[-1].pid), secrets, env, processes)
     finally:
         for process in processes:
             stop(process)
@@ -441,6 +504,166 @@ def print_against_floor(direct: dict, floor: dict, gateways: dict) -> None:
     print(f"{'measure':<42}" + "".join(f" {column:>17}" for column in gateways))
     for name, cell in rows.items():
         print(f"{name:<42}" + "".join(f" {cell(f):>17}" for f in gateways.values()))
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (MiB), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class PeakRss(threading.Thread):
+    """The highest RSS of a process, sampled every 20 ms until `stop`."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, rss_mb(pid), threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, rss_mb(self.pid))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.join()
+        return self.peak
+
+
+def full_vocab_body(tokens: int) -> dict:
+    return {
+        "model": LARGE_MODEL,
+        "prompt": " ".join(["tok"] * tokens),
+        "max_tokens": 1,
+        "prompt_logprobs": -1,
+    }
+
+
+async def large_answers(url: str, secret: str, tokens: int, count: int, encoding: str):
+    """Seconds until `count` full-vocabulary answers of `tokens` prompt tokens, requested at
+    once, are all read (and thrown away as they come), and the bytes each was."""
+    headers = {"Authorization": f"Bearer {secret}", "Accept-Encoding": encoding}
+    timeout = httpx.Timeout(900, connect=30)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as http:
+
+        async def one() -> int:
+            size = 0
+            body = full_vocab_body(tokens)
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+            return size
+
+        started = time.perf_counter()
+        sizes = await asyncio.gather(*(one() for _ in range(count)))
+    return time.perf_counter() - started, sizes
+
+
+def small_requests(url: str, secret: str, count: int | None, until: threading.Event | None):
+    """Latencies (ms) of small requests sent one after another: `count` of them, or until
+    `until` is set (at least one)."""
+    latencies = []
+    with httpx.Client(base_url=url, timeout=120) as http:
+        while (count is not None and len(latencies) < count) or (
+            until is not None and not (until.is_set() and latencies)
+        ):
+            started = time.perf_counter()
+            response = http.post(
+                "/v1/completions",
+                json=body(KINDS[0][0], max_tokens=1),
+                headers={"Authorization": f"Bearer {secret}"},
+            )
+            assert response.status_code == 200, response.text
+            latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
+
+
+def under_large_answers(url: str, pid: int, secrets: list[str], tokens: int) -> dict:
+    """LARGE_CONCURRENT full-vocabulary answers (gzip) on the gateway at `url` (process
+    `pid`) while another account's small requests go one after another."""
+    small_requests(url, secrets[1], 20, None)  # warm both keys
+    idle = small_requests(url, secrets[1], IDLE_SMALL, None)
+    asyncio.run(large_answers(url, secrets[0], 2, 1, "gzip"))
+    before, peak = rss_mb(pid), PeakRss(pid)
+    peak.start()
+    done, during = threading.Event(), []
+    other = threading.Thread(
+        target=lambda: during.extend(small_requests(url, secrets[1], None, done)), daemon=True
+    )
+    other.start()
+    try:
+        seconds, sizes = asyncio.run(
+            large_answers(url, secrets[0], tokens, LARGE_CONCURRENT, "gzip")
+        )
+    finally:
+        done.set()
+        other.join()
+    highest = peak.stop()
+    time.sleep(3)  # the process's allocator returns what it freed
+    return {
+        "idle p50 (ms)": statistics.median(idle),
+        "idle p99 (ms)": percentile(idle, 0.99),
+        "during p50 (ms)": statistics.median(during),
+        "during p99 (ms)": percentile(during, 0.99),
+        "during max (ms)": max(during),
+        "other account's requests": len(during),
+        "seconds for all": seconds,
+        "gzipped MB each": statistics.mean(sizes) / 1e6,
+        "RSS before (MiB)": before,
+        "RSS peak (MiB)": highest,
+        "RSS after (MiB)": rss_mb(pid),
+    }
+
+
+def run_large(large_url, relay_gateway, secrets, env, processes) -> None:
+    relay_url, relay_pid = relay_gateway
+    port = free_port()
+    code = PARSE_PATH_GATEWAY_MAIN.format(root=str(ROOT), port=port)
+    processes.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env))
+    parse_url, parse_pid = f"http://127.0.0.1:{port}", processes[-1].pid
+    wait_ready(f"{parse_url}/v1/openapi.json", processes[-1], "the parse-path gateway")
+    port = free_port()
+    floor_env = {**os.environ, "PASSTHROUGH_UPSTREAM": large_url}
+    processes.append(start_server("bench.passthrough:aiohttp_app", port, floor_env))
+    floor_url = f"http://127.0.0.1:{port}"
+    wait_ready(f"{floor_url}/health", processes[-1], "the aiohttp floor")
+    started = time.perf_counter()
+    # Each scenario with keys of its own (two accounts): a key may start
+    # api.limits.STARTS_PER_MINUTE requests a minute.
+    scenarios = [
+        (f"relay, {LARGE_TOKENS} tokens", relay_url, relay_pid, LARGE_TOKENS),
+        (f"relay, {PARSE_PATH_TOKENS} tokens", relay_url, relay_pid, PARSE_PATH_TOKENS),
+        (f"parse path, {PARSE_PATH_TOKENS} tokens", parse_url, parse_pid, PARSE_PATH_TOKENS),
+    ]
+    columns = {
+        label: under_large_answers(url, pid, secrets[2 * index : 2 * index + 2], tokens)
+        for index, (label, url, pid, tokens) in enumerate(scenarios)
+    }
+    alone = {}
+    for label, url, encoding in (
+        ("aiohttp floor (bare relay)", floor_url, "identity"),
+        ("gateway relay, identity", relay_url, "identity"),
+        ("gateway relay, gzip", relay_url, "gzip"),
+    ):
+        seconds, sizes = asyncio.run(large_answers(url, secrets[-1], LARGE_TOKENS, 1, encoding))
+        alone[label] = (seconds, sizes[0] / 1e6)
+    print(
+        f"\nLarge answers (issue 43 item 1; stub large mode, vocabulary {LARGE_VOCAB}; "
+        f"{time.perf_counter() - started:.0f} s; cpus={os.cpu_count()}, load average "
+        f"{os.getloadavg()[0]:.2f}): {LARGE_CONCURRENT} prompt_logprobs -1 requests at once "
+        "(gzip) while another account sends 1-token requests one after another:"
+    )
+    print(f"{'measure':<28}" + "".join(f" {column:>24}" for column in columns))
+    for name in next(iter(columns.values())):
+        print(f"{name:<28}" + "".join(f" {figures[name]:>24.2f}" for figures in columns.values()))
+    floor_seconds = alone["aiohttp floor (bare relay)"][0]
+    print(f"\nOne answer of {LARGE_TOKENS} prompt tokens alone (time to its last byte):")
+    for label, (seconds, megabytes) in alone.items():
+        print(
+            f"  {label:<28} {seconds:8.2f} s  {megabytes:9.1f} MB  {seconds / floor_seconds:.2f}x"
+        )
 
 
 if __name__ == "__main__":

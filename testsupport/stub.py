@@ -260,6 +260,7 @@ def large_mode(
     pause: "threading.Event | None" = None,
     completion_tokens: int | None = None,
     break_after: int | None = None,
+    content_type: str = "application/json",
 ) -> dict:
     """The stub's `large` mode: a non-streaming request with prompt_logprobs -1 is answered
     with `vocab` entries per prompt position (vLLM's {token id: {logprob, rank,
@@ -267,7 +268,9 @@ def large_mode(
     vLLM's members, its extras null but those in `extras` (name: value); "engine": the
     embedded engine's. `usage` False: the body ends without one; `completion_tokens`
     reported instead of the stub's; `pause`: after the first piece, wait for this Event;
-    `break_after`: close the connection after that many pieces. A position's entries are
+    `break_after`: close the connection after that many pieces; `content_type` of the answer
+    (bench/gateway.py labels it text/event-stream, which bench/passthrough.py's floors relay
+    chunk by chunk rather than read whole). A position's entries are
     made here once (in the caller's thread, before any measure of memory) and sent for every
     position."""
     entries = []
@@ -285,6 +288,7 @@ def large_mode(
         "usage": usage,
         "pause": pause,
         "break_after": break_after,
+        "content_type": content_type,
         **({"completion_tokens": completion_tokens} if completion_tokens is not None else {}),
     }
 
@@ -359,7 +363,7 @@ async def _send_large(send, receive, large: dict, pieces) -> None:
         gone.set()
 
     watcher = asyncio.ensure_future(watch()) if receive is not None else None
-    raw_headers = [(b"content-type", b"application/json")]
+    raw_headers = [(b"content-type", large["content_type"].encode())]
     await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
     size, sent, pending = large["chunk"], 0, []
     pending_bytes = 0
