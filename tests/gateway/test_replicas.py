@@ -418,7 +418,9 @@ def test_open_run_streams_leave_the_pages_their_database_connections(replicas, a
     open playground tabs made every page wait for the pool (then answer 503)."""
     run = Run.objects.create(user=approved_user, request={"prompt": "x"})
     streams.publish(run.id, {"type": "status", "status": "running"})
-    replica, bound = replicas[0], sum(int(size) for size in TEST_SERVER_DB_POOL.values())
+    # Both replicas' pools (the count is of both); a stream holding a connection would show
+    # as the page waiting for the pool, then answering 503.
+    replica, bound = replicas[0], 2 * sum(int(size) for size in TEST_SERVER_DB_POOL.values())
     count = 2 * int(TEST_SERVER_DB_POOL["ACS_ORM_POOL_MAX_SIZE"])
     limits = httpx.Limits(max_connections=count + 2)
     with (
