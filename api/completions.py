@@ -333,6 +333,11 @@ async def completion_run(
     try:
         result = await _run(state, relay_large=relay_large)
     except BaseException:
+        # The client went away (the only way this raises): billed as a stream whose client
+        # goes, its prompt once the upstream took the request (its prefill may have run);
+        # what it generated before the connection closed is not known.
+        if state.reservation is not None and state.upstream_started is not None:
+            state.prompt_tokens = state.valid.prompt_tokens
         await state.finish(status=499, error_code="client_disconnected")
         raise
     if result.relay is not None:

@@ -1,4 +1,5 @@
 import json
+import threading
 import time
 
 import pytest
@@ -220,19 +221,28 @@ def post_and_leave(gateway_url, api_secret, *, after: float) -> None:
     wait_settled()  # the lease is given back after the record is written
 
 
-def test_client_leaving_a_non_streaming_request_releases_its_hold(
+def test_client_leaving_a_non_streaming_request_is_billed_its_prompt_and_frees_its_hold(
     gateway_url, api_secret, stub, model, api_key
 ):
+    """The upstream holds the answer (a gate) until the client has hung up: the request is
+    billed its prompt, which the upstream took (it was billed 0 before), and nothing else
+    stays held."""
     from asgiref.sync import async_to_sync
 
     from api.admission import admission_counts
 
-    stub.mode["delay"] = 2.0
-    post_and_leave(gateway_url, api_secret, after=0.5)
+    gate = threading.Event()
+    stub.mode["gate"] = gate
+    try:
+        post_and_leave(gateway_url, api_secret, after=0.5)
+    finally:
+        gate.set()
     record = UsageRecord.objects.get()
     assert record.status_code == 499 and record.error_code == "client_disconnected"
+    assert (record.prompt_tokens, record.completion_tokens) == (stub.count("hello"), 0)
     window = key_day_window(api_key)
-    assert (window.requests, window.used_tokens, window.reserved_tokens) == (1, 0, 0)
+    assert (window.requests, window.reserved_tokens) == (1, 0)
+    assert (window.used_input, window.used_output) == (stub.count("hello"), 0)
     assert async_to_sync(admission_counts)(api_key.pk) == {"running": 0, "waiting": 0}
 
 
