@@ -181,6 +181,21 @@ def check_output_work(*, sequences: int, max_tokens: int) -> None:
         )
 
 
+def check_layer_list(layers: list[int], *, n_layers: int, field: str) -> None:
+    """`layers` (the request's `field`: a capture's, a steering vector's, a harvest's) names
+    at least one layer, each of the model's `n_layers` once; RuleBroken otherwise."""
+    if not layers:
+        raise RuleBroken(f"'{field}' must name at least one layer.", field=field)
+    bad = next((layer for layer in layers if not 0 <= layer < n_layers), None)
+    if bad is not None:
+        raise RuleBroken(
+            f"Layer {bad} in '{field}' is out of range; this model has layers 0–{n_layers - 1}.",
+            field=field,
+        )
+    if len(set(layers)) != len(layers):
+        raise RuleBroken(f"'{field}' names a layer twice.", field=field)
+
+
 def check_stop_strings(stop: list[str]) -> None:
     """At most MAX_STOP_STRINGS, none empty (vLLM refuses an empty one); RuleBroken otherwise."""
     if len(stop) > MAX_STOP_STRINGS:

@@ -15,6 +15,7 @@ from acs_client.protocol import (
     STEERING_MAX_VALUES,
     RuleBroken,
     check_capture_request,
+    check_layer_list,
     check_output_work,
     check_steering_positions,
     check_steering_shape,
@@ -175,16 +176,10 @@ def _check_prompts(prompts: list, model: LanguageModel) -> None:
 
 
 def _check_layers(field: str, layers: list[int], model: LanguageModel) -> None:
-    if not layers:
-        raise _invalid(f"'{field}' must name at least one layer.")
-    bad = next((layer for layer in layers if not 0 <= layer < model.n_layers), None)
-    if bad is not None:
-        raise _invalid(
-            f"Layer {bad} in '{field}' is out of range; this model has layers "
-            f"0–{model.n_layers - 1}."
-        )
-    if len(set(layers)) != len(layers):
-        raise _invalid(f"'{field}' names a layer twice.")
+    try:
+        check_layer_list(layers, n_layers=model.n_layers, field=field)
+    except RuleBroken as error:
+        raise _invalid(str(error)) from None
 
 
 def _check_capture(request, prompts, layers, model) -> None:

@@ -7,7 +7,7 @@ from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from acs_client import responses
-from acs_client.protocol import quartile_layers
+from acs_client.protocol import RuleBroken, check_layer_list, quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate, owner_recheck
 from api.completions import CompletionResult
@@ -148,16 +148,10 @@ def _harvest_layers(requested, model) -> list[int]:
         return quartile_layers(model.n_layers)
     if requested == "all":
         return list(range(model.n_layers))
-    if not requested:
-        raise ApiError("invalid_request", "'layers' must name at least one layer.")
-    bad = [layer for layer in requested if not 0 <= layer < model.n_layers]
-    if bad:
-        raise ApiError(
-            "invalid_request",
-            f"'layers' holds {bad[0]}; model {model.name} has layers 0 to {model.n_layers - 1}.",
-        )
-    if len(set(requested)) != len(requested):
-        raise ApiError("invalid_request", "'layers' names a layer twice.")
+    try:
+        check_layer_list(requested, n_layers=model.n_layers, field="layers")
+    except RuleBroken as error:
+        raise ApiError("invalid_request", str(error)) from None
     return list(requested)
 
 
