@@ -234,8 +234,17 @@ async def special_token_strings(model) -> frozenset[str]:
     tokenizer = await load_tokenizer(model)
     if tokenizer is None:
         return frozenset()
-    added = tokenizer.get_added_tokens_decoder().values()
-    return frozenset(token.content for token in added if token.special)
+    # Asked for every request with logprobs: read once per tokenizer, which stays cached for
+    # the process (so its id() is never reused), as `_ids_by_string` below.
+    found = _special_by_tokenizer.get(id(tokenizer))
+    if found is None:
+        added = tokenizer.get_added_tokens_decoder().values()
+        found = frozenset(token.content for token in added if token.special)
+        _special_by_tokenizer[id(tokenizer)] = found
+    return found
+
+
+_special_by_tokenizer: dict[int, frozenset[str]] = {}
 
 
 _ids_by_string: dict[int, dict[str, int | None]] = {}
