@@ -41,6 +41,29 @@ def upstream_gate(system):
     system.stub.mode.pop("gate", None)
 
 
+def paused_until_taken_over(system, account, second_worker, upstream_gate, model, job_id):
+    """Pause the first worker (SIGSTOP) while its attempt holds the budget and waits on the
+    upstream; once its lease ran out, the sweep takes the job back and the second worker
+    claims it; then open the upstream (the paused worker's answer waits in its socket until
+    it is resumed). Returns the first attempt's budget hold."""
+    system.worker.process.send_signal(signal.SIGSTOP)
+    first_hold = BudgetReservation.objects.get(key=account.key)
+    second_worker.start()
+    wait_for(
+        lambda: model.objects.get(pk=job_id).lease_expires_at < timezone.now(),
+        timeout=JOB_LEASE_S + 30,
+        what="the paused worker's lease to run out",
+    )
+    system.send_task(JOBS_SWEEP)
+    wait_for(
+        lambda: model.objects.get(pk=job_id).attempts == 2,
+        timeout=90,
+        what="the second worker to claim the job",
+    )
+    upstream_gate.set()
+    return first_hold
+
+
 def test_worker_paused_past_its_lease_bills_and_stores_nothing_when_resumed(
     system, account, second_worker, upstream_gate, fault_table
 ):
@@ -64,25 +87,9 @@ def test_worker_paused_past_its_lease_bills_and_stores_nothing_when_resumed(
         timeout=60,
         what="attempt 1 to hold the job's budget and wait on the upstream",
     )
-    system.worker.process.send_signal(signal.SIGSTOP)
-    first_hold = BudgetReservation.objects.get(key=account.key)
-
-    # Paused past its lease: the sweep takes the job back, the second worker claims it.
-    second_worker.start()
-    wait_for(
-        lambda: CompletionJob.objects.get(pk=job_id).lease_expires_at < timezone.now(),
-        timeout=JOB_LEASE_S + 30,
-        what="the paused worker's lease to run out",
+    first_hold = paused_until_taken_over(
+        system, account, second_worker, upstream_gate, CompletionJob, job_id
     )
-    system.send_task(JOBS_SWEEP)
-    wait_for(
-        lambda: CompletionJob.objects.get(pk=job_id).attempts == 2,
-        timeout=90,
-        what="the second worker to claim the job",
-    )
-    # Both attempts' requests are answered now; the paused worker's answer waits in its
-    # socket until it is resumed.
-    upstream_gate.set()
 
     def job_succeeded():
         job = CompletionJob.objects.get(pk=job_id)
@@ -166,22 +173,9 @@ def test_worker_paused_mid_harvest_past_its_lease_bills_and_records_nothing_when
         timeout=60,
         what="attempt 1 to hold its first batch's budget and wait on the upstream",
     )
-    system.worker.process.send_signal(signal.SIGSTOP)
-    first_hold = BudgetReservation.objects.get(key=account.key)
-
-    second_worker.start()
-    wait_for(
-        lambda: HarvestJob.objects.get(pk=job_id).lease_expires_at < timezone.now(),
-        timeout=JOB_LEASE_S + 30,
-        what="the paused worker's lease to run out",
+    first_hold = paused_until_taken_over(
+        system, account, second_worker, upstream_gate, HarvestJob, job_id
     )
-    system.send_task(JOBS_SWEEP)
-    wait_for(
-        lambda: HarvestJob.objects.get(pk=job_id).attempts == 2,
-        timeout=90,
-        what="the second worker to claim the job",
-    )
-    upstream_gate.set()
 
     def harvest_done():
         job = HarvestJob.objects.get(pk=job_id)
