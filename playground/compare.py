@@ -28,13 +28,13 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import User
+from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
 
 from . import exports, figures, scoring
 from .models import Run, RunComparison
-from .services.keys import worker_secret
 from .services.scores import (
     ScoreUnavailable,
     run_token_ids,

@@ -4,13 +4,13 @@ from celery import shared_task
 from django.conf import settings
 
 from infra.lifecycle import WorkStatus
+from portal.services import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
 
 from . import compare, patching
 from .models import RunKind
 from .services.run_execution import RunRetry, run_execute
 from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
-from .services.submissions import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)

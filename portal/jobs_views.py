@@ -18,7 +18,7 @@ from infra.tasks import TaskQueueUnreachable
 from playground import selectors as playground_selectors
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind
-from playground.services.submissions import job_submission_create
+from portal.services import job_submission_create
 
 from .figures import harvest_norm_figure
 

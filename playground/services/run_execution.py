@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import DataError, connection, transaction
 from django.utils import timezone
 
+from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
@@ -18,7 +19,6 @@ from .. import streams
 from ..models import Run, RunKind
 from ..run_lens import run_lens
 from ..run_tokens import run_tokens
-from .keys import worker_secret
 from .runs import group_runs_dispatch, run_fail
 from .scores import STEERING_KINDS, steering_score_queue
 from .vectors import steering_vector_from_contrast

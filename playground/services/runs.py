@@ -11,6 +11,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
+from accounts.services.playground_key import playground_key_get_or_create
 from infra.database import written_through_reconnects
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
@@ -18,7 +19,6 @@ from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 from .. import streams
 from ..models import Run, RunKind, SteeringVector
 from ..run_tokens import with_token_ids
-from .keys import playground_key_get_or_create
 
 # The task that executes a run (`tasks.py`), enqueued by name.
 RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"

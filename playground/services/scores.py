@@ -9,13 +9,13 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
 from ..models import Run, RunKind, SteeringScore
-from .keys import worker_secret
 
 logger = logging.getLogger(__name__)
 

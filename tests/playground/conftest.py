@@ -19,7 +19,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 WORKER_MODULES = (
     "playground.services.run_execution",
     "playground.services.scores",
-    "playground.services.submissions",
+    "portal.services",
 )
 
 

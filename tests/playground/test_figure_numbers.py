@@ -24,6 +24,7 @@ import zstandard
 from django.urls import reverse
 from tokenizers import Tokenizer
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
@@ -32,7 +33,6 @@ from api.selectors import registry_clear
 from infra.lifecycle import WorkStatus
 from playground import views
 from playground.models import Run, RunKind, SteeringScore
-from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import run_execute
 from playground.services.runs import run_create
 from playground.services.scores import steering_score_execute

@@ -10,13 +10,13 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.responses import CompletionJob, HarvestJob
 from acs_portal.celery import app as celery_app
 from infra.lifecycle import WorkStatus
 from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
 from playground.models import JobKind, JobSubmission
-from playground.services.keys import playground_key_get_or_create
-from playground.services.submissions import (
+from portal.services import (
     SubmissionRetry,
     job_submission_create,
     job_submission_send,

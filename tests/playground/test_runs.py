@@ -16,12 +16,12 @@ from django.utils import timezone
 from accounts.models import ApiKey, AuditLog
 from accounts.services.auth import api_key_authenticate
 from accounts.services.keys import api_key_revoke
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.codec import decode
 from api.auth import access_generation_bump
 from infra.lifecycle import WorkStatus
 from playground import tasks
 from playground.models import Run, RunKind
-from playground.services.keys import playground_key_get_or_create
 from playground.services.run_execution import RunRetry, run_claim, run_execute
 from playground.services.runs import (
     group_runs_dispatch,

@@ -10,12 +10,11 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
+from accounts.services.playground_key import playground_key_get_or_create, worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import Attempt, WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
-
-from ..models import JobKind, JobSubmission
-from .keys import playground_key_get_or_create, worker_secret
+from playground.models import JobKind, JobSubmission
 
 # The task that sends a job submission (`tasks.py`), enqueued by name.
 JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
