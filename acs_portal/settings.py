@@ -342,6 +342,11 @@ CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
     "task": "playground.tasks.runs_sweep_task",
     "schedule": 60.0,
 }
+# The Jobs page's submissions stuck on their way to /v1 (portal/tasks.py), on the same clock.
+CELERY_BEAT_SCHEDULE["job-submissions-sweep"] = {
+    "task": "portal.tasks.job_submissions_sweep_task",
+    "schedule": 60.0,
+}
 
 # --- /v1 gateway (api/) ---
 # Every /v1 response carries X-Request-Id (outermost, so error pages get it too).

@@ -6,8 +6,8 @@ layers and positions to patch."""
 from django import forms
 
 from api.errors import ApiError
+from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 
-from .forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from .patching import PatchingTarget
 from .patching_metrics import METRICS
 from .run_tokens import shown_tokens, tokenize

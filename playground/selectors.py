@@ -1,22 +1,13 @@
 """Reads of the playground: a user's runs and vectors (404 for anyone else's) and code that
 reproduces a run's request."""
 
-import datetime as dt
 import json
 import pprint
 import shlex
 
 from django.http import Http404
-from django.utils import timezone
 
-from .models import (
-    JobSubmission,
-    Run,
-    RunKind,
-    SteeringScore,
-    SteeringVector,
-    WorkStatus,
-)
+from playground.models import Run, RunKind, SteeringScore, SteeringVector
 
 # Runs of activation patching grids, which have their own pages (`patching_views`).
 PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
@@ -62,6 +53,11 @@ def run_for_user(*, user, run_id) -> Run:
     if run is None:
         raise Http404("No such run.")
     return run
+
+
+def run_for_request(*, user, request_id: str) -> Run | None:
+    """The user's run that sent the /v1 request `request_id`, if one did."""
+    return Run.objects.filter(user=user, request_id=request_id).only("id").first()
 
 
 def group_runs_for_user(*, user, group) -> list[Run]:
@@ -111,24 +107,6 @@ def vector_for_user(*, user, vector_id) -> SteeringVector:
     if vector is None:
         raise Http404("No such vector.")
     return vector
-
-
-# How long the Jobs page keeps showing a submission the API refused.
-REFUSED_SUBMISSION_SHOWN = dt.timedelta(days=1)
-
-
-def job_submissions_shown(*, user, limit: int = 10) -> list[JobSubmission]:
-    """The user's Jobs-page submissions still on their way to /v1, and those the API refused
-    in the last day (with its error), newest first. Submitted ones are listed as jobs."""
-    return list(
-        JobSubmission.objects.filter(user=user)
-        .exclude(status=WorkStatus.SUCCEEDED)
-        .exclude(
-            status=WorkStatus.FAILED,
-            created_at__lt=timezone.now() - REFUSED_SUBMISSION_SHOWN,
-        )
-        .defer("request")[:limit]
-    )
 
 
 def _python_literal(value) -> str:

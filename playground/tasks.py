@@ -4,7 +4,6 @@ from celery import shared_task
 from django.conf import settings
 
 from infra.lifecycle import WorkStatus
-from portal.services import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
 
 from . import compare, patching
 from .models import RunKind
@@ -30,17 +29,6 @@ def run_execute_task(self, run_id: str) -> None:
         patching.patched_runs_create_or_fail(group=run.group)
 
 
-@shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def job_submission_send_task(self, submission_id: str) -> None:
-    """Send one job asked for on the Jobs page to /v1; retried only when the API asks to."""
-    try:
-        job_submission_send(
-            submission_id=submission_id, final_attempt=self.request.retries >= self.max_retries
-        )
-    except SubmissionRetry as retry:
-        raise self.retry(countdown=retry.countdown) from None
-
-
 @shared_task(acks_late=True)
 def steering_score_execute_task(score_id: str) -> None:
     """Compare a steering comparison's runs on the same tokens (teacher-forced requests)."""
@@ -55,16 +43,11 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 
 @shared_task
 def runs_sweep_task() -> int:
-    """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
-    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), resume patching
+    """Fail playground runs and same-token comparisons stuck in queued or running (see
+    `runs_fail_stuck`, `steering_scores_fail_stuck` and `compare.comparisons_fail_stuck`),
+    resume patching
     grids stalled between their captures and their patched runs, and send the next runs of
     groups whose dispatch stalled. Returns how many it failed."""
     patching.patching_grids_resume_stalled()
     groups_dispatch_stalled()
-    return (
-        runs_fail_stuck()
-        + steering_scores_fail_stuck()
-        + job_submissions_fail_stuck()
-        + compare.comparisons_fail_stuck()
-    )
+    return runs_fail_stuck() + steering_scores_fail_stuck() + compare.comparisons_fail_stuck()

@@ -10,6 +10,7 @@ urlpatterns = [
     path("runs/new/", views.run_submit, name="run_submit"),
     path("tokens/", views.prompt_tokens, name="prompt_tokens"),
     path("runs/<uuid:run_id>/", views.run_detail, name="run_detail"),
+    path("requests/<str:request_id>/", views.run_for_request, name="run_for_request"),
     path("runs/<uuid:run_id>/events/", views.run_events, name="run_events"),
     path("runs/<uuid:run_id>/rerun/", views.run_rerun, name="run_rerun"),
     path("runs/<uuid:run_id>/edit/", views.run_edit, name="run_edit"),

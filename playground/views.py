@@ -20,20 +20,15 @@ from django_htmx.http import reswap, retarget, trigger_client_event
 from accounts.access import approved_required
 from acs_client.codec import decode
 from api.errors import ApiError
+from api.request_forms import ModelCapabilities
 from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
+from playground.forms import CompletionForm, ContrastVectorForm, SteeringForm, UploadVectorForm
 
 from . import compare, exports, figures, scoring, scrub, selectors, streams
 from .downloads import run_activations_bytes
-from .forms import (
-    CompletionForm,
-    ContrastVectorForm,
-    ModelCapabilities,
-    SteeringForm,
-    UploadVectorForm,
-)
 from .history import HistoryFilterForm, runs_page
 from .models import Run, RunKind, VectorMethod
 from .run_figures import (
@@ -404,6 +399,18 @@ def run_detail(request, run_id):
     if request.htmx:
         return render(request, "playground/run_detail.html#run_panel", context)
     return render(request, "playground/run_detail.html", context)
+
+
+@approved_required
+@require_GET
+def run_for_request(request, request_id: str):
+    """The run that sent the /v1 request `request_id` (the request log links here for requests
+    made with the playground key), or 404: scores and comparisons send requests of their own
+    that no run page shows."""
+    run = selectors.run_for_request(user=request.user, request_id=request_id)
+    if run is None:
+        raise Http404("No playground run sent this request; only runs keep their parameters.")
+    return redirect("playground:run_detail", run_id=run.pk)
 
 
 def _int_param(request, name: str, *, upper: int) -> int:

@@ -14,9 +14,10 @@ from accounts.services.playground_key import playground_key_get_or_create, worke
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import Attempt, WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
-from playground.models import JobKind, JobSubmission
+from portal.models import JobKind, JobSubmission
 
-# The task that sends a job submission (`tasks.py`), enqueued by name.
+# The task that sends a job submission (`tasks.py`), enqueued by name: the name it was
+# registered under while submissions were the playground's, kept for tasks already queued.
 JOB_SUBMISSION_SEND_TASK = "playground.tasks.job_submission_send_task"
 
 
@@ -130,7 +131,7 @@ def _job_submission_refuse(
 def job_submissions_fail_stuck(*, now=None) -> int:
     """Refuse submissions still queued or sending after `PLAYGROUND_RUN_STUCK_SECONDS` (no
     worker took them, or their worker died mid-send), so the Jobs page stops waiting for
-    them. Returns how many. Run by beat with the runs sweep; see `work_sweep`."""
+    them. Returns how many. Run by beat (`tasks.job_submissions_sweep_task`); see `work_sweep`."""
     now = now or timezone.now()
     too_old = Q(created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS))
     return work_sweep(

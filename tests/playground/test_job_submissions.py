@@ -13,9 +13,10 @@ from django.utils import timezone
 from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.responses import CompletionJob, HarvestJob
 from acs_portal.celery import app as celery_app
+from api.request_forms import ModelCapabilities
 from infra.lifecycle import WorkStatus
-from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
-from playground.models import JobKind, JobSubmission
+from portal.jobs_forms import CompletionJobForm, HarvestJobForm
+from portal.models import JobKind, JobSubmission
 from portal.services import (
     SubmissionRetry,
     job_submission_create,

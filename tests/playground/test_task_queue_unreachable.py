@@ -17,16 +17,10 @@ from django.urls import reverse
 from acs_portal.celery import app as celery_app
 from infra.tasks import TaskQueueUnreachable
 from playground import forms, patching_forms, views
-from playground.models import (
-    JobSubmission,
-    Run,
-    RunComparison,
-    RunKind,
-    SteeringScore,
-    WorkStatus,
-)
+from playground.models import Run, RunComparison, RunKind, SteeringScore, WorkStatus
 from playground.services.scores import steering_score_queue
 from playground.services.vectors import steering_vector_create
+from portal.models import JobSubmission
 from testsupport.servers import free_port
 
 from .conftest import HTMX, MODEL

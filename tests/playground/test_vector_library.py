@@ -395,7 +395,8 @@ def test_edit_and_rerun_keeps_the_steering(ada, approved_user, no_enqueue):
 
 
 def test_the_jobs_completion_form_does_not_steer():
-    from playground.forms import CompletionJobForm, ModelCapabilities
+    from api.request_forms import ModelCapabilities
+    from portal.jobs_forms import CompletionJobForm
 
     form = CompletionJobForm(models=[], capabilities=ModelCapabilities(None))
     assert "steer_vector" not in form.fields
