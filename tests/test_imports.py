@@ -1,12 +1,13 @@
 """The import rules of the project's apps, read from the source (ast) of every module.
 
 Dependencies between apps point one way: portal → {api, metering, accounts} and
-playground → {api, metering, accounts}, side by side (neither imports the other), api → metering → accounts; `accounts` imports no
-other project app, and `engine` and `acs_client` no Django app. Every Django app may import
-`infra`, which imports none of them; `acs_portal` (settings, URLs, ASGI, the Celery app)
-stands above them all, and no app imports it. Within an app, no two modules
-import each other, directly or through others: an import inside a function counts as much as
-one at the top of the module, so a lazy import cannot hide a cycle. No module takes a private
+playground → {api, metering, accounts}, side by side (neither imports the other),
+api → metering → accounts; `accounts` imports no other project app, and `engine` and
+`acs_client` no Django app. Every Django app may import `infra`, which imports none of
+them; `acs_portal` (settings, URLs, ASGI, the Celery app) stands above them all, and no
+app imports it. Within an app, no two modules import each other, directly or through
+others: an import inside a function counts as much as one at the top of the module, so a
+lazy import cannot hide a cycle. No module takes a private
 name (`_name`) from another module of ours: what two modules share is public in one of them.
 And no `ApiError` is given an HTTP status: `api.errors.ERROR_CODES` gives each code its one.
 An app renders no template from another app's folder (`templates/<app>/`).
