@@ -32,8 +32,9 @@ from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
+from playground import exports, scoring
+from playground.runs import figures
 
-from . import exports, figures, scoring
 from .models import Run, RunComparison
 from .services.scores import (
     ScoreUnavailable,

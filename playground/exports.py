@@ -14,9 +14,9 @@ from django.http import HttpResponse
 
 from infra.lifecycle import WorkStatus
 from infra.spreadsheet import SafeWriter
-
-from . import figures, scoring, selectors
-from .downloads import vector_provenance
+from playground import scoring
+from playground.runs import figures, selectors
+from playground.runs.downloads import vector_provenance
 
 
 def records_csv(records: list[dict]) -> str:

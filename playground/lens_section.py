@@ -6,7 +6,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import figures, lens
+from playground import lens
+from playground.runs import figures
+
 from .lens_forms import LensForm, LensPicks
 from .models import Run
 from .run_lens import model_lens_weights

@@ -39,10 +39,10 @@ from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
+from playground.runs import figures
+from playground.runs.services import run_create, submitted_once
 
-from . import figures
 from .models import Run, RunKind
-from .services.runs import run_create, submitted_once
 
 logger = logging.getLogger(__name__)
 

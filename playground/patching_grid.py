@@ -9,8 +9,9 @@ from django.conf import settings
 
 from accounts.models import User
 from infra.lifecycle import WorkStatus
+from playground import exports
+from playground.runs import figures, selectors
 
-from . import exports, figures, selectors
 from .models import Run, RunKind
 from .patching import CANCELLED_CODE, spec_targets
 from .patching_metrics import (

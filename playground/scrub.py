@@ -5,8 +5,8 @@ marked on the dose–response chart in place, with no request."""
 from django.urls import reverse
 
 from infra.lifecycle import WorkStatus
+from playground.runs import figures
 
-from . import figures
 from .models import Run
 
 

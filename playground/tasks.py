@@ -4,11 +4,11 @@ from celery import shared_task
 from django.conf import settings
 
 from infra.lifecycle import WorkStatus
+from playground.runs.execution import RunRetry, run_execute
+from playground.runs.services import groups_dispatch_stalled, runs_fail_stuck
 
 from . import compare, patching
 from .models import RunKind
-from .services.run_execution import RunRetry, run_execute
-from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
 
 

@@ -1,6 +1,7 @@
 from django.urls import path
 
-from . import patching_views, vector_views, views
+from playground import patching_views, vector_views
+from playground.runs import views
 
 app_name = "playground"
 

@@ -3,9 +3,9 @@
 from django import forms
 
 from infra.lifecycle import WorkStatus
+from playground.runs.figures import Capture
+from playground.runs.forms import position_list, positions_text
 
-from .figures import Capture
-from .forms import position_list, positions_text
 from .models import Run, SteeringVector
 from .vectors import default_positions
 

@@ -9,11 +9,12 @@ from django_htmx.http import trigger_client_event
 
 from accounts.access import approved_required
 from infra.htmx import wants_fragment
+from playground import vectors
+from playground.runs import selectors
+from playground.runs.views import page_context, run_context
 
-from . import selectors, vectors
 from .models import Run
 from .vector_forms import RenameVectorForm, SaveVectorForm
-from .views import page_context, run_context
 
 
 def _library_url() -> str:

@@ -7,8 +7,8 @@ import numpy as np
 from django.db import transaction
 
 from accounts.models import User
+from playground.runs import figures
 
-from . import figures
 from .models import Run, SteeringVector, VectorMethod
 from .services.vectors import steering_vector_create
 

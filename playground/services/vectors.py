@@ -15,10 +15,10 @@ from acs_client.codec import (
     float32_to_bfloat16_bits,
 )
 from infra.lifecycle import WorkStatus
+from playground.runs import figures
+from playground.runs.services import run_enqueue, submitted_once
 
-from .. import figures
 from ..models import Run, RunKind, SteeringVector, VectorMethod
-from .runs import run_enqueue, submitted_once
 
 
 class VectorError(ValueError):

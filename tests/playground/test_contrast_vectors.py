@@ -10,9 +10,9 @@ import pytest
 from django.urls import reverse
 
 from acs_client.codec import decode, encode_vector
-from playground import forms, views
 from playground.models import Run, RunKind
-from playground.services.run_execution import run_execute
+from playground.runs import forms, views
+from playground.runs.execution import run_execute
 from playground.services.vectors import contrast_runs_create
 
 from .conftest import HTMX, MODEL

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from playground import compare, figures
+from playground import compare
+from playground.runs import figures
 
 from .test_figures import ALL_POSITIONS, captured, positions, with_tokens  # noqa: F401
 

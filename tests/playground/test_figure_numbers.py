@@ -31,10 +31,10 @@ from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from infra.lifecycle import WorkStatus
-from playground import views
 from playground.models import Run, RunKind, SteeringScore
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
 from playground.services.scores import steering_score_execute
 from playground.services.vectors import (
     contrast_runs_create,

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from playground import figures
+from playground.runs import figures
 
 from .conftest import recorded
 

@@ -26,8 +26,9 @@ from acs_client.client import AcsClient
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import patching, patching_forms, patching_metrics, selectors, tasks, views
+from playground import patching, patching_forms, patching_metrics, tasks
 from playground.models import Run, RunKind
+from playground.runs import selectors, views
 from playground.vector_forms import SaveVectorForm
 
 from .conftest import HTMX, MODEL

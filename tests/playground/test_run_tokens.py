@@ -14,10 +14,12 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import compare, run_tokens, vectors, views
+from playground import compare, vectors
 from playground.models import Run
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs import tokens as run_tokens
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
 
 from .conftest import MODEL
 

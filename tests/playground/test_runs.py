@@ -22,8 +22,8 @@ from api.auth import access_generation_bump
 from infra.lifecycle import WorkStatus
 from playground import tasks
 from playground.models import Run, RunKind
-from playground.services.run_execution import RunRetry, run_claim, run_execute
-from playground.services.runs import (
+from playground.runs.execution import RunRetry, run_claim, run_execute
+from playground.runs.services import (
     group_runs_dispatch,
     run_create,
     run_enqueue,

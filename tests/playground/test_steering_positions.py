@@ -9,7 +9,8 @@ from django.urls import reverse
 
 from api.errors import ApiError
 from infra.lifecycle import WorkStatus
-from playground import exports, forms, views
+from playground import exports
+from playground.runs import forms, views
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens

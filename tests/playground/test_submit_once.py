@@ -11,9 +11,9 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from playground import forms, views
 from playground.models import Run, RunKind
-from playground.services.runs import run_create
+from playground.runs import forms, views
+from playground.runs.services import run_create
 from playground.services.vectors import steering_vector_create
 
 from .conftest import HTMX, MODEL

@@ -16,8 +16,9 @@ from django.urls import reverse
 
 from acs_portal.celery import app as celery_app
 from infra.tasks import TaskQueueUnreachable
-from playground import forms, patching_forms, views
+from playground import patching_forms
 from playground.models import Run, RunComparison, RunKind, SteeringScore, WorkStatus
+from playground.runs import forms, views
 from playground.services.scores import steering_score_queue
 from playground.services.vectors import steering_vector_create
 from portal.models import JobSubmission

@@ -17,8 +17,8 @@ from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import forms, selectors, streams, views
 from playground.models import Run, RunKind, SteeringScore, SteeringVector
+from playground.runs import forms, selectors, streams, views
 from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
 
 from .conftest import HTMX, MODEL, recorded

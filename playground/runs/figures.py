@@ -16,8 +16,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from acs_client.codec import decode
-
-from . import scoring
+from playground import scoring
 
 STRIP_WIDTH = 12
 # Light colours, so the dark token text on every cell stays readable.

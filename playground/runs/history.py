@@ -5,8 +5,8 @@ bookmarked."""
 from django import forms
 from django.core.paginator import Page, Paginator
 
-from . import selectors
-from .models import RunKind, SteeringVector
+from playground.models import RunKind, SteeringVector
+from playground.runs import selectors
 
 RUNS_PER_PAGE = 25
 

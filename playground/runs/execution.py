@@ -14,14 +14,13 @@ from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
 from infra.lifecycle import Attempt, WorkStatus, work_claim
-
-from .. import streams
-from ..models import Run, RunKind
-from ..run_lens import run_lens
-from ..run_tokens import run_tokens
-from .runs import group_runs_dispatch, run_fail
-from .scores import STEERING_KINDS, steering_score_queue
-from .vectors import steering_vector_from_contrast
+from playground.models import Run, RunKind
+from playground.run_lens import run_lens
+from playground.runs import streams
+from playground.runs.services import group_runs_dispatch, run_fail
+from playground.runs.tokens import run_tokens
+from playground.services.scores import STEERING_KINDS, steering_score_queue
+from playground.services.vectors import steering_vector_from_contrast
 
 logger = logging.getLogger(__name__)
 

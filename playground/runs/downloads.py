@@ -7,9 +7,8 @@ import numpy as np
 from acs_client.codec import decode_bfloat16_bits
 from acs_client.downloads import UNKNOWN_TOKEN_ID, capture_metadata, file_metadata
 from api.jobs.storage import Tensor, safetensors_bytes
-
-from . import figures
-from .models import Run
+from playground.models import Run
+from playground.runs import figures
 
 
 def steering_applied(run: Run) -> list[dict]:

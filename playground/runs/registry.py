@@ -10,9 +10,9 @@ from functools import cached_property
 
 import plotly.graph_objects as go
 
-from . import figures
-from .lens_section import lens_context
-from .models import Run
+from playground.lens_section import lens_context
+from playground.models import Run
+from playground.runs import figures
 
 TOKENS, ACTIVATIONS, LENS = "tokens", "activations", "lens"
 # How a figure takes the page's width (static/js/playground.js reads it): "fit" draws it at

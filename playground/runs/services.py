@@ -15,10 +15,9 @@ from accounts.services.playground_key import playground_key_get_or_create
 from infra.database import written_through_reconnects
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
-
-from .. import streams
-from ..models import Run, RunKind, SteeringVector
-from ..run_tokens import with_token_ids
+from playground.models import Run, RunKind, SteeringVector
+from playground.runs import streams
+from playground.runs.tokens import with_token_ids
 
 # The task that executes a run (`tasks.py`), enqueued by name.
 RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"

@@ -25,13 +25,13 @@ from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground.forms import CompletionForm, ContrastVectorForm, SteeringForm, UploadVectorForm
-
-from . import compare, exports, figures, scoring, scrub, selectors, streams
-from .downloads import run_activations_bytes
-from .history import HistoryFilterForm, runs_page
-from .models import Run, RunKind, VectorMethod
-from .run_figures import (
+from playground import compare, exports, scoring, scrub
+from playground.models import Run, RunKind, VectorMethod
+from playground.runs import figures, selectors, streams
+from playground.runs.downloads import run_activations_bytes
+from playground.runs.forms import CompletionForm, ContrastVectorForm, SteeringForm, UploadVectorForm
+from playground.runs.history import HistoryFilterForm, runs_page
+from playground.runs.registry import (
     ACTIVATIONS,
     BY_NAME,
     LENS,
@@ -40,16 +40,16 @@ from .run_figures import (
     Drawing,
     section_entries,
 )
-from .run_tokens import numbered_tokens, tokenize
-from .services.runs import run_create
-from .services.vectors import (
+from playground.runs.services import run_create
+from playground.runs.tokens import numbered_tokens, tokenize
+from playground.services.vectors import (
     REFERENCE_PROMPTS,
     contrast_runs_create,
     steering_runs_create,
     steering_vector_create,
 )
-from .vector_forms import SaveVectorForm
-from .vectors import steered_positions
+from playground.vector_forms import SaveVectorForm
+from playground.vectors import steered_positions
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
 RESPONSE_SHOWN_CHARS = 200_000
