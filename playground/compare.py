@@ -34,15 +34,15 @@ from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
 from playground import exports, scoring
 from playground.runs import figures
-
-from .models import Run, RunComparison
-from .services.scores import (
+from playground.steering.services import (
     ScoreUnavailable,
     run_token_ids,
     scoring_fail_unsent,
     scoring_outcome,
     scorings_fail_stuck,
 )
+
+from .models import Run, RunComparison
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from django.conf import settings
 from infra.lifecycle import WorkStatus
 from playground.runs.execution import RunRetry, run_execute
 from playground.runs.services import groups_dispatch_stalled, runs_fail_stuck
+from playground.steering.services import steering_score_execute, steering_scores_fail_stuck
 
 from . import compare, patching
 from .models import RunKind
-from .services.scores import steering_score_execute, steering_scores_fail_stuck
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)

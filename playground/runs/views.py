@@ -25,7 +25,7 @@ from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import compare, exports, scoring, scrub
+from playground import compare, exports, scoring
 from playground.models import Run, RunKind, VectorMethod
 from playground.runs import figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes
@@ -48,6 +48,7 @@ from playground.services.vectors import (
     steering_runs_create,
     steering_vector_create,
 )
+from playground.steering import scrub
 from playground.vector_forms import SaveVectorForm
 from playground.vectors import steered_positions
 

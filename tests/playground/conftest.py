@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # The modules whose workers call /v1 with `AcsClient`.
 WORKER_MODULES = (
     "playground.runs.execution",
-    "playground.services.scores",
+    "playground.steering.services",
     "portal.services",
 )
 

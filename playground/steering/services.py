@@ -13,9 +13,8 @@ from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
-
-from .. import scoring
-from ..models import Run, RunKind, SteeringScore
+from playground import scoring
+from playground.models import Run, RunKind, SteeringScore
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,8 @@ marked on the dose–response chart in place, with no request."""
 from django.urls import reverse
 
 from infra.lifecycle import WorkStatus
+from playground.models import Run
 from playground.runs import figures
-
-from .models import Run
 
 
 def sweep_steps(runs: list[Run], compared: dict[str, dict]) -> list[dict]:
