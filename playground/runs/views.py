@@ -25,7 +25,8 @@ from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import compare, exports, scoring
+from playground import exports, scoring
+from playground.compare import services as compare
 from playground.models import Run, RunKind, VectorMethod
 from playground.runs import figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes

@@ -14,7 +14,8 @@ from django.utils import timezone
 
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus
-from playground import compare, scoring, tasks
+from playground import scoring, tasks
+from playground.compare import services as compare
 from playground.models import Run, RunComparison
 
 from .conftest import HTMX, recorded
@@ -229,7 +230,7 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
 
     transport = httpx.MockTransport(answer)
     monkeypatch.setattr(
-        "playground.compare.AcsClient", functools.partial(AcsClient, transport=transport)
+        "playground.compare.services.AcsClient", functools.partial(AcsClient, transport=transport)
     )
     comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
     comparison = compare.comparison_execute(comparison_id=comparison.pk)
@@ -281,7 +282,7 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
         return httpx.Response(200, json={"choices": choices, "usage": {}})
 
     monkeypatch.setattr(
-        "playground.compare.AcsClient",
+        "playground.compare.services.AcsClient",
         functools.partial(AcsClient, transport=httpx.MockTransport(answer)),
     )
     Run.objects.filter(pk=b.pk).update(

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from playground import compare
+from playground.compare import services as compare
 from playground.runs import figures
 
 from .test_figures import ALL_POSITIONS, captured, positions, with_tokens  # noqa: F401

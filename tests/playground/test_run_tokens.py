@@ -14,7 +14,8 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import compare, vectors
+from playground import vectors
+from playground.compare import services as compare
 from playground.models import Run
 from playground.runs import tokens as run_tokens
 from playground.runs import views

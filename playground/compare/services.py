@@ -33,6 +33,7 @@ from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
 from playground import exports, scoring
+from playground.models import Run, RunComparison
 from playground.runs import figures
 from playground.steering.services import (
     ScoreUnavailable,
@@ -41,8 +42,6 @@ from playground.steering.services import (
     scoring_outcome,
     scorings_fail_stuck,
 )
-
-from .models import Run, RunComparison
 
 logger = logging.getLogger(__name__)
 
