@@ -4,8 +4,8 @@ from celery import shared_task
 from django.conf import settings
 
 from infra.lifecycle import WorkStatus
-from playground import patching
 from playground.compare import services as compare
+from playground.patching import services as patching
 from playground.runs.execution import RunRetry, run_execute
 from playground.runs.services import groups_dispatch_stalled, runs_fail_stuck
 from playground.steering.services import steering_score_execute, steering_scores_fail_stuck

@@ -1,6 +1,7 @@
 from django.urls import path
 
-from playground import patching_views, vector_views
+from playground import vector_views
+from playground.patching import views as patching_views
 from playground.runs import views
 
 app_name = "playground"

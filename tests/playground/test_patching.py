@@ -26,8 +26,11 @@ from acs_client.client import AcsClient
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import patching, patching_forms, patching_metrics, tasks
+from playground import tasks
 from playground.models import Run, RunKind
+from playground.patching import forms as patching_forms
+from playground.patching import metrics as patching_metrics
+from playground.patching import services as patching
 from playground.runs import selectors, views
 from playground.vector_forms import SaveVectorForm
 

@@ -16,8 +16,8 @@ from django.urls import reverse
 
 from acs_portal.celery import app as celery_app
 from infra.tasks import TaskQueueUnreachable
-from playground import patching_forms
 from playground.models import Run, RunComparison, RunKind, SteeringScore, WorkStatus
+from playground.patching import forms as patching_forms
 from playground.runs import forms, views
 from playground.services.vectors import steering_vector_create
 from playground.steering.services import steering_score_queue

@@ -10,11 +10,11 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from infra.tasks import TaskQueueUnreachable
+from playground import exports
+from playground.patching import services as patching
+from playground.patching.forms import PatchingForm
+from playground.patching.grid import PatchingGrid, latest_patching_group, patching_grid_for_user
 from playground.runs.views import models_and_capabilities, with_new_submit_token
-
-from . import exports, patching
-from .patching_forms import PatchingForm
-from .patching_grid import PatchingGrid, latest_patching_group, patching_grid_for_user
 
 GRID_PARTIAL = "playground/patching_grid.html#grid_panel"
 FORM_PARTIAL = "playground/patching.html#patching_form"

@@ -10,11 +10,8 @@ from django.conf import settings
 from accounts.models import User
 from infra.lifecycle import WorkStatus
 from playground import exports
-from playground.runs import figures, selectors
-
-from .models import Run, RunKind
-from .patching import CANCELLED_CODE, spec_targets
-from .patching_metrics import (
+from playground.models import Run, RunKind
+from playground.patching.metrics import (
     METRIC_DEFINITIONS,
     METRICS,
     baseline,
@@ -25,6 +22,8 @@ from .patching_metrics import (
     target_scores,
     within_floor,
 )
+from playground.patching.services import CANCELLED_CODE, spec_targets
+from playground.runs import figures, selectors
 
 
 def _outcome(run: Run) -> str:

@@ -39,10 +39,9 @@ from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind
 from playground.runs import figures
 from playground.runs.services import run_create, submitted_once
-
-from .models import Run, RunKind
 
 logger = logging.getLogger(__name__)
 
