@@ -1,8 +1,8 @@
 from django.urls import path
 
-from playground import vector_views
 from playground.patching import views as patching_views
 from playground.runs import views
+from playground.vectors import views as vector_views
 
 app_name = "playground"
 

@@ -27,7 +27,7 @@ from api.schemas import DEFAULT_MAX_TOKENS
 from playground.models import SteeringVector, VectorMethod
 from playground.runs.figures import TYPICAL_NORM_DEFINITION
 from playground.runs.tokens import numbered_tokens, shown_tokens, tokenize
-from playground.services.vectors import VectorError, steering_entry, vector_from_npy
+from playground.vectors.services import VectorError, steering_entry, vector_from_npy
 
 MAX_SWEEP_SCALES = 12
 # |scale| (or |multiple of the typical norm|) above this swamps the residual stream entirely.

@@ -43,15 +43,15 @@ from playground.runs.registry import (
 )
 from playground.runs.services import run_create
 from playground.runs.tokens import numbered_tokens, tokenize
-from playground.services.vectors import (
+from playground.steering import scrub
+from playground.vectors.captures import steered_positions
+from playground.vectors.forms import SaveVectorForm
+from playground.vectors.services import (
     REFERENCE_PROMPTS,
     contrast_runs_create,
     steering_runs_create,
     steering_vector_create,
 )
-from playground.steering import scrub
-from playground.vector_forms import SaveVectorForm
-from playground.vectors import steered_positions
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
 RESPONSE_SHOWN_CHARS = 200_000

@@ -13,7 +13,7 @@ from acs_client.codec import decode, encode_vector
 from playground.models import Run, RunKind
 from playground.runs import forms, views
 from playground.runs.execution import run_execute
-from playground.services.vectors import contrast_runs_create
+from playground.vectors.services import contrast_runs_create
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens

@@ -12,7 +12,7 @@ from django.utils import timezone
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind
 from playground.runs.history import RUNS_PER_PAGE
-from playground.services.vectors import steering_vector_create
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX
 

@@ -32,7 +32,7 @@ from playground.patching import forms as patching_forms
 from playground.patching import metrics as patching_metrics
 from playground.patching import services as patching
 from playground.runs import selectors, views
-from playground.vector_forms import SaveVectorForm
+from playground.vectors.forms import SaveVectorForm
 
 from .conftest import HTMX, MODEL
 

@@ -14,13 +14,13 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import vectors
 from playground.compare import services as compare
 from playground.models import Run
 from playground.runs import tokens as run_tokens
 from playground.runs import views
 from playground.runs.execution import run_execute
 from playground.runs.services import run_create
+from playground.vectors import captures as vectors
 
 from .conftest import MODEL
 

@@ -30,7 +30,7 @@ from playground.runs.services import (
     run_fail,
     runs_fail_stuck,
 )
-from playground.services.vectors import contrast_runs_create, steering_vector_from_contrast
+from playground.vectors.services import contrast_runs_create, steering_vector_from_contrast
 
 from .conftest import recorded, replay
 

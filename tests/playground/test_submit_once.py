@@ -14,7 +14,7 @@ from django.urls import reverse
 from playground.models import Run, RunKind
 from playground.runs import forms, views
 from playground.runs.services import run_create
-from playground.services.vectors import steering_vector_create
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens

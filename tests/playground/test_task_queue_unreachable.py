@@ -19,8 +19,8 @@ from infra.tasks import TaskQueueUnreachable
 from playground.models import Run, RunComparison, RunKind, SteeringScore, WorkStatus
 from playground.patching import forms as patching_forms
 from playground.runs import forms, views
-from playground.services.vectors import steering_vector_create
 from playground.steering.services import steering_score_queue
+from playground.vectors.services import steering_vector_create
 from portal.models import JobSubmission
 from testsupport.servers import free_port
 

@@ -12,9 +12,9 @@ from django.urls import reverse
 
 from acs_client.codec import decode
 from infra.lifecycle import WorkStatus
-from playground import vectors
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
-from playground.services.vectors import steering_vector_create
+from playground.vectors import captures as vectors
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX, recorded
 from .test_views import finished_run

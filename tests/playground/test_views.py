@@ -19,7 +19,7 @@ from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind, SteeringScore, SteeringVector
 from playground.runs import forms, selectors, streams, views
-from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
+from playground.vectors.services import REFERENCE_PROMPTS, steering_vector_create
 
 from .conftest import HTMX, MODEL, recorded
 

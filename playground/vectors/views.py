@@ -9,12 +9,11 @@ from django_htmx.http import trigger_client_event
 
 from accounts.access import approved_required
 from infra.htmx import wants_fragment
-from playground import vectors
+from playground.models import Run
 from playground.runs import selectors
 from playground.runs.views import page_context, run_context
-
-from .models import Run
-from .vector_forms import RenameVectorForm, SaveVectorForm
+from playground.vectors import captures as vectors
+from playground.vectors.forms import RenameVectorForm, SaveVectorForm
 
 
 def _library_url() -> str:

@@ -7,10 +7,9 @@ import numpy as np
 from django.db import transaction
 
 from accounts.models import User
+from playground.models import Run, SteeringVector, VectorMethod
 from playground.runs import figures
-
-from .models import Run, SteeringVector, VectorMethod
-from .services.vectors import steering_vector_create
+from playground.vectors.services import steering_vector_create
 
 
 class CaptureError(ValueError):

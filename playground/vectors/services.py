@@ -15,10 +15,9 @@ from acs_client.codec import (
     float32_to_bfloat16_bits,
 )
 from infra.lifecycle import WorkStatus
+from playground.models import Run, RunKind, SteeringVector, VectorMethod
 from playground.runs import figures
 from playground.runs.services import run_enqueue, submitted_once
-
-from ..models import Run, RunKind, SteeringVector, VectorMethod
 
 
 class VectorError(ValueError):

@@ -3,11 +3,10 @@
 from django import forms
 
 from infra.lifecycle import WorkStatus
+from playground.models import Run, SteeringVector
 from playground.runs.figures import Capture
 from playground.runs.forms import position_list, positions_text
-
-from .models import Run, SteeringVector
-from .vectors import default_positions
+from playground.vectors.captures import default_positions
 
 # The runs offered to subtract: the user's latest captures of the same model.
 SUBTRACT_CHOICES = 50
