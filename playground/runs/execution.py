@@ -14,8 +14,8 @@ from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
 from infra.lifecycle import Attempt, WorkStatus, work_claim
+from playground.lens.run_lens import run_lens
 from playground.models import Run, RunKind
-from playground.run_lens import run_lens
 from playground.runs import streams
 from playground.runs.services import group_runs_dispatch, run_fail
 from playground.runs.tokens import run_tokens

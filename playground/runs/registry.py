@@ -10,7 +10,7 @@ from functools import cached_property
 
 import plotly.graph_objects as go
 
-from playground.lens_section import lens_context
+from playground.lens.section import lens_context
 from playground.models import Run
 from playground.runs import figures
 

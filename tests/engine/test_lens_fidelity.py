@@ -22,7 +22,7 @@ from reference_model import cpu_description
 
 from acs_client.codec import decode
 from acs_client.protocol import in_vllm_xargs
-from playground import lens
+from playground.lens import tables as lens
 from tests.tolerances import WIDEST, Tolerance
 
 N_LAYERS = 30

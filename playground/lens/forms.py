@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django import forms
 
-from .lens import LensWeights, NotOneToken
+from playground.lens.tables import LensWeights, NotOneToken
 
 LENS_COLOURS = {"top": "the top token's probability", "target": "the target's logprob"}
 ATTRIBUTED = {"difference": "logit(target) − logit(foil)", "logit": "the target's logit alone"}

@@ -6,9 +6,8 @@ instead of drawing it). A run without a capture has none (None)."""
 import logging
 
 from api.models import LanguageModel
+from playground.lens.tables import LensUnavailable, LensWeights, lens_table, lens_weights
 from playground.runs.figures import activations
-
-from .lens import LensUnavailable, LensWeights, lens_table, lens_weights
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from playground import lens
+from playground.lens import tables as lens
+from playground.lens.forms import LensForm, LensPicks
+from playground.lens.run_lens import model_lens_weights
+from playground.models import Run
 from playground.runs import figures
-
-from .lens_forms import LensForm, LensPicks
-from .models import Run
-from .run_lens import model_lens_weights
 
 NOT_COMPUTED = (
     "This run has no lens: it finished before the playground computed one. Re-run it to "
