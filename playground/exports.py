@@ -15,8 +15,9 @@ from django.http import HttpResponse
 from infra.lifecycle import WorkStatus
 from infra.spreadsheet import SafeWriter
 from playground import scoring
-from playground.runs import figures, selectors
+from playground.runs import selectors
 from playground.runs.downloads import vector_provenance
+from playground.steering import figures as steering_figures
 
 
 def records_csv(records: list[dict]) -> str:
@@ -152,9 +153,9 @@ def steering_export(runs, score) -> dict:
         succeeded = run.status == WorkStatus.SUCCEEDED
         logprob, missing = (None, "")
         if succeeded and target:
-            logprob, missing = figures.target_logprob(run.response, target)
+            logprob, missing = steering_figures.target_logprob(run.response, target)
         entry = compared.get(str(run.pk))
-        summary = figures.same_token_summary(entry) if entry else {}
+        summary = steering_figures.same_token_summary(entry) if entry else {}
         arms.append(
             {
                 "role": "baseline" if run.scale == 0 else "steered",

@@ -32,9 +32,8 @@ from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus, work_claim
 from infra.tasks import task_send_on_commit
-from playground import exports, scoring
+from playground import captures, exports, plots, scoring
 from playground.models import Run, RunComparison
-from playground.runs import figures
 from playground.steering.services import (
     ScoreUnavailable,
     run_token_ids,
@@ -254,7 +253,7 @@ def activation_difference(run_a: Run, run_b: Run) -> tuple[dict | None, str]:
             f"Run {' and run '.join(missing)} captured no activations, so there is no "
             "activation difference to show."
         )
-    a, b = (figures.activations(run.request, run.response, run.tokens) for run in (run_a, run_b))
+    a, b = (captures.activations(run.request, run.response, run.tokens) for run in (run_a, run_b))
     layers = sorted(set(a.layers) & set(b.layers))
     if not layers:
         return None, (
@@ -271,7 +270,7 @@ def activation_difference(run_a: Run, run_b: Run) -> tuple[dict | None, str]:
             labels.append(a.rows[position].label)
             texts.append(a.rows[position].text_label)
         else:
-            shown = [figures.visible_token(t) if t is not None else "?" for t in (token_a, token_b)]
+            shown = [plots.visible_token(t) if t is not None else "?" for t in (token_a, token_b)]
             labels.append(f"{position} {shown[0]}/{shown[1]}")
             own = ["?" if t is None else t for t in (token_a, token_b)]
             texts.append(f"{position} {own[0]}/{own[1]}")
@@ -296,7 +295,7 @@ def logprob_difference_figure(side: str, sequence: TokenSequence, difference: di
     """Bars of Δ logprob at each scored position of one run's tokens, ticks naming the
     tokens, a dashed line where the prompt ends."""
     positions = difference["positions"]
-    labels = [figures._label(sequence.strings[p]) for p in positions]
+    labels = [plots.token_label(sequence.strings[p]) for p in positions]
     scores = [
         [sequence.strings[p], under_a, under_b]
         for p, under_a, under_b in zip(
@@ -325,15 +324,15 @@ def logprob_difference_figure(side: str, sequence: TokenSequence, difference: di
         ticktext=[f"{p} {label}" for p, label in zip(positions, labels, strict=True)][::step],
         tickangle=-45,
     )
-    figures.export_labels(figure, "x", {p: f"{p} {sequence.strings[p]}" for p in positions})
-    figures.download_meta(figure, customdata=["token", "log p under A", "log p under B"])
+    plots.export_labels(figure, "x", {p: f"{p} {sequence.strings[p]}" for p in positions})
+    plots.download_meta(figure, customdata=["token", "log p under A", "log p under B"])
     if 1 < sequence.prompt_length < len(sequence.ids):
         figure.add_vline(
             x=sequence.prompt_length - 0.5, line={"color": "#444444", "width": 1, "dash": "dash"}
         )
     figure.update_yaxes(title=DELTA_AXIS, zeroline=True, zerolinecolor="#888888")
     title = f"Run {side.upper()}'s tokens under both runs' settings"
-    return figures._layout(figure, title, height=380).update_layout(margin={"b": 110})
+    return plots.figure_layout(figure, title, height=380).update_layout(margin={"b": 110})
 
 
 def activation_difference_figure(difference: dict) -> go.Figure:
@@ -354,12 +353,12 @@ def activation_difference_figure(difference: dict) -> go.Figure:
         title="position (A's token/B's token where they differ)",
         tickmode="array",
         tickvals=positions[::step],
-        ticktext=[figures._text(label) for label in difference["labels"]][::step],
+        ticktext=[plots.plot_text(label) for label in difference["labels"]][::step],
         tickangle=-45,
     )
-    figures.export_labels(figure, "x", dict(enumerate(difference["texts"])))
+    plots.export_labels(figure, "x", dict(enumerate(difference["texts"])))
     figure.update_yaxes(title="layer", type="category")
-    return figures._layout(
+    return plots.figure_layout(
         figure, "Activation difference ‖h_A − h_B‖ by layer × position", height=460
     )
 
@@ -405,12 +404,12 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         }
         for side in SIDES:
             figure = logprob_difference_figure(side, sequences[side], differences[side])
-            context["figures"][f"logprob_{side}"] = figures.figure_entry(f"logprob-{side}", figure)
+            context["figures"][f"logprob_{side}"] = plots.figure_entry(f"logprob-{side}", figure)
     activations, context["activations_missing"] = activation_difference(run_a, run_b)
     if activations is not None:
         context["activation_lengths"] = activations["lengths"]
         context["activation_positions"] = activations["norms"].shape[1]
-        context["figures"]["activations"] = figures.figure_entry(
+        context["figures"]["activations"] = plots.figure_entry(
             "activation-difference", activation_difference_figure(activations)
         )
     return context

@@ -10,7 +10,7 @@ from playground.lens.tables import LensWeights, NotOneToken
 
 LENS_COLOURS = {"top": "the top token's probability", "target": "the target's logprob"}
 ATTRIBUTED = {"difference": "logit(target) − logit(foil)", "logit": "the target's logit alone"}
-# The whitespace marks every figure shows tokens with (figures.visible_token), typed back.
+# The whitespace marks every figure shows tokens with (plots.visible_token), typed back.
 VISIBLE_WHITESPACE = {"·": " ", "⏎": "\n", "⇥": "\t"}
 
 

@@ -6,8 +6,8 @@ instead of drawing it). A run without a capture has none (None)."""
 import logging
 
 from api.models import LanguageModel
+from playground.captures import activations
 from playground.lens.tables import LensUnavailable, LensWeights, lens_table, lens_weights
-from playground.runs.figures import activations
 
 logger = logging.getLogger(__name__)
 

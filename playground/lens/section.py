@@ -6,11 +6,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from playground import captures, plots, token_positions
+from playground.lens import figures as lens_figures
 from playground.lens import tables as lens
 from playground.lens.forms import LensForm, LensPicks
 from playground.lens.run_lens import model_lens_weights
 from playground.models import Run
-from playground.runs import figures
 
 NOT_COMPUTED = (
     "This run has no lens: it finished before the playground computed one. Re-run it to "
@@ -20,8 +21,8 @@ NOT_COMPUTED = (
 
 def lens_context(
     run: Run,
-    capture: figures.Capture,
-    window: figures.PositionWindow,
+    capture: captures.Capture,
+    window: captures.PositionWindow,
     query: Mapping | None = None,
 ) -> dict:
     """The lens section for the positions of `window` the lens covers, with the picks of
@@ -75,18 +76,18 @@ def lens_context(
     return context
 
 
-def next_tokens(run: Run, capture: figures.Capture) -> list[figures.CapturedRow]:
+def next_tokens(run: Run, capture: captures.Capture) -> list[captures.CapturedRow]:
     """The token that comes next at each captured position (the next prompt token, or the
     generated one): the run's tokens one position on."""
     count = capture.tensor.shape[1]
-    return figures.capture_rows(run.request, run.response, run.tokens, count + 1)[1:]
+    return captures.capture_rows(run.request, run.response, run.tokens, count + 1)[1:]
 
 
-def reported_logprobs(run: Run, capture: figures.Capture, position: int) -> dict[str, float]:
+def reported_logprobs(run: Run, capture: captures.Capture, position: int) -> dict[str, float]:
     """The logprobs the run itself reported for the token after `position` (prompt_logprobs
     or logprobs, with their alternatives), by token string; empty when it reported none or
     its positions do not line up with the capture's."""
-    positions = figures.token_positions(run.request, run.response, 0, run.tokens)
+    positions = token_positions.token_positions(run.request, run.response, 0, run.tokens)
     prompt = sum(1 for p in positions if p["source"] == "prompt")
     if prompt != capture.prompt_length or position + 1 >= len(positions):
         return {}
@@ -112,13 +113,13 @@ class _Section:
 
     def described(self, token_id: int, is_next: bool) -> str:
         what = " (the token that comes next there)" if is_next else ""
-        return f"{figures.visible_token(self.token(token_id))} (id {token_id}){what}"
+        return f"{plots.visible_token(self.token(token_id))} (id {token_id}){what}"
 
     def heatmap(self, rows: list[int], picks: LensPicks):
         columns = [row - self.table.first for row in rows]
         if picks.target is not None:
             ids = np.full(len(rows), picks.target)
-            name = figures.visible_token(self.token(picks.target))
+            name = plots.visible_token(self.token(picks.target))
         else:
             following = [self.following[row].token_id for row in rows]
             ids = np.array([-1 if token_id is None else token_id for token_id in following])
@@ -126,7 +127,7 @@ class _Section:
         logprobs = lens.token_logprobs(
             self.capture.tensor[:, rows], self.table.log_normaliser[:, columns], self.weights, ids
         )
-        cells = figures.LensCells(
+        cells = lens_figures.LensCells(
             layers=self.table.layers,
             rows=rows,
             top_tokens=[
@@ -137,7 +138,7 @@ class _Section:
             targets=[self.token(i) if i >= 0 else None for i in ids],
             target_logprobs=logprobs,
         )
-        return figures.logit_lens_figure(self.capture, cells, picks.colour, name)
+        return lens_figures.logit_lens_figure(self.capture, cells, picks.colour, name)
 
     def rank_line(self, position: int, target: int):
         rows = self.capture.tensor[:, position]
@@ -146,8 +147,8 @@ class _Section:
         logprobs = lens.token_logprobs(
             rows[:, None], self.table.log_normaliser[:, [column]], self.weights, np.array([target])
         )[:, 0]
-        label = figures.visible_token(self.token(target))
-        return figures.lens_rank_figure(
+        label = plots.visible_token(self.token(target))
+        return lens_figures.lens_rank_figure(
             self.capture, position, label, ranks, logprobs, self.table.layers
         )
 
@@ -161,9 +162,9 @@ class _Section:
         total = float(contributions.sum())
         measured, source = self._measured(run, position, target, foil)
         totals = {"sum": total, "measured": measured, "residue": measured - total}
-        names = [figures.visible_token(self.token(t)) for t in (target, foil) if t is not None]
+        names = [plots.visible_token(self.token(t)) for t in (target, foil) if t is not None]
         measure = " − ".join(f"logit({name})" for name in names)
-        figure = figures.logit_attribution_figure(
+        figure = lens_figures.logit_attribution_figure(
             self.capture, position, contributions, totals, measure
         )
         return {

@@ -9,7 +9,7 @@ from django.conf import settings
 
 from accounts.models import User
 from infra.lifecycle import WorkStatus
-from playground import exports
+from playground import exports, plots
 from playground.models import Run, RunKind
 from playground.patching.metrics import (
     METRIC_DEFINITIONS,
@@ -23,7 +23,7 @@ from playground.patching.metrics import (
     within_floor,
 )
 from playground.patching.services import CANCELLED_CODE, spec_targets
-from playground.runs import figures, selectors
+from playground.runs import selectors
 
 
 def _outcome(run: Run) -> str:
@@ -75,11 +75,11 @@ class PatchingGrid:
 
     @property
     def target_shown(self) -> str:
-        return figures.visible_token(self.spec["target"])
+        return plots.visible_token(self.spec["target"])
 
     @property
     def corrupted_target_shown(self) -> str:
-        return figures.visible_token(self.spec.get("corrupted_target") or "")
+        return plots.visible_token(self.spec.get("corrupted_target") or "")
 
     @property
     def labels(self) -> list[dict]:
@@ -88,7 +88,7 @@ class PatchingGrid:
         shown = []
         for position in spec["positions"]:
             clean, corrupted = (
-                figures.visible_token(strings[position]) if strings else None
+                plots.visible_token(strings[position]) if strings else None
                 for strings in (spec["clean_strings"], spec["corrupted_strings"])
             )
             shown.append(

@@ -7,8 +7,8 @@ import numpy as np
 from acs_client.codec import decode_bfloat16_bits
 from acs_client.downloads import UNKNOWN_TOKEN_ID, capture_metadata, file_metadata
 from api.jobs.storage import Tensor, safetensors_bytes
+from playground import captures
 from playground.models import Run
-from playground.runs import figures
 
 
 def steering_applied(run: Run) -> list[dict]:
@@ -44,7 +44,7 @@ def vector_provenance(vector) -> dict:
 def run_activations_bytes(run: Run) -> bytes:
     """The safetensors file of a succeeded run's capture (see the module's docstring)."""
     bits = decode_bfloat16_bits(run.response["activations"]["residual_stream"])
-    capture = figures.activations(run.request, run.response, run.tokens)
+    capture = captures.activations(run.request, run.response, run.tokens)
     token_ids = [UNKNOWN_TOKEN_ID if row.token_id is None else row.token_id for row in capture.rows]
     metadata = file_metadata(
         kind="run",

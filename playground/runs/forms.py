@@ -24,8 +24,8 @@ from api.request_forms import (
     split_list,
 )
 from api.schemas import DEFAULT_MAX_TOKENS
+from playground.captures import TYPICAL_NORM_DEFINITION
 from playground.models import SteeringVector, VectorMethod
-from playground.runs.figures import TYPICAL_NORM_DEFINITION
 from playground.runs.tokens import numbered_tokens, shown_tokens, tokenize
 from playground.vectors.services import VectorError, steering_entry, vector_from_npy
 

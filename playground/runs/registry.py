@@ -10,9 +10,10 @@ from functools import cached_property
 
 import plotly.graph_objects as go
 
+from playground import captures, plots, token_positions
 from playground.lens.section import lens_context
 from playground.models import Run
-from playground.runs import figures
+from playground.runs import activation_figures, figures
 
 TOKENS, ACTIVATIONS, LENS = "tokens", "activations", "lens"
 # How a figure takes the page's width (static/js/playground.js reads it): "fit" draws it at
@@ -28,7 +29,7 @@ class ActivationPicks:
     layers) of the cosine and PCA plots. `window_error` says why the window cannot be drawn
     (its end before its start): the figures over it are then left out."""
 
-    window: figures.PositionWindow = field(default_factory=figures.PositionWindow)
+    window: captures.PositionWindow = field(default_factory=captures.PositionWindow)
     colour: str = "linear"
     norm_position: int | None = None
     cosine_row: int = 0
@@ -47,7 +48,9 @@ class Drawing:
     @cached_property
     def positions(self) -> list[dict]:
         response = self.run.response
-        return figures.token_positions(self.run.request, response, self.choice, self.run.tokens)
+        return token_positions.token_positions(
+            self.run.request, response, self.choice, self.run.tokens
+        )
 
     @cached_property
     def prompt_logprobs(self) -> list:
@@ -56,10 +59,10 @@ class Drawing:
         return self.run.response["choices"][self.choice].get("prompt_logprobs") or []
 
     @cached_property
-    def capture(self) -> figures.Capture | None:
+    def capture(self) -> captures.Capture | None:
         if not (self.run.response.get("activations") or {}).get("residual_stream"):
             return None
-        return figures.activations(self.run.request, self.run.response, self.run.tokens)
+        return captures.activations(self.run.request, self.run.response, self.run.tokens)
 
     @cached_property
     def lens(self) -> dict:
@@ -108,7 +111,7 @@ class RunFigure:
                 "picked": self.picker.picked(drawing),
             }
         return {
-            **figures.figure_entry(self.name, self.draw(drawing)),
+            **plots.figure_entry(self.name, self.draw(drawing)),
             "width": self.width,
             "picker": picker,
         }
@@ -206,11 +209,13 @@ FIGURES = [
         name="heatmap",
         section=ACTIVATIONS,
         shown=_over_window,
-        draw=lambda d: figures.activation_norm_heatmap(d.capture, d.picks.window, d.picks.colour),
+        draw=lambda d: activation_figures.activation_norm_heatmap(
+            d.capture, d.picks.window, d.picks.colour
+        ),
         picker=Picker(
             "colour",
             "Colour",
-            options=lambda d: list(figures.NORM_COLOUR_SCALES.items()),
+            options=lambda d: list(activation_figures.NORM_COLOUR_SCALES.items()),
             picked=lambda d: d.picks.colour,
         ),
         width=SCROLL,
@@ -220,7 +225,7 @@ FIGURES = [
         name="norm_by_layer",
         section=ACTIVATIONS,
         shown=_activations_shown,
-        draw=lambda d: figures.activation_norm_by_layer(d.capture, _norm_position(d)),
+        draw=lambda d: activation_figures.activation_norm_by_layer(d.capture, _norm_position(d)),
         picker=Picker(
             "norm_position",
             "Position",
@@ -232,7 +237,7 @@ FIGURES = [
         name="cosine",
         section=ACTIVATIONS,
         shown=_over_window,
-        draw=lambda d: figures.activation_cosine_figure(
+        draw=lambda d: activation_figures.activation_cosine_figure(
             d.capture, d.capture.layers[d.picks.cosine_row], d.picks.window
         ),
         picker=Picker(
@@ -245,7 +250,7 @@ FIGURES = [
         name="pca",
         section=ACTIVATIONS,
         shown=_over_window,
-        draw=lambda d: figures.activation_pca_figure(
+        draw=lambda d: activation_figures.activation_pca_figure(
             d.capture, d.capture.layers[d.picks.pca_row], d.picks.window
         ),
         picker=Picker("pca_row", "Layer", options=_layer_options, picked=lambda d: d.picks.pca_row),

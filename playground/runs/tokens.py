@@ -21,7 +21,7 @@ from asgiref.sync import async_to_sync
 from api.errors import ApiError
 from api.selectors import model_get
 from api.tokenizer import PromptTokens, prompt_tokens, token_ids_of_strings, token_strings
-from playground.runs.figures import visible_token
+from playground.plots import visible_token
 
 logger = logging.getLogger(__name__)
 

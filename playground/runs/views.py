@@ -25,10 +25,10 @@ from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import exports, scoring
+from playground import captures, exports, plots, scoring
 from playground.compare import services as compare
 from playground.models import Run, RunKind, VectorMethod
-from playground.runs import figures, selectors, streams
+from playground.runs import activation_figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes
 from playground.runs.forms import CompletionForm, ContrastVectorForm, SteeringForm, UploadVectorForm
 from playground.runs.history import HistoryFilterForm, runs_page
@@ -43,6 +43,7 @@ from playground.runs.registry import (
 )
 from playground.runs.services import run_create
 from playground.runs.tokens import numbered_tokens, tokenize
+from playground.steering import figures as steering_figures
 from playground.steering import scrub
 from playground.vectors.captures import steered_positions
 from playground.vectors.forms import SaveVectorForm
@@ -88,7 +89,7 @@ def page_context(request, **overrides):
         "capabilities": capabilities,
         "runs": selectors.runs_for_user(user=request.user),
         "vectors": selectors.vectors_for_user(user=request.user),
-        "typical_norm_definition": figures.TYPICAL_NORM_DEFINITION,
+        "typical_norm_definition": captures.TYPICAL_NORM_DEFINITION,
         "reference_prompt_count": len(REFERENCE_PROMPTS),
     }
     context.update(_forms(request, capabilities, models, initial=overrides.pop("initial", None)))
@@ -328,13 +329,13 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
     return context
 
 
-def activation_picks(request, capture: figures.Capture) -> ActivationPicks:
+def activation_picks(request, capture: captures.Capture) -> ActivationPicks:
     """The picks of a query string, each checked (404 naming a bad one that no picker
     offers; an end before the start, which the pickers allow, is a `window_error`)."""
     count, layers = capture.tensor.shape[1], len(capture.layers)
     colour = request.GET.get("colour", "linear")
-    if colour not in figures.NORM_COLOUR_SCALES:
-        raise Http404(f"colour must be one of {', '.join(figures.NORM_COLOUR_SCALES)}.")
+    if colour not in activation_figures.NORM_COLOUR_SCALES:
+        raise Http404(f"colour must be one of {', '.join(activation_figures.NORM_COLOUR_SCALES)}.")
     first = request.GET.get("first", "exclude")
     if first not in ("exclude", "include"):
         raise Http404("first must be exclude or include.")
@@ -353,7 +354,7 @@ def activation_picks(request, capture: figures.Capture) -> ActivationPicks:
         )
     return ActivationPicks(
         window_error=window_error,
-        window=figures.PositionWindow(start, end, exclude_first=first == "exclude"),
+        window=captures.PositionWindow(start, end, exclude_first=first == "exclude"),
         colour=colour,
         norm_position=picked("norm_position", count, None),
         cosine_row=picked("cosine_row", layers, 0),
@@ -693,7 +694,7 @@ def _group_context(runs: list[Run]) -> dict:
             **selectors.steering_arm(run),
             "positions": steered_positions(run),
             "summary": (
-                figures.same_token_summary(compared[str(run.pk)])
+                steering_figures.same_token_summary(compared[str(run.pk)])
                 if str(run.pk) in compared
                 else None
             ),
@@ -708,14 +709,14 @@ def _group_context(runs: list[Run]) -> dict:
     )
     for run in context["steered"]:
         if str(run.pk) in compared:
-            figure = figures.same_token_figure(
+            figure = steering_figures.same_token_figure(
                 score.results["baseline"]["strings"], compared[str(run.pk)]
             )
-            context["figures"].append(figures.figure_entry(f"diff-{run.scale:g}", figure))
+            context["figures"].append(plots.figure_entry(f"diff-{run.scale:g}", figure))
     if len(runs) > 2 and context["finished"] and baseline is not None:
         target = runs[0].meta.get("target_token", "")
         by_scale = {entry["scale_entered"]: entry for entry in compared.values()}
-        points = figures.sweep_points(
+        points = steering_figures.sweep_points(
             [(run.scale_entered, run.response) for run in succeeded], target, by_scale
         )
         unit = "scale"
@@ -727,8 +728,8 @@ def _group_context(runs: list[Run]) -> dict:
                     f"scale (× layer {vector.layer}'s typical norm, "
                     f"‖h‖ = {vector.layer_typical_norm:.2f})"
                 )
-        figure = figures.scale_sweep_figure(points, target, unit)
-        context["figures"].insert(0, figures.figure_entry("sweep", figure))
+        figure = steering_figures.scale_sweep_figure(points, target, unit)
+        context["figures"].insert(0, plots.figure_entry("sweep", figure))
         steps = scrub.sweep_steps(runs, compared)
         # The slider starts at the largest scale: the step whose effect is likeliest seen.
         context["scrub"] = {

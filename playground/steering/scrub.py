@@ -6,7 +6,7 @@ from django.urls import reverse
 
 from infra.lifecycle import WorkStatus
 from playground.models import Run
-from playground.runs import figures
+from playground.steering import figures as steering_figures
 
 
 def sweep_steps(runs: list[Run], compared: dict[str, dict]) -> list[dict]:
@@ -17,7 +17,7 @@ def sweep_steps(runs: list[Run], compared: dict[str, dict]) -> list[dict]:
     steps = []
     for run in sorted(runs, key=lambda run: run.scale_entered or 0.0):
         entry = compared.get(str(run.pk))
-        summary = figures.same_token_summary(entry) if entry else None
+        summary = steering_figures.same_token_summary(entry) if entry else None
         succeeded = run.status == WorkStatus.SUCCEEDED
         steps.append(
             {

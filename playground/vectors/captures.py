@@ -7,8 +7,8 @@ import numpy as np
 from django.db import transaction
 
 from accounts.models import User
+from playground import captures, plots
 from playground.models import Run, SteeringVector, VectorMethod
-from playground.runs import figures
 from playground.vectors.services import steering_vector_create
 
 
@@ -26,19 +26,19 @@ def steered_positions(run: Run) -> list[str] | None:
     prompt = ((run.tokens or {}).get("prompts") or [{}])[0]
     strings = prompt.get("strings") or []
     return [
-        f"{position} {figures.visible_token(strings[position])}"
+        f"{position} {plots.visible_token(strings[position])}"
         if position < len(strings)
         else str(position)
         for position in positions
     ]
 
 
-def capture_of(run: Run) -> figures.Capture:
+def capture_of(run: Run) -> captures.Capture:
     """The run's captured residual stream with its positions' tokens; CaptureError when it
     captured nothing."""
     if not run.response or not (run.response.get("activations") or {}).get("residual_stream"):
         raise CaptureError("This run captured no activations.")
-    return figures.activations(run.request, run.response, run.tokens)
+    return captures.activations(run.request, run.response, run.tokens)
 
 
 def default_positions(count: int) -> list[int]:
@@ -47,7 +47,7 @@ def default_positions(count: int) -> list[int]:
     return list(range(1, count)) or [0]
 
 
-def capture_mean(capture: figures.Capture, *, layer: int, positions: list[int]) -> np.ndarray:
+def capture_mean(capture: captures.Capture, *, layer: int, positions: list[int]) -> np.ndarray:
     """The mean over `positions` of the residual stream at `layer` (float32 `[hidden]`)."""
     if layer not in capture.layers:
         captured = ", ".join(str(captured) for captured in capture.layers)
@@ -60,7 +60,7 @@ def capture_mean(capture: figures.Capture, *, layer: int, positions: list[int]) 
     return rows.astype(np.float32).mean(axis=0)
 
 
-def _provenance(run: Run, capture: figures.Capture, positions: list[int]) -> dict:
+def _provenance(run: Run, capture: captures.Capture, positions: list[int]) -> dict:
     return {
         "run": str(run.pk),
         "prompt": run.prompt_preview,

@@ -3,8 +3,8 @@
 from django import forms
 
 from infra.lifecycle import WorkStatus
+from playground.captures import Capture
 from playground.models import Run, SteeringVector
-from playground.runs.figures import Capture
 from playground.runs.forms import position_list, positions_text
 from playground.vectors.captures import default_positions
 

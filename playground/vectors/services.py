@@ -16,7 +16,6 @@ from acs_client.codec import (
 )
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
-from playground.runs import figures
 from playground.runs.services import run_enqueue, submitted_once
 
 
@@ -232,11 +231,11 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
         "runs": [str(positive.id), str(negative.id)],
     }
     if measured:
-        typical, positions = figures.typical_norm(
+        typical, positions = captures.typical_norm(
             [decode(run.response["activations"]["residual_stream"])[0] for run in measured]
         )
         details["typical_norm"] = {
-            "definition": figures.TYPICAL_NORM_DEFINITION,
+            "definition": captures.TYPICAL_NORM_DEFINITION,
             "layer": meta["layer"],
             "prompts": [run.request["prompt"] for run in measured],
             "positions": positions,
