@@ -39,6 +39,7 @@ from accounts.models import User
 from acs_client.codec import encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
+from playground.captures import activations
 from playground.models import Run, RunKind
 from playground.runs.services import run_create, submitted_once
 
@@ -210,8 +211,8 @@ def patched_runs_create(*, group) -> int:
         model = corrupted.request["model"]
         targets = spec_targets(spec)
         target_texts = [spec["target"], spec["corrupted_target"]][: len(targets)]
-        clean_rows = captures.activations(clean.request, clean.response).tensor
-        corrupted_rows = captures.activations(corrupted.request, corrupted.response).tensor
+        clean_rows = activations(clean.request, clean.response).tensor
+        corrupted_rows = activations(corrupted.request, corrupted.response).tensor
         unpatched = _score_request(model=model, prompt_ids=spec["corrupted_ids"], targets=targets)
         corrupted_text = _prompt_text(spec["corrupted_prompt"], target_texts)
 

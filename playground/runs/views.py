@@ -30,7 +30,7 @@ from playground.compare import services as compare
 from playground.models import Run, RunKind, VectorMethod
 from playground.runs import activation_figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes
-from playground.runs.forms import CompletionForm, ContrastVectorForm, SteeringForm, UploadVectorForm
+from playground.runs.forms import CompletionForm
 from playground.runs.history import HistoryFilterForm, runs_page
 from playground.runs.registry import (
     ACTIVATIONS,
@@ -45,8 +45,9 @@ from playground.runs.services import run_create
 from playground.runs.tokens import numbered_tokens, tokenize
 from playground.steering import figures as steering_figures
 from playground.steering import scrub
+from playground.steering.forms import SteeringForm
 from playground.vectors.captures import steered_positions
-from playground.vectors.forms import SaveVectorForm
+from playground.vectors.forms import ContrastVectorForm, SaveVectorForm, UploadVectorForm
 from playground.vectors.services import (
     REFERENCE_PROMPTS,
     contrast_runs_create,

@@ -15,6 +15,7 @@ from acs_client.codec import (
     float32_to_bfloat16_bits,
 )
 from infra.lifecycle import WorkStatus
+from playground.captures import TYPICAL_NORM_DEFINITION, typical_norm
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
 from playground.runs.services import run_enqueue, submitted_once
 
@@ -231,11 +232,11 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
         "runs": [str(positive.id), str(negative.id)],
     }
     if measured:
-        typical, positions = captures.typical_norm(
+        typical, positions = typical_norm(
             [decode(run.response["activations"]["residual_stream"])[0] for run in measured]
         )
         details["typical_norm"] = {
-            "definition": captures.TYPICAL_NORM_DEFINITION,
+            "definition": TYPICAL_NORM_DEFINITION,
             "layer": meta["layer"],
             "prompts": [run.request["prompt"] for run in measured],
             "positions": positions,

@@ -16,10 +16,12 @@ from django.urls import reverse
 
 from acs_portal.celery import app as celery_app
 from infra.tasks import TaskQueueUnreachable
+from playground import fields
 from playground.models import Run, RunComparison, RunKind, SteeringScore, WorkStatus
 from playground.patching import forms as patching_forms
-from playground.runs import forms, views
+from playground.runs import views
 from playground.steering.services import steering_score_queue
+from playground.vectors import forms as vector_forms
 from playground.vectors.services import steering_vector_create
 from portal.models import JobSubmission
 from testsupport.servers import free_port
@@ -49,7 +51,7 @@ def broker_unreachable(monkeypatch):
 def models(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     monkeypatch.setattr("portal.jobs_views.model_cards", lambda: [MODEL])
-    for module in (patching_forms, forms):
+    for module in (patching_forms, fields, vector_forms):
         monkeypatch.setattr(
             module,
             "tokenize",
