@@ -15,9 +15,9 @@ from django.http import HttpResponse
 from infra.lifecycle import WorkStatus
 from infra.spreadsheet import SafeWriter
 from playground import scoring
-from playground.runs import selectors
 from playground.runs.downloads import vector_provenance
 from playground.steering import figures as steering_figures
+from playground.steering import selectors as steering_selectors
 
 
 def records_csv(records: list[dict]) -> str:
@@ -178,7 +178,7 @@ def steering_export(runs, score) -> dict:
     return {
         "group": str(runs[0].group),
         "model": runs[0].request_model,
-        "prompt": selectors.steering_arm(runs[0])["prompt"],
+        "prompt": steering_selectors.steering_arm(runs[0])["prompt"],
         "target": target,
         "vector": vector_provenance(vector) if vector else None,
         "definitions": {
@@ -261,7 +261,7 @@ def steering_notebook(runs, *, base_url: str) -> str:
     unit = " in × the layer's typical norm" if first.meta.get("scale_unit") == "typical" else ""
     return NOTEBOOK_HEADER.format(base_url=base_url) + STEERING_NOTEBOOK.format(
         model=request["model"],
-        prompt=selectors.steering_arm(first)["prompt"],
+        prompt=steering_selectors.steering_arm(first)["prompt"],
         sampling={
             key: request[key]
             for key in ("max_tokens", "temperature", "seed", "logprobs")

@@ -1,33 +1,27 @@
 """Playground pages. Thin function views: check access (another user's run or vector is a
 404), validate, call one service, render a page or its htmx partial."""
 
-import io
 import json
 import uuid
 
-import numpy as np
 from django.conf import settings
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
-from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget, trigger_client_event
 
 from accounts.access import approved_required
-from acs_client.codec import decode
 from api.errors import ApiError
 from api.request_forms import ModelCapabilities
 from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import captures, exports, plots, scoring
-from playground.compare import services as compare
-from playground.models import Run, RunKind, VectorMethod
+from playground import captures
+from playground.models import Run, RunKind
 from playground.runs import activation_figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes
 from playground.runs.forms import CompletionForm
@@ -43,16 +37,14 @@ from playground.runs.registry import (
 )
 from playground.runs.services import run_create
 from playground.runs.tokens import numbered_tokens, tokenize
-from playground.steering import figures as steering_figures
-from playground.steering import scrub
+from playground.steering import selectors as steering_selectors
 from playground.steering.forms import SteeringForm
+from playground.steering.group import group_context
+from playground.vectors import selectors as vector_selectors
 from playground.vectors.captures import steered_positions
 from playground.vectors.forms import ContrastVectorForm, SaveVectorForm, UploadVectorForm
 from playground.vectors.services import (
     REFERENCE_PROMPTS,
-    contrast_runs_create,
-    steering_runs_create,
-    steering_vector_create,
 )
 
 # Responses above this size are shown shortened on the run page (downloads stay exact).
@@ -89,7 +81,7 @@ def page_context(request, **overrides):
         "models": models,
         "capabilities": capabilities,
         "runs": selectors.runs_for_user(user=request.user),
-        "vectors": selectors.vectors_for_user(user=request.user),
+        "vectors": vector_selectors.vectors_for_user(user=request.user),
         "typical_norm_definition": captures.TYPICAL_NORM_DEFINITION,
         "reference_prompt_count": len(REFERENCE_PROMPTS),
     }
@@ -115,8 +107,8 @@ def _latest_runs_context(request) -> dict:
     context = run_context(run) if run else {}
     group = selectors.latest_group_for_user(user=request.user)
     if group:
-        runs = selectors.group_runs_for_user(user=request.user, group=group)
-        context["comparison"] = _group_context(runs)
+        runs = steering_selectors.group_runs_for_user(user=request.user, group=group)
+        context["comparison"] = group_context(runs)
     return context
 
 
@@ -145,7 +137,7 @@ def run_edit(request, run_id):
     return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
 
 
-def _form_error(request, *, form, context_name: str, fragment: str, target: str):
+def form_error(request, *, form, context_name: str, fragment: str, target: str):
     """The page showing `form`'s errors (the form under `context_name`): for htmx, only the
     page's `fragment`, swapped over `target`; otherwise the whole page with status 400."""
     context = page_context(request)
@@ -156,11 +148,11 @@ def _form_error(request, *, form, context_name: str, fragment: str, target: str)
     return render(request, "playground/page.html", context, status=400)
 
 
-def _queue_unreachable(request, error: TaskQueueUnreachable, **form_error):
-    """`_form_error` with the queue's `error` above the form's fields, status 503: what was
+def queue_unreachable(request, error: TaskQueueUnreachable, **shown):
+    """`form_error` with the queue's `error` above the form's fields, status 503: what was
     typed stays, to be sent again (base.html has htmx swap a 503 that names its target)."""
-    form_error["form"].add_error(None, str(error))
-    response = _form_error(request, **form_error)
+    shown["form"].add_error(None, str(error))
+    response = form_error(request, **shown)
     response.status_code = 503
     return response
 
@@ -177,7 +169,7 @@ def run_submit(request):
         "target": "#completion-form",
     }
     if not form.is_valid():
-        return _form_error(request, **shown)
+        return form_error(request, **shown)
     data = form.cleaned_data
     vector = data.get("steer_vector")
     steering = {}
@@ -195,7 +187,7 @@ def run_submit(request):
             **steering,
         )
     except TaskQueueUnreachable as error:
-        return _queue_unreachable(request, error, **shown)
+        return queue_unreachable(request, error, **shown)
     return with_new_submit_token(request, _run_created(request, run), form)
 
 
@@ -547,282 +539,3 @@ async def run_events(request, run_id):
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
-
-
-# ---------------------------------------------------------------------------------------
-# Steering
-
-
-@approved_required
-@require_POST
-def vector_contrast_create(request):
-    _, capabilities = models_and_capabilities(request)
-    if capabilities.activations_reason:
-        raise PermissionDenied(capabilities.activations_reason)
-    form = ContrastVectorForm(request.POST, capabilities=capabilities)
-    shown = {
-        "form": form,
-        "context_name": "contrast_form",
-        "fragment": "vectors",
-        "target": "#vectors",
-    }
-    if not form.is_valid():
-        return _form_error(request, **shown)
-    data = form.cleaned_data
-    try:
-        group = contrast_runs_create(
-            user=request.user,
-            model=capabilities.id,
-            name=data["name"],
-            layer=data["layer"],
-            method=data["method"],
-            positive=data["positive"],
-            negative=data["negative"],
-            submit_token=data["submit_token"],
-        )
-    except TaskQueueUnreachable as error:
-        return _queue_unreachable(request, error, **shown)
-    return with_new_submit_token(request, _group_response(request, group), form)
-
-
-@approved_required
-@require_POST
-def vector_upload(request):
-    _, capabilities = models_and_capabilities(request)
-    form = UploadVectorForm(request.POST, request.FILES, capabilities=capabilities)
-    if not form.is_valid():
-        return _form_error(
-            request, form=form, context_name="upload_form", fragment="vectors", target="#vectors"
-        )
-    steering_vector_create(
-        user=request.user,
-        name=form.cleaned_data["name"],
-        model=capabilities.id,
-        layer=form.cleaned_data["layer"],
-        method=VectorMethod.UPLOAD,
-        vector=form.cleaned_data["file"],
-        details={"filename": request.FILES["upload-file"].name},
-    )
-    if request.htmx:
-        context = page_context(request)
-        return render(request, "playground/page.html#vectors", context)
-    return redirect("playground:page")
-
-
-@approved_required
-@require_GET
-def vector_download(request, vector_id):
-    """A library vector as a float32 `[hidden]` .npy file."""
-    vector = selectors.vector_for_user(user=request.user, vector_id=vector_id)
-    buffer = io.BytesIO()
-    np.save(buffer, decode(vector.data))
-    response = HttpResponse(buffer.getvalue(), content_type="application/octet-stream")
-    response["Content-Disposition"] = f'attachment; filename="vector-{vector.pk}.npy"'
-    return response
-
-
-@approved_required
-@require_POST
-def steering_submit(request):
-    _, capabilities = models_and_capabilities(request)
-    form = SteeringForm(request.POST, user=request.user, capabilities=capabilities)
-    shown = {
-        "form": form,
-        "context_name": "steering_form",
-        "fragment": "steering_form",
-        "target": "#steering-box",
-    }
-    if not form.is_valid():
-        return _form_error(request, **shown)
-    data = form.cleaned_data
-    scales = data["scale_list"]
-    try:
-        group = steering_runs_create(
-            user=request.user,
-            base_request=form.base_request(),
-            vector=data["vector"],
-            layers=data["layer_list"],
-            scales=scales,
-            entered_scales=data["entered_scales"],
-            scale_unit=data["scale_unit"],
-            kind=RunKind.SWEEP if len(scales) > 1 else RunKind.STEERING_STEERED,
-            target_token=data.get("target_token") or "",
-            submit_token=data["submit_token"],
-            positions=data.get("position_list"),
-        )
-    except TaskQueueUnreachable as error:
-        return _queue_unreachable(request, error, **shown)
-    return with_new_submit_token(request, _group_response(request, group), form)
-
-
-def _group_response(request, group):
-    if request.htmx:
-        context = _group_context(selectors.group_runs_for_user(user=request.user, group=group))
-        return render(request, "playground/group.html#group_panel", context)
-    return redirect("playground:group_detail", group=group)
-
-
-def _group_context(runs: list[Run]) -> dict:
-    context = {
-        "runs": runs,
-        "group": runs[0].group,
-        "kind": runs[0].kind,
-        "figures": [],
-        "mean_delta_definition": scoring.MEAN_DELTA_DEFINITION,
-    }
-    context["finished"] = all(run.is_finished for run in runs)
-    if runs[0].kind == RunKind.CONTRAST:
-        context["kind"] = RunKind.CONTRAST
-        context["vector"] = next((run.vector for run in runs if run.vector_id), None)
-        # The vector is saved just after the second capture succeeds: keep the panel polling
-        # until it is there (or a capture failed), or it would never say the vector is ready.
-        failed = any(run.status == WorkStatus.FAILED for run in runs)
-        context["finished"] = context["finished"] and (context["vector"] is not None or failed)
-        return context
-    succeeded = [run for run in runs if run.status == WorkStatus.SUCCEEDED]
-    baseline = next((run for run in succeeded if run.scale == 0), None)
-    context["baseline"] = baseline
-    context["notebook"] = exports.steering_notebook(runs, base_url=settings.SITE_URL)
-    context["steered"] = [run for run in runs if run.scale != 0]
-    context["steering_vector"] = runs[0].vector
-    score = selectors.steering_score_for_group(group=runs[0].group)
-    context["score"] = score
-    compared = {}
-    if score is not None and score.status == WorkStatus.SUCCEEDED:
-        compared = {entry["run"]: entry for entry in score.results["runs"]}
-    context["arms"] = [
-        {
-            **selectors.steering_arm(run),
-            "positions": steered_positions(run),
-            "summary": (
-                steering_figures.same_token_summary(compared[str(run.pk)])
-                if str(run.pk) in compared
-                else None
-            ),
-        }
-        for run in runs
-    ]
-    # The comparison on the same tokens comes once the runs are done: keep polling until it
-    # is there whenever there is something to compare.
-    expects_score = baseline is not None and len(succeeded) > 1
-    context["finished"] = context["finished"] and (
-        not expects_score or (score is not None and score.is_finished)
-    )
-    for run in context["steered"]:
-        if str(run.pk) in compared:
-            figure = steering_figures.same_token_figure(
-                score.results["baseline"]["strings"], compared[str(run.pk)]
-            )
-            context["figures"].append(plots.figure_entry(f"diff-{run.scale:g}", figure))
-    if len(runs) > 2 and context["finished"] and baseline is not None:
-        target = runs[0].meta.get("target_token", "")
-        by_scale = {entry["scale_entered"]: entry for entry in compared.values()}
-        points = steering_figures.sweep_points(
-            [(run.scale_entered, run.response) for run in succeeded], target, by_scale
-        )
-        unit = "scale"
-        if runs[0].meta.get("scale_unit") == "typical":
-            vector = runs[0].vector
-            unit = "scale (× layer's typical norm)"
-            if vector is not None and vector.layer_typical_norm:
-                unit = (
-                    f"scale (× layer {vector.layer}'s typical norm, "
-                    f"‖h‖ = {vector.layer_typical_norm:.2f})"
-                )
-        figure = steering_figures.scale_sweep_figure(points, target, unit)
-        context["figures"].insert(0, plots.figure_entry("sweep", figure))
-        steps = scrub.sweep_steps(runs, compared)
-        # The slider starts at the largest scale: the step whose effect is likeliest seen.
-        context["scrub"] = {
-            "steps": steps,
-            "current": steps[-1],
-            "index": len(steps) - 1,
-            "script_id": f"scrub-steps-{runs[0].group}",
-        }
-    return context
-
-
-@approved_required
-@require_GET
-def group_detail(request, group):
-    context = _group_context(selectors.group_runs_for_user(user=request.user, group=group))
-    if not request.htmx:
-        return render(request, "playground/group.html", context)
-    response = render(request, "playground/group.html#group_panel", context)
-    if context.get("vector"):
-        # The contrast pair has just produced its vector: refresh the library and form.
-        response = trigger_client_event(response, "vectorsChanged")
-    return response
-
-
-@approved_required
-@require_GET
-def group_download(request, group, file_format):
-    """Every number of a steering comparison or sweep (`exports.steering_export`): JSON, or
-    CSV (one row per arm)."""
-    runs = selectors.group_runs_for_user(user=request.user, group=group)
-    document = exports.steering_export(runs, selectors.steering_score_for_group(group=group))
-    return exports.download(
-        document, records=document["arms"], file_format=file_format, name=f"steering-{group}"
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# Two runs compared
-
-
-def _run_param(request, name: str) -> Run | None:
-    """The user's run named by the query or form parameter `name` (None when absent); 404
-    for an id that is not a run of theirs."""
-    value = request.GET.get(name) or request.POST.get(name)
-    if not value:
-        return None
-    try:
-        run_id = uuid.UUID(value)
-    except ValueError:
-        raise Http404(f"{name} is not a run id.") from None
-    return selectors.run_for_user(user=request.user, run_id=run_id)
-
-
-def _compare_response(request, run_a: Run, run_b: Run):
-    context = compare.comparison_context(run_a, run_b)
-    if request.htmx:
-        return render(request, "playground/compare.html#comparison_panel", context)
-    return render(request, "playground/compare.html", context)
-
-
-@approved_required
-@require_GET
-def run_compare(request):
-    """Two of the user's runs compared (`?a=<run>&b=<run>`, a permalink); with a run missing,
-    a form to pick it among the user's latest runs."""
-    run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
-    if run_a is None or run_b is None:
-        runs = [run for run in selectors.runs_for_user(user=request.user) if run != run_a]
-        return render(
-            request, "playground/compare.html", {"run_a": run_a, "run_b": run_b, "runs": runs}
-        )
-    return _compare_response(request, run_a, run_b)
-
-
-@approved_required
-@require_POST
-def run_compare_score(request):
-    """Queue the same-token scoring of two runs (teacher-forced requests, billed)."""
-    run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
-    if run_a is None or run_b is None:
-        raise Http404("Name both runs, a and b.")
-    reason = compare.scoring_unavailable_reason(run_a, run_b)
-    if reason:
-        return HttpResponse(reason, status=400, content_type="text/plain; charset=utf-8")
-    try:
-        compare.comparison_queue(user=request.user, run_a=run_a, run_b=run_b)
-    except TaskQueueUnreachable:
-        # The comparison failed with the queue's message, which its panel shows; named as
-        # its own target for htmx, which swaps a 503 only then (base.html).
-        response = _compare_response(request, run_a, run_b)
-        response.status_code = 503
-        return retarget(response, "#comparison") if request.htmx else response
-    if request.htmx:
-        return _compare_response(request, run_a, run_b)
-    return redirect(f"{reverse('playground:compare')}?a={run_a.pk}&b={run_b.pk}")
