@@ -3,6 +3,7 @@ queued."""
 
 import uuid
 
+from django.conf import settings
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -10,8 +11,20 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import retarget
 
 from accounts.access import approved_required
+from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
+from playground import exports, plots, scoring
+from playground.compare import selectors as compare_selectors
 from playground.compare import services as compare
+from playground.compare.differences import (
+    SIDES,
+    activation_difference,
+    logprob_differences,
+    run_sequence,
+    token_diff,
+)
+from playground.compare.figures import activation_difference_figure, logprob_difference_figure
+from playground.compare.selectors import comparison_for_runs, scoring_unavailable_reason
 from playground.models import Run
 from playground.runs import selectors
 
@@ -30,7 +43,7 @@ def _run_param(request, name: str) -> Run | None:
 
 
 def _compare_response(request, run_a: Run, run_b: Run):
-    context = compare.comparison_context(run_a, run_b)
+    context = comparison_context(run_a, run_b)
     if request.htmx:
         return render(request, "playground/compare.html#comparison_panel", context)
     return render(request, "playground/compare.html", context)
@@ -57,7 +70,7 @@ def run_compare_score(request):
     run_a, run_b = _run_param(request, "a"), _run_param(request, "b")
     if run_a is None or run_b is None:
         raise Http404("Name both runs, a and b.")
-    reason = compare.scoring_unavailable_reason(run_a, run_b)
+    reason = compare_selectors.scoring_unavailable_reason(run_a, run_b)
     if reason:
         return HttpResponse(reason, status=400, content_type="text/plain; charset=utf-8")
     try:
@@ -71,3 +84,51 @@ def run_compare_score(request):
     if request.htmx:
         return _compare_response(request, run_a, run_b)
     return redirect(f"{reverse('playground:compare')}?a={run_a.pk}&b={run_b.pk}")
+
+
+def comparison_context(run_a: Run, run_b: Run) -> dict:
+    """Everything the comparison page shows about two runs (which must be the same user's)."""
+    sequences = {"a": run_sequence(run_a), "b": run_sequence(run_b)}
+    context = {
+        "run_a": run_a,
+        "run_b": run_b,
+        "mean_delta_definition": scoring.MEAN_DELTA_DEFINITION,
+        "sides": [("A", run_a), ("B", run_b)],
+        "figures": {},
+        "comparison": comparison_for_runs(run_a=run_a, run_b=run_b),
+        "scoring_unavailable": scoring_unavailable_reason(run_a, run_b),
+        "same_settings": run_a.request_model == run_b.request_model
+        and run_a.request.get("apply_steering_vectors")
+        == run_b.request.get("apply_steering_vectors"),
+    }
+    if sequences["a"] and sequences["b"]:
+        diff = token_diff(sequences["a"], sequences["b"])
+        context["diff"] = [
+            {"label": side.upper(), "run": run, "tokens": diff[side]}
+            for side, run in (("a", run_a), ("b", run_b))
+        ]
+        # Each of the two requests scores both sequences, one token generated per prompt.
+        context["scoring_tokens"] = 2 * (len(sequences["a"].ids) + len(sequences["b"].ids) + 2)
+    comparison = context["comparison"]
+    if comparison is not None and comparison.status == WorkStatus.SUCCEEDED:
+        context["notebook"] = exports.compare_notebook(
+            run_a, run_b, comparison.results, base_url=settings.SITE_URL
+        )
+        differences = logprob_differences(comparison.results)
+        context["means"] = {
+            side: scoring.mean_generated_delta(
+                d["delta"], d["positions"], sequences[side].prompt_length
+            )
+            for side, d in differences.items()
+        }
+        for side in SIDES:
+            figure = logprob_difference_figure(side, sequences[side], differences[side])
+            context["figures"][f"logprob_{side}"] = plots.figure_entry(f"logprob-{side}", figure)
+    activations, context["activations_missing"] = activation_difference(run_a, run_b)
+    if activations is not None:
+        context["activation_lengths"] = activations["lengths"]
+        context["activation_positions"] = activations["norms"].shape[1]
+        context["figures"]["activations"] = plots.figure_entry(
+            "activation-difference", activation_difference_figure(activations)
+        )
+    return context

@@ -15,6 +15,7 @@ from django.utils import timezone
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus
 from playground import scoring, tasks
+from playground.compare import differences as compare_differences
 from playground.compare import services as compare
 from playground.models import Run, RunComparison
 
@@ -239,7 +240,7 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
     assert [body["prompt"] for body in sent] == [sequences, sequences]
     assert [body.get("apply_steering_vectors") for body in sent] == [None, steering]
     assert all(body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 for body in sent)
-    differences = compare.logprob_differences(comparison.results)
+    differences = compare_differences.logprob_differences(comparison.results)
     assert differences["a"]["delta"] == differences["b"]["delta"] == [-2.0] * 5
 
 
@@ -306,7 +307,7 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
     namespace = {}
     exec(compile(html.unescape(code), "notebook", "exec"), namespace)
     comparison.refresh_from_db()
-    differences = compare.logprob_differences(comparison.results)
+    differences = compare_differences.logprob_differences(comparison.results)
     for side in ("a", "b"):
         assert namespace["delta"][side.upper()].tolist() == differences[side]["delta"]
         assert namespace["mean_delta"][side.upper()] == -4.0

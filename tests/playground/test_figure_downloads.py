@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from playground import plots
-from playground.compare import services as compare
+from playground.compare import differences
+from playground.compare import figures as compare_figures
 from playground.runs import activation_figures, figures
 from playground.steering import figures as steering_figures
 
@@ -135,15 +136,17 @@ def test_downloads_hold_the_tokens_own_text_not_the_figures_visible_whitespace(
 
 
 def test_a_comparisons_downloads_hold_the_tokens_own_text():
-    sequence = compare.TokenSequence(ids=[1, 2, 3], strings=["He", " said", "\n"], prompt_length=2)
+    sequence = differences.TokenSequence(
+        ids=[1, 2, 3], strings=["He", " said", "\n"], prompt_length=2
+    )
     difference = {"positions": [1, 2], "delta": [-0.25, 0.5], "under_a": [-1.0, -2.0],
                   "under_b": [-1.25, -1.5]}  # fmt: skip
     activations = {"layers": [0], "norms": np.array([[0.0, 1.0]]), "labels": ["0 He", "1 ·a/·b"],
                    "texts": ["0 He", "1  a/ b"]}  # fmt: skip
     made = downloads(
         {
-            "delta": compare.logprob_difference_figure("a", sequence, difference),
-            "activations": compare.activation_difference_figure(activations),
+            "delta": compare_figures.logprob_difference_figure("a", sequence, difference),
+            "activations": compare_figures.activation_difference_figure(activations),
         }
     )["figures"]
     delta = made["delta"]["json"]["records"]

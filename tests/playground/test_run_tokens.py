@@ -14,7 +14,7 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground.compare import services as compare
+from playground.compare import differences
 from playground.models import Run
 from playground.runs import tokens as run_tokens
 from playground.runs import views
@@ -116,7 +116,7 @@ def test_the_same_tokens_with_and_without_logprobs_compare_equal(
 ):
     with_logprobs = run_through(approved_user, gateway, logprobs=True)
     without = run_through(approved_user, gateway, logprobs=False)
-    a, b = compare.run_sequence(with_logprobs), compare.run_sequence(without)
+    a, b = differences.run_sequence(with_logprobs), differences.run_sequence(without)
     assert a.ids == b.ids == [*PROMPT_IDS, NEWLINE, NEWLINE]
     page = ada.get(
         reverse("playground:compare") + f"?a={with_logprobs.id}&b={without.id}"
