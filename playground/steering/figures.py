@@ -160,7 +160,7 @@ def same_token_figure(baseline_strings: list[str], compared: dict) -> go.Figure:
 
 def _scored_target(response: dict, target: str) -> tuple[float | None, str]:
     """The target's logprob from the scored second prompt (prompt + target, see
-    services.vectors.with_target_scored): the sum over the prompt logprobs after the first
+    steering.services.with_target_scored): the sum over the prompt logprobs after the first
     prompt's own tokens."""
     choices = response["choices"]
     prompt_tokens = len(choices[0].get("prompt_logprobs") or [])

@@ -1,20 +1,25 @@
-"""Steering compared on the same tokens (teacher-forced requests; see `scoring`): queued
-when a steering comparison's or sweep's runs have finished, executed by a Celery worker."""
+"""Writes of steering comparisons and sweeps: their runs queued (a baseline and one steered
+run per scale), and the comparison on the same tokens (teacher-forced requests; see
+`scoring`) queued when their runs have finished, executed by a Celery worker."""
 
 import datetime as dt
 import logging
+import uuid
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from accounts.models import User
 from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 from playground import scoring
-from playground.models import Run, RunKind, SteeringScore
+from playground.models import Run, RunKind, SteeringScore, SteeringVector
+from playground.runs.services import run_enqueue, submitted_once
+from playground.vectors.services import steering_entry
 
 logger = logging.getLogger(__name__)
 
@@ -274,3 +279,70 @@ def steering_scores_fail_stuck(*, now=None) -> int:
         message="The comparison on the same tokens did not finish; re-run the comparison.",
         now=now,
     )
+
+
+def steering_runs_create(
+    *,
+    user: User,
+    base_request: dict,
+    vector: SteeringVector,
+    layers: list[int],
+    scales: list[float],
+    kind: str,
+    target_token: str = "",
+    submit_token: uuid.UUID | None = None,
+    entered_scales: list[float] | None = None,
+    scale_unit: str = "absolute",
+    positions: list[int] | None = None,
+) -> uuid.UUID:
+    """Queue a baseline (scale 0) and one steered run per scale, all with the same request
+    and seed, adding `vector` at `layers` and at the prompt's `positions` (None: at every
+    position). Returns the group id of the comparison (that of
+    the first comparison, when `submit_token` was submitted before).
+
+    `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
+    "typical": multiples of the layer's typical norm), kept to show them as entered. A sweep
+    with a `target_token` also scores prompt + target (see `with_target_scored`)."""
+    entered = entered_scales if entered_scales is not None else scales
+
+    def create() -> uuid.UUID:
+        group = uuid.uuid4()
+        with transaction.atomic():
+            for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
+                request = dict(base_request)
+                if kind == RunKind.SWEEP and target_token:
+                    request = with_target_scored(request, target_token)
+                request["apply_steering_vectors"] = [
+                    steering_entry(vector, layers=layers, scale=scale, positions=positions)
+                ]
+                run_kind = kind
+                if kind == RunKind.STEERING_STEERED and scale == 0.0:
+                    run_kind = RunKind.STEERING_BASELINE
+                run_enqueue(
+                    user=user,
+                    kind=run_kind,
+                    group=group,
+                    scale=scale,
+                    vector=vector,
+                    request=request,
+                    meta={
+                        "target_token": target_token,
+                        "layers": layers,
+                        "scale_unit": scale_unit,
+                        "scale_entered": scale_entered,
+                    },
+                    submit_token=submit_token if scale == 0.0 else None,
+                )
+        return group
+
+    return submitted_once(
+        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
+    )
+
+
+def with_target_scored(request: dict, target: str) -> dict:
+    """The request with a second prompt, prompt + `target`, and `prompt_logprobs: 0`: the
+    second choice's last prompt logprobs are the target's own, from the full distribution,
+    however unlikely the target is (a top-k list would often leave it out)."""
+    prompt = request["prompt"]
+    return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}

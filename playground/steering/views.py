@@ -19,9 +19,7 @@ from playground.runs.views import (
 from playground.steering import selectors as steering_selectors
 from playground.steering.forms import SteeringForm
 from playground.steering.group import group_context
-from playground.vectors.services import (
-    steering_runs_create,
-)
+from playground.steering.services import steering_runs_create
 
 
 @approved_required

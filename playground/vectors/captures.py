@@ -1,15 +1,11 @@
-"""The steering-vector library beyond building from contrast prompts: vectors saved from a
-capture run (the mean of its residual stream over chosen positions at one layer, optionally
-minus another run's mean there), renamed or deleted, and the `apply_steering_vectors` entry
-that adds a library vector to a request."""
+"""Reads of a capture run for the vector library: its residual stream decoded, the mean over
+chosen positions at one layer (what `services.steering_vector_from_capture` saves), the
+default positions, and the positions a run was steered at."""
 
 import numpy as np
-from django.db import transaction
 
-from accounts.models import User
 from playground import captures, plots
-from playground.models import Run, SteeringVector, VectorMethod
-from playground.vectors.services import steering_vector_create
+from playground.models import Run
 
 
 class CaptureError(ValueError):
@@ -58,64 +54,3 @@ def capture_mean(capture: captures.Capture, *, layer: int, positions: list[int])
         raise CaptureError(f"No position {outside}: positions run from 0 to {count - 1}.")
     rows = capture.tensor[capture.layers.index(layer)][positions]
     return rows.astype(np.float32).mean(axis=0)
-
-
-def _provenance(run: Run, capture: captures.Capture, positions: list[int]) -> dict:
-    return {
-        "run": str(run.pk),
-        "prompt": run.prompt_preview,
-        "positions": positions,
-        "tokens": [capture.labels[position] for position in positions],
-    }
-
-
-def steering_vector_from_capture(
-    *,
-    user: User,
-    run: Run,
-    name: str,
-    layer: int,
-    positions: list[int],
-    subtract_run: Run | None = None,
-) -> SteeringVector:
-    """Save the mean of `run`'s residual stream at `layer` over `positions` in the user's
-    library, minus the mean of `subtract_run`'s at the same layer over its default positions
-    (all but the first) when given. The vector's details record where it came from: the
-    runs, the layer, the positions and their tokens."""
-    capture = capture_of(run)
-    vector = capture_mean(capture, layer=layer, positions=positions)
-    details = {"source": _provenance(run, capture, positions), "layer": layer}
-    if subtract_run is not None:
-        if subtract_run.request.get("model") != run.request.get("model"):
-            raise CaptureError("The run to subtract used another model.")
-        subtracted = capture_of(subtract_run)
-        subtracted_positions = default_positions(subtracted.tensor.shape[1])
-        vector = vector - capture_mean(subtracted, layer=layer, positions=subtracted_positions)
-        details["subtracted"] = _provenance(subtract_run, subtracted, subtracted_positions)
-    return steering_vector_create(
-        user=user,
-        name=name,
-        model=run.request["model"],
-        layer=layer,
-        method=VectorMethod.CAPTURE_MEAN,
-        vector=vector,
-        details=details,
-    )
-
-
-def steering_vector_rename(*, vector: SteeringVector, name: str) -> SteeringVector:
-    vector.name = name
-    vector.save(update_fields=["name"])
-    return vector
-
-
-def steering_vector_delete(*, vector: SteeringVector) -> None:
-    """Delete the vector from the library. The runs that used it keep their request (the
-    vector's values were sent in it) and are marked with its name, so their pages still say
-    what steered them; the foreign key is cleared by the database (SET_NULL)."""
-    with transaction.atomic():
-        for run in Run.objects.filter(vector=vector).only("pk", "meta"):
-            Run.objects.filter(pk=run.pk).update(
-                meta={**run.meta, "vector_name": vector.name, "vector_deleted": True}
-            )
-        vector.delete()

@@ -1,5 +1,7 @@
-"""The steering-vector library: uploaded vectors, vectors built from a contrast pair's
-captures, and the runs that steer with a vector."""
+"""Writes of the steering-vector library: uploaded vectors, vectors built from a contrast
+pair's captures or saved from a capture run (a mean of its residual stream, optionally minus
+another run's), renamed and deleted; and the `apply_steering_vectors` entry that adds a
+library vector to a request."""
 
 import io
 import uuid
@@ -15,9 +17,10 @@ from acs_client.codec import (
     float32_to_bfloat16_bits,
 )
 from infra.lifecycle import WorkStatus
-from playground.captures import TYPICAL_NORM_DEFINITION, typical_norm
+from playground.captures import TYPICAL_NORM_DEFINITION, Capture, typical_norm
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
 from playground.runs.services import run_enqueue, submitted_once
+from playground.vectors.captures import CaptureError, capture_mean, capture_of, default_positions
 
 
 class VectorError(ValueError):
@@ -262,65 +265,6 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     return created
 
 
-def steering_runs_create(
-    *,
-    user: User,
-    base_request: dict,
-    vector: SteeringVector,
-    layers: list[int],
-    scales: list[float],
-    kind: str,
-    target_token: str = "",
-    submit_token: uuid.UUID | None = None,
-    entered_scales: list[float] | None = None,
-    scale_unit: str = "absolute",
-    positions: list[int] | None = None,
-) -> uuid.UUID:
-    """Queue a baseline (scale 0) and one steered run per scale, all with the same request
-    and seed, adding `vector` at `layers` and at the prompt's `positions` (None: at every
-    position). Returns the group id of the comparison (that of
-    the first comparison, when `submit_token` was submitted before).
-
-    `entered_scales` are the scales as the user gave them in `scale_unit` ("absolute" or
-    "typical": multiples of the layer's typical norm), kept to show them as entered. A sweep
-    with a `target_token` also scores prompt + target (see `with_target_scored`)."""
-    entered = entered_scales if entered_scales is not None else scales
-
-    def create() -> uuid.UUID:
-        group = uuid.uuid4()
-        with transaction.atomic():
-            for scale, scale_entered in [(0.0, 0.0), *zip(scales, entered, strict=True)]:
-                request = dict(base_request)
-                if kind == RunKind.SWEEP and target_token:
-                    request = with_target_scored(request, target_token)
-                request["apply_steering_vectors"] = [
-                    steering_entry(vector, layers=layers, scale=scale, positions=positions)
-                ]
-                run_kind = kind
-                if kind == RunKind.STEERING_STEERED and scale == 0.0:
-                    run_kind = RunKind.STEERING_BASELINE
-                run_enqueue(
-                    user=user,
-                    kind=run_kind,
-                    group=group,
-                    scale=scale,
-                    vector=vector,
-                    request=request,
-                    meta={
-                        "target_token": target_token,
-                        "layers": layers,
-                        "scale_unit": scale_unit,
-                        "scale_entered": scale_entered,
-                    },
-                    submit_token=submit_token if scale == 0.0 else None,
-                )
-        return group
-
-    return submitted_once(
-        user=user, submit_token=submit_token, create=create, existing=lambda run: run.group
-    )
-
-
 def steering_entry(
     vector: SteeringVector, *, layers: list[int], scale: float, positions: list[int] | None = None
 ) -> dict:
@@ -342,9 +286,62 @@ def steering_activations(vector: SteeringVector, layers: list[int]) -> dict:
     return encode_vector(np.tile(decode(vector.data)[None, :], (len(layers), 1)))
 
 
-def with_target_scored(request: dict, target: str) -> dict:
-    """The request with a second prompt, prompt + `target`, and `prompt_logprobs: 0`: the
-    second choice's last prompt logprobs are the target's own, from the full distribution,
-    however unlikely the target is (a top-k list would often leave it out)."""
-    prompt = request["prompt"]
-    return {**request, "prompt": [prompt, prompt + target], "prompt_logprobs": 0}
+def _provenance(run: Run, capture: Capture, positions: list[int]) -> dict:
+    return {
+        "run": str(run.pk),
+        "prompt": run.prompt_preview,
+        "positions": positions,
+        "tokens": [capture.labels[position] for position in positions],
+    }
+
+
+def steering_vector_from_capture(
+    *,
+    user: User,
+    run: Run,
+    name: str,
+    layer: int,
+    positions: list[int],
+    subtract_run: Run | None = None,
+) -> SteeringVector:
+    """Save the mean of `run`'s residual stream at `layer` over `positions` in the user's
+    library, minus the mean of `subtract_run`'s at the same layer over its default positions
+    (all but the first) when given. The vector's details record where it came from: the
+    runs, the layer, the positions and their tokens."""
+    capture = capture_of(run)
+    vector = capture_mean(capture, layer=layer, positions=positions)
+    details = {"source": _provenance(run, capture, positions), "layer": layer}
+    if subtract_run is not None:
+        if subtract_run.request.get("model") != run.request.get("model"):
+            raise CaptureError("The run to subtract used another model.")
+        subtracted = capture_of(subtract_run)
+        subtracted_positions = default_positions(subtracted.tensor.shape[1])
+        vector = vector - capture_mean(subtracted, layer=layer, positions=subtracted_positions)
+        details["subtracted"] = _provenance(subtract_run, subtracted, subtracted_positions)
+    return steering_vector_create(
+        user=user,
+        name=name,
+        model=run.request["model"],
+        layer=layer,
+        method=VectorMethod.CAPTURE_MEAN,
+        vector=vector,
+        details=details,
+    )
+
+
+def steering_vector_rename(*, vector: SteeringVector, name: str) -> SteeringVector:
+    vector.name = name
+    vector.save(update_fields=["name"])
+    return vector
+
+
+def steering_vector_delete(*, vector: SteeringVector) -> None:
+    """Delete the vector from the library. The runs that used it keep their request (the
+    vector's values were sent in it) and are marked with its name, so their pages still say
+    what steered them; the foreign key is cleared by the database (SET_NULL)."""
+    with transaction.atomic():
+        for run in Run.objects.filter(vector=vector).only("pk", "meta"):
+            Run.objects.filter(pk=run.pk).update(
+                meta={**run.meta, "vector_name": vector.name, "vector_deleted": True}
+            )
+        vector.delete()

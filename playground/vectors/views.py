@@ -28,6 +28,7 @@ from playground.runs.views import (
 from playground.steering.views import group_response
 from playground.vectors import captures as vectors
 from playground.vectors import selectors as vector_selectors
+from playground.vectors import services as vector_services
 from playground.vectors.forms import (
     ContrastVectorForm,
     RenameVectorForm,
@@ -59,7 +60,7 @@ def vector_save_from_run(request, run_id):
     if form.is_valid():
         data = form.cleaned_data
         try:
-            saved = vectors.steering_vector_from_capture(
+            saved = vector_services.steering_vector_from_capture(
                 user=request.user,
                 run=run,
                 name=data["name"],
@@ -104,7 +105,7 @@ def vector_rename(request, vector_id):
     if not form.is_valid():
         vector.refresh_from_db()
         return _library_answer(request, status=400, rename_form=form, rename_vector=vector)
-    vectors.steering_vector_rename(vector=vector, name=form.cleaned_data["name"])
+    vector_services.steering_vector_rename(vector=vector, name=form.cleaned_data["name"])
     return _library_answer(request)
 
 
@@ -116,7 +117,7 @@ def vector_delete(request, vector_id):
     if request.method == "GET":
         context = {"vector": vector, "runs_using": Run.objects.filter(vector=vector).count()}
         return render(request, "playground/vector_delete.html", context)
-    vectors.steering_vector_delete(vector=vector)
+    vector_services.steering_vector_delete(vector=vector)
     return _library_answer(request)
 
 

@@ -35,12 +35,8 @@ from playground.models import Run, RunKind, SteeringScore
 from playground.runs import views
 from playground.runs.execution import run_execute
 from playground.runs.services import run_create
-from playground.steering.services import steering_score_execute
-from playground.vectors.services import (
-    contrast_runs_create,
-    steering_runs_create,
-    steering_vector_create,
-)
+from playground.steering.services import steering_runs_create, steering_score_execute
+from playground.vectors.services import contrast_runs_create, steering_vector_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 from tests.tolerances import WIDEST

@@ -20,7 +20,7 @@ from playground.runs import tokens as run_tokens
 from playground.runs import views
 from playground.runs.execution import run_execute
 from playground.runs.services import run_create
-from playground.vectors import captures as vectors
+from playground.vectors import services as vector_services
 
 from .conftest import MODEL
 
@@ -105,7 +105,7 @@ def test_a_run_without_logprobs_names_its_tokens_by_the_ids_returned(
     assert capture.token_ids.tolist() == [*PROMPT_IDS, NEWLINE]
     assert capture.token_strings == [VOCABULARY[i] for i in PROMPT_IDS] + ["\n"]
     # A vector saved from it says which tokens it averaged.
-    vector = vectors.steering_vector_from_capture(
+    vector = vector_services.steering_vector_from_capture(
         user=approved_user, run=run, name="newline", layer=4, positions=[4, 5]
     )
     assert vector.details["source"]["tokens"] == ["4 ·is", "5 ⏎"]
