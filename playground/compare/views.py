@@ -13,7 +13,8 @@ from django_htmx.http import retarget
 from accounts.access import approved_required
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import exports, plots, scoring
+from playground import plots, scoring
+from playground.compare import exports as compare_exports
 from playground.compare import selectors as compare_selectors
 from playground.compare import services as compare
 from playground.compare.differences import (
@@ -111,7 +112,7 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         context["scoring_tokens"] = 2 * (len(sequences["a"].ids) + len(sequences["b"].ids) + 2)
     comparison = context["comparison"]
     if comparison is not None and comparison.status == WorkStatus.SUCCEEDED:
-        context["notebook"] = exports.compare_notebook(
+        context["notebook"] = compare_exports.compare_notebook(
             run_a, run_b, comparison.results, base_url=settings.SITE_URL
         )
         differences = logprob_differences(comparison.results)

@@ -9,8 +9,9 @@ from django.conf import settings
 
 from accounts.models import User
 from infra.lifecycle import WorkStatus
-from playground import exports, plots
+from playground import plots
 from playground.models import Run, RunKind
+from playground.patching import exports as patching_exports
 from playground.patching.metrics import (
     METRIC_DEFINITIONS,
     METRICS,
@@ -292,7 +293,7 @@ class PatchingGrid:
     @property
     def notebook(self) -> str:
         """The acs_client code that runs this grid again (see `exports`)."""
-        return exports.patching_notebook(self, base_url=settings.SITE_URL)
+        return patching_exports.patching_notebook(self, base_url=settings.SITE_URL)
 
     def export(self) -> dict:
         """The grid's numbers as the page embeds them and the JSON download holds them."""

@@ -4,8 +4,9 @@ scores, figures, scrubber and notebook, or a contrast pair's runs and the vector
 from django.conf import settings
 
 from infra.lifecycle import WorkStatus
-from playground import exports, plots, scoring
+from playground import plots, scoring
 from playground.models import Run, RunKind
+from playground.steering import exports as steering_exports
 from playground.steering import figures as steering_figures
 from playground.steering import scrub
 from playground.steering import selectors as steering_selectors
@@ -32,7 +33,7 @@ def group_context(runs: list[Run]) -> dict:
     succeeded = [run for run in runs if run.status == WorkStatus.SUCCEEDED]
     baseline = next((run for run in succeeded if run.scale == 0), None)
     context["baseline"] = baseline
-    context["notebook"] = exports.steering_notebook(runs, base_url=settings.SITE_URL)
+    context["notebook"] = steering_exports.steering_notebook(runs, base_url=settings.SITE_URL)
     context["steered"] = [run for run in runs if run.scale != 0]
     context["steering_vector"] = runs[0].vector
     score = steering_selectors.steering_score_for_group(group=runs[0].group)

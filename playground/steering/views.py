@@ -16,6 +16,7 @@ from playground.runs.views import (
     queue_unreachable,
     with_new_submit_token,
 )
+from playground.steering import exports as steering_exports
 from playground.steering import selectors as steering_selectors
 from playground.steering.forms import SteeringForm
 from playground.steering.group import group_context
@@ -81,10 +82,10 @@ def group_detail(request, group):
 @approved_required
 @require_GET
 def group_download(request, group, file_format):
-    """Every number of a steering comparison or sweep (`exports.steering_export`): JSON, or
+    """Every number of a steering comparison or sweep (`steering_exports.steering_export`): JSON, or
     CSV (one row per arm)."""
     runs = steering_selectors.group_runs_for_user(user=request.user, group=group)
-    document = exports.steering_export(
+    document = steering_exports.steering_export(
         runs, steering_selectors.steering_score_for_group(group=group)
     )
     return exports.download(

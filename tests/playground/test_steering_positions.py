@@ -9,8 +9,9 @@ from django.urls import reverse
 
 from api.errors import ApiError
 from infra.lifecycle import WorkStatus
-from playground import exports, fields
+from playground import fields
 from playground.runs import views
+from playground.steering import exports as steering_exports
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -132,7 +133,7 @@ def test_a_sweep_steers_the_prompt_positions_asked_for_in_every_arm(ada, approve
     group = reverse("playground:group_detail", args=[runs[0].group])
     html = ada.get(group).content.decode()
     assert html.count("<td>3 ·France, 4 ·is</td>") == 3
-    notebook = exports.steering_notebook(runs, base_url="http://testserver")
+    notebook = steering_exports.steering_notebook(runs, base_url="http://testserver")
     assert "POSITIONS = [3, 4]" in notebook and "positions=POSITIONS" in notebook
 
 
