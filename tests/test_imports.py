@@ -273,3 +273,25 @@ def test_the_portal_imports_no_playground_module():
         for target in sorted(imported)
         if target.split(".")[0] == "playground"
     ] == []
+
+
+# A module a newcomer can read through; past this, split it by concern.
+MAX_PLAYGROUND_MODULE_LINES = 500
+
+
+def modules_over(limit: int, paths) -> list[str]:
+    """The modules among `paths` with more than `limit` lines, each with its count."""
+    counts = {path: len(path.read_text().splitlines()) for path in paths}
+    return [f"{path}: {n} lines" for path, n in sorted(counts.items()) if n > limit]
+
+
+def test_no_playground_module_is_over_500_lines():
+    paths = [path for path in (ROOT / "playground").rglob("*.py") if "migrations" not in path.parts]
+    assert modules_over(MAX_PLAYGROUND_MODULE_LINES, paths) == []
+
+
+def test_the_line_limit_catches_a_long_module(tmp_path):
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * 501)
+    short.write_text("x = 1\n" * 500)
+    assert [line.split(": ")[1] for line in modules_over(500, [long, short])] == ["501 lines"]

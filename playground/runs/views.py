@@ -4,7 +4,6 @@
 import json
 import uuid
 
-from django.conf import settings
 from django.contrib import messages
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
@@ -26,6 +25,7 @@ from playground.runs import activation_figures, selectors, streams
 from playground.runs.downloads import run_activations_bytes
 from playground.runs.forms import CompletionForm
 from playground.runs.history import HistoryFilterForm, runs_page
+from playground.runs.page import activations_section_context, lens_section_context, run_context
 from playground.runs.registry import (
     ACTIVATIONS,
     BY_NAME,
@@ -33,7 +33,6 @@ from playground.runs.registry import (
     TOKENS,
     ActivationPicks,
     Drawing,
-    section_entries,
 )
 from playground.runs.services import run_create
 from playground.runs.tokens import numbered_tokens, tokenize
@@ -41,14 +40,10 @@ from playground.steering import selectors as steering_selectors
 from playground.steering.forms import SteeringForm
 from playground.steering.group import group_context
 from playground.vectors import selectors as vector_selectors
-from playground.vectors.captures import steered_positions
-from playground.vectors.forms import ContrastVectorForm, SaveVectorForm, UploadVectorForm
+from playground.vectors.forms import ContrastVectorForm, UploadVectorForm
 from playground.vectors.services import (
     REFERENCE_PROMPTS,
 )
-
-# Responses above this size are shown shortened on the run page (downloads stay exact).
-RESPONSE_SHOWN_CHARS = 200_000
 
 
 def models_and_capabilities(request) -> tuple[list[dict], ModelCapabilities]:
@@ -264,64 +259,6 @@ def run_history(request):
     return varies_on_htmx(render(request, "playground/history.html", context, status=status))
 
 
-def _pretty_response(response: dict | None) -> str:
-    if response is None:
-        return ""
-    shown = json.loads(json.dumps(response))
-    stream = (shown.get("activations") or {}).get("residual_stream")
-    if stream and isinstance(stream.get("data"), str):
-        stream["data"] = f"<{len(stream['data']):,} characters of base64; download below>"
-    text = json.dumps(shown, indent=2, ensure_ascii=False)
-    if len(text) > RESPONSE_SHOWN_CHARS:
-        return text[:RESPONSE_SHOWN_CHARS] + f"\n… {len(text) - RESPONSE_SHOWN_CHARS:,} more"
-    return text
-
-
-def _pretty_request(request: dict) -> str:
-    shown = json.loads(json.dumps(request))
-    for vector in shown.get("apply_steering_vectors") or []:
-        data = (vector.get("activations") or {}).get("data")
-        if isinstance(data, str) and len(data) > 80:
-            vector["activations"]["data"] = (
-                data[:60]
-                + f"…({len(data):,} characters: the whole request is in the download below)"
-            )
-    return json.dumps(shown, indent=2, ensure_ascii=False)
-
-
-def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=None) -> dict:
-    """The run page; per-choice figures (tokens, top-k, surprisal, distribution) show
-    choice number `choice`, and the lens section the picks of `lens_query`."""
-    context = {
-        "run": run,
-        "request_json": _pretty_request(run.request),
-        "snippets": selectors.run_code_snippets(run.request, base_url=settings.SITE_URL),
-        "steered_positions": steered_positions(run),
-        "figures": [],
-        "choices": [],
-        "shown_choice": choice,
-    }
-    if run.status != WorkStatus.SUCCEEDED or not run.response:
-        return context
-    response = run.response
-    context["response_json"] = _pretty_response(response)
-    context["choices"] = response.get("choices") or []
-    if not context["choices"]:
-        return context
-    drawing = Drawing(run, choice=choice, query=lens_query)
-    token_figures = section_entries(drawing, TOKENS)
-    context["figures"] = list(token_figures.values())
-    if "tokens" in token_figures:
-        context["positions"] = drawing.positions
-    if drawing.capture is not None:
-        context["activations"] = _activations_context(run, drawing)
-        context["lens"] = _lens_context(drawing)
-        context["save_vector_form"] = save_vector_form or SaveVectorForm(
-            run=run, capture=drawing.capture
-        )
-    return context
-
-
 def activation_picks(request, capture: captures.Capture) -> ActivationPicks:
     """The picks of a query string, each checked (404 naming a bad one that no picker
     offers; an end before the start, which the pickers allow, is a `window_error`)."""
@@ -353,28 +290,6 @@ def activation_picks(request, capture: captures.Capture) -> ActivationPicks:
         cosine_row=picked("cosine_row", layers, 0),
         pca_row=picked("pca_row", layers, 0),
     )
-
-
-def _activations_context(run: Run, drawing: Drawing) -> dict:
-    """The activation section of a run's page: its figures for the drawing's picks, and the
-    choices of its window's pickers."""
-    capture, picks = drawing.capture, drawing.picks
-    count = capture.tensor.shape[1]
-    return {
-        "positions": list(enumerate(capture.labels)),
-        "prompt_length": capture.prompt_length,
-        "count": count,
-        "picks": picks,
-        "window_rows": picks.window.rows(count),
-        "figures": list(section_entries(drawing, ACTIVATIONS).values()),
-        "window_error": picks.window_error,
-        "tokens_known": any(row.token is not None for row in capture.rows),
-    }
-
-
-def _lens_context(drawing: Drawing) -> dict:
-    """The lens section: its picks and notes, its figures from the registry."""
-    return {**drawing.lens, "figures": section_entries(drawing, LENS)}
 
 
 def _choice_param(request, run: Run) -> int:
@@ -443,8 +358,8 @@ def run_figure(request, run_id, name):
     if name == ACTIVATIONS:
         context = {
             "run": run,
-            "activations": _activations_context(run, drawing),
-            "lens": _lens_context(drawing),
+            "activations": activations_section_context(run, drawing),
+            "lens": lens_section_context(drawing),
         }
         return render(request, "playground/run_detail.html#activations", context, status=status)
     if kind.over_window and drawing.picks.window_error:
@@ -463,7 +378,7 @@ def _lens_section(request, drawing: Drawing):
     """The lens section with the query's picks for htmx; otherwise the run's page with it,
     400 when a pick is wrong (its form says which)."""
     if request.htmx:
-        context = {"run": drawing.run, "lens": _lens_context(drawing)}
+        context = {"run": drawing.run, "lens": lens_section_context(drawing)}
         return render(request, "playground/run_detail.html#lens", context)
     context = run_context(drawing.run, lens_query=request.GET)
     form = context["lens"].get("form")

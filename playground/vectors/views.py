@@ -17,12 +17,12 @@ from infra.htmx import wants_fragment
 from infra.tasks import TaskQueueUnreachable
 from playground.models import Run, VectorMethod
 from playground.runs import selectors
+from playground.runs.page import run_context
 from playground.runs.views import (
     form_error,
     models_and_capabilities,
     page_context,
     queue_unreachable,
-    run_context,
     with_new_submit_token,
 )
 from playground.steering.views import group_response
