@@ -369,7 +369,7 @@ GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
 # open for long.
 ACS_REQUEST_BODY_TIMEOUT_SECONDS = env_int("ACS_REQUEST_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
-# --- Playground live output (playground/streams.py) ---
+# --- Playground live output (playground/runs/streams.py) ---
 # Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
 # how long one blocking Redis read waits; its socket timeout is longer).
 PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15, minimum=1)

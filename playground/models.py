@@ -54,7 +54,7 @@ class Run(models.Model):
     request_id = models.CharField(max_length=64, blank=True)
     queued_at = models.DateTimeField(default=timezone.now)
     # When its task went to the workers: at once for a run of its own, in turn for the runs
-    # of a group (`services.runs.group_runs_dispatch`). None while it waits for its turn.
+    # of a group (`runs.services.group_runs_dispatch`). None while it waits for its turn.
     sent_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)

@@ -20,8 +20,8 @@ def run_execute_task(self, run_id: str) -> None:
         run = run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
     except RunRetry as retry:
         raise self.retry(countdown=retry.countdown) from None
-    # A patching grid's patched runs follow its captures; started here because `patching`
-    # builds its runs with `services`.
+    # A patching grid's patched runs follow its captures; started here because patching's
+    # services build their runs with the runs' services (the runs do not import patching).
     if (
         run is not None
         and run.kind == RunKind.PATCHING_CAPTURE

@@ -1,6 +1,6 @@
 """The run page's look inside the model: the logit lens of a capture run (the lens stored with
 it, `Run.lens`, and the captured rows) and the direct logit attribution by layer, for what the
-user picks (`LensForm`). The numbers come from `playground.lens`, the drawing from `figures`."""
+user picks (`LensForm`). The numbers come from `tables`, the drawing from `figures`."""
 
 from collections.abc import Mapping
 

@@ -1,4 +1,4 @@
-"""An activation patching grid as its page shows it (see `patching` for how its runs are made
+"""An activation patching grid as its page shows it (see `services` for how its runs are made
 and `patching_metrics` for its numbers): the runs of one group read back, their values of the
 chosen metric, the baselines and noise floor, the progress, and the export of every number."""
 

@@ -1,4 +1,4 @@
-"""The activation patching pages (see `patching`): the form with the user's latest grid, a
+"""The activation patching pages (see `services`): the form with the user's latest grid, a
 grid's permalink (its htmx partial while it runs; `?metric=` picks the metric shown), its
 downloads, and cancelling a grid."""
 

@@ -2,7 +2,7 @@
 `views.run_figure`, the id of its data), its section, when a run shows it, how it is drawn,
 the picker that redraws it (a query parameter, its label and options) and how it takes the
 page's width. The page (`views.run_context`), `views.run_figure` and the template read this
-table; a new figure is one entry. The numbers are `figures`' and `lens_section`'s."""
+table; a new figure is one entry. The numbers are the figures modules' and `lens.section`'s."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field

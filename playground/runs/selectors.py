@@ -9,7 +9,7 @@ from django.http import Http404
 
 from playground.models import Run, RunKind
 
-# Runs of activation patching grids, which have their own pages (`patching_views`).
+# Runs of activation patching grids, which have their own pages (`patching.views`).
 PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
 
 OPENAI_FIELDS = {

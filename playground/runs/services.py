@@ -58,7 +58,7 @@ def run_create(
 def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token) -> Run:
     """`run_create` without its `submitted_once`: for the callers (`vectors`) that create
     several runs of one form submission inside their own `submitted_once`. Every run asks
-    for its tokens' ids (`run_tokens.with_token_ids`)."""
+    for its tokens' ids (`tokens.with_token_ids`)."""
     with transaction.atomic():
         playground_key_get_or_create(user=user)
         run = Run.objects.create(

@@ -337,7 +337,7 @@ def _int_param(request, name: str, *, upper: int) -> int:
 @approved_required
 @require_GET
 def run_figure(request, run_id, name):
-    """One figure of a run (`run_figures.FIGURES`) for the picks of the query (htmx partial);
+    """One figure of a run (`registry.FIGURES`) for the picks of the query (htmx partial);
     `activations` and `lens`, a section of them. A pick no picker offers is a 404."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
     if run.status != WorkStatus.SUCCEEDED:

@@ -92,7 +92,7 @@ def _limit_layer(field: forms.IntegerField, capabilities: ModelCapabilities) -> 
 
 class ContrastVectorForm(SubmitOnceForm):
     """Two prompts captured at one layer; the vector is the difference of their rows after
-    position 0 (`services.vectors.contrast_difference`), so each prompt needs two tokens."""
+    position 0 (`services.contrast_difference`), so each prompt needs two tokens."""
 
     prefix = "contrast"
     name = forms.CharField(max_length=100)
