@@ -3,34 +3,27 @@
 from celery import shared_task
 
 from infra.lifecycle import WorkStatus
+from playground.compare import services as compare
+from playground.patching import services as patching
+from playground.runs.execution import run_execute
+from playground.runs.services import groups_dispatch_stalled, runs_fail_stuck
+from playground.steering.services import steering_score_execute, steering_scores_fail_stuck
 
-from . import compare, patching
 from .models import RunKind
-from .services.run_execution import run_execute
-from .services.runs import groups_dispatch_stalled, runs_fail_stuck
-from .services.scores import steering_score_execute, steering_scores_fail_stuck
-from .services.submissions import job_submission_send, job_submissions_fail_stuck
 
 
 @shared_task(acks_late=True)
 def run_execute_task(run_id: str) -> None:
     """Execute one playground run (re-sent by the service after a transient API error)."""
     run = run_execute(run_id=run_id)
-    # A patching grid's patched runs follow its captures; started here because `patching`
-    # builds its runs with `services`.
+    # A patching grid's patched runs follow its captures; started here because patching's
+    # services build their runs with the runs' services (the runs do not import patching).
     if (
         run is not None
         and run.kind == RunKind.PATCHING_CAPTURE
         and run.status == WorkStatus.SUCCEEDED
     ):
         patching.patched_runs_create_or_fail(group=run.group)
-
-
-@shared_task(acks_late=True)
-def job_submission_send_task(submission_id: str) -> None:
-    """Send one job asked for on the Jobs page to /v1 (re-sent by the service when the API
-    asks to retry)."""
-    job_submission_send(submission_id=submission_id)
 
 
 @shared_task(acks_late=True)
@@ -47,16 +40,11 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 
 @shared_task
 def runs_sweep_task() -> int:
-    """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
-    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), resume patching
+    """Fail playground runs and same-token comparisons stuck in queued or running (see
+    `runs_fail_stuck`, `steering_scores_fail_stuck` and `compare.comparisons_fail_stuck`),
+    resume patching
     grids stalled between their captures and their patched runs, and send the next runs of
     groups whose dispatch stalled. Returns how many it failed."""
     patching.patching_grids_resume_stalled()
     groups_dispatch_stalled()
-    return (
-        runs_fail_stuck()
-        + steering_scores_fail_stuck()
-        + job_submissions_fail_stuck()
-        + compare.comparisons_fail_stuck()
-    )
+    return runs_fail_stuck() + steering_scores_fail_stuck() + compare.comparisons_fail_stuck()
