@@ -39,7 +39,7 @@ from playground.steering.services import steering_runs_create, steering_score_ex
 from playground.vectors.services import contrast_runs_create, steering_vector_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
-from tests.tolerances import WIDEST
+from tests.tolerances import WIDEST, greedy_divergence_margins
 
 from .conftest import workers_client
 
@@ -562,6 +562,12 @@ def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
     namespace = run_notebook(
         code, user=approved_user, gateway_url=gateway_url, monkeypatch=monkeypatch
     )
+    # Its mean Δ is over the baseline's tokens, so it equals the page's where its own greedy
+    # baseline took the page's tokens; on a busy machine the two may part at a near tie
+    # (other batch shapes), and then the means are over other tokens.
+    same_baseline = greedy_same_or_near_tie(
+        baseline.response["choices"][0], namespace["baseline"], what="the baseline"
+    )
     for run in runs:
         if not run.scale:
             continue
@@ -569,7 +575,32 @@ def test_sweep_numbers_downloads_and_notebook_code_match_numpy(
         target, delta, _ = expected[run.scale]
         assert result["text"] == run.response["choices"][0]["text"]
         assert abs(result["target_logprob"] - target) <= bound
-        assert abs(result["mean_delta_baseline_tokens"] - delta) <= bound
+        if same_baseline:
+            assert abs(result["mean_delta_baseline_tokens"] - delta) <= bound
+
+
+def greedy_same_or_near_tie(ours: dict, theirs: dict, *, what: str) -> bool:
+    """Whether two greedy choices (with `logprobs` ≥ 2) chose the same tokens; where they
+    part, the first difference must be a near tie within the bfloat16 greedy bound."""
+    our_tokens, their_tokens = ours["logprobs"]["tokens"], theirs["logprobs"]["tokens"]
+    if our_tokens == their_tokens:
+        return True
+    step = next(
+        (
+            i
+            for i, pair in enumerate(zip(our_tokens, their_tokens, strict=False))
+            if pair[0] != pair[1]
+        ),
+        min(len(our_tokens), len(their_tokens)),
+    )
+    margins = greedy_divergence_margins(
+        ours["logprobs"]["top_logprobs"][step],
+        theirs["logprobs"]["top_logprobs"][step],
+        our_tokens[step],
+        their_tokens[step],
+    )
+    assert max(margins) <= WIDEST.greedy_margin, f"{what} parted at step {step}: {margins}"
+    return False
 
 
 # ---------------------------------------------------------------------------------------
