@@ -147,7 +147,7 @@ def positions_text(positions: list[int]) -> str:
     return ", ".join(str(position) for position in positions)
 
 
-def _float_list(text: str, *, field: str, max_count: int) -> list[float]:
+def float_list(text: str, *, field: str, max_count: int) -> list[float]:
     try:
         values = [float(p) for p in split_list(text, field=field, max_count=max_count)]
     except ValueError:
@@ -671,7 +671,7 @@ class SteeringForm(SubmitOnceForm):
             except forms.ValidationError as error:
                 self.add_error("positions", error)
         try:
-            scales = _float_list(
+            scales = float_list(
                 data.get("scales") or "", field="Scales", max_count=MAX_SWEEP_SCALES
             )
         except forms.ValidationError as error:

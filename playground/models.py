@@ -18,6 +18,7 @@ class RunKind(models.TextChoices):
     SWEEP = "sweep", "Scale sweep"
     PATCHING_CAPTURE = "patching_capture", "Patching capture"
     PATCHED = "patched", "Patched run"
+    STEERING_EVAL = "steering_eval", "Steering evaluation"
 
 
 class Run(models.Model):
@@ -305,3 +306,6 @@ class RunComparison(models.Model):
     @property
     def is_finished(self):
         return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
+
+
+from .steering_eval.models import SteeringEvaluation  # noqa: E402, F401 (registers the model)

@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import include, path
 
 from . import patching_views, vector_views, views
 
@@ -62,4 +62,5 @@ urlpatterns = [
         {"file_format": "csv"},
         name="patching_csv",
     ),
+    path("steering-eval/", include("playground.steering_eval.urls")),
 ]
