@@ -68,6 +68,10 @@ class EvaluationReport:
     def scales(self) -> list[float]:
         return self.evaluation.scales
 
+    @property
+    def scales_label(self) -> str:
+        return ", ".join(f"{scale:g}" for scale in self.scales)
+
     # The numbers
 
     def _pair(self, row: int, condition, repeat=None) -> tuple[Scored, Scored] | None:
@@ -171,7 +175,7 @@ class EvaluationReport:
         result = []
         for scale in self.scales:
             known = [r for r in records if r["scale"] == scale and r["flipped"] is not None]
-            entry = {"scale": scale, "prompts": len(known)}
+            entry = {"scale": scale, "scale_label": f"{scale:g}", "prompts": len(known)}
             for metric in ("logit_diff", "target_logprob"):
                 numbers = metrics.mean_with_interval([r[f"delta_{metric}"] for r in known])
                 entry.update({f"{metric}_{name}": value for name, value in numbers.items()})
