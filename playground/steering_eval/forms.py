@@ -70,7 +70,13 @@ class SteeringEvalForm(SubmitOnceForm):
         super().__init__(*args, **kwargs)
         self.user = user
         self.capabilities = capabilities
-        self.fields["vector"].queryset = SteeringVector.objects.filter(user=user).defer("data")
+        vectors = SteeringVector.objects.filter(user=user).defer("data")
+        self.fields["vector"].queryset = vectors
+        if not vectors.exists():
+            self.fields["vector"].help_text = (
+                "Your library has no vector yet: make one on the playground page (contrast "
+                "prompts, an upload or a capture)."
+            )
 
     def clean_dataset_file(self):
         upload = self.cleaned_data.get("dataset_file")

@@ -18,7 +18,9 @@ from . import metrics
 from .models import SteeringEvaluation
 
 # The fields of a run that the numbers and the progress need (not the request body).
-RUN_FIELDS = ("id", "status", "error_code", "error_message", "request_id", "meta", "response")
+RUN_FIELDS = (
+    "id", "status", "error_code", "error_message", "request_id", "meta", "response", "scale",
+)  # fmt: skip
 
 
 @dataclass
@@ -48,7 +50,7 @@ class EvaluationReport:
             row = self.evaluation.rows[meta["row"]]
             prompt_length = len(row["prompt_ids"])
             top_id, top_text = metrics.top_token(run.response, prompt_length)
-            condition = "repeat" if meta["role"] == "repeat" else run_scale(run)
+            condition = "repeat" if meta["role"] == "repeat" else run.scale
             key = (meta["row"], condition, meta.get("repeat"), meta["completion"])
             self.scored[key] = Scored(
                 run=str(run.id),
@@ -293,11 +295,6 @@ def _outcome(run: Run) -> str:
     return "pending"
 
 
-def run_scale(run: Run) -> float:
-    """The scale a steered run sent."""
-    return run.request["apply_steering_vectors"][0]["scale"]
-
-
 def evaluation_for_user(*, user: User, evaluation_id) -> EvaluationReport | None:
     """The user's evaluation with its runs read back; None for another user's or none."""
     evaluation = SteeringEvaluation.objects.filter(pk=evaluation_id, user=user).first()
@@ -305,10 +302,21 @@ def evaluation_for_user(*, user: User, evaluation_id) -> EvaluationReport | None
         return None
     runs = list(
         Run.objects.filter(group=evaluation.id, kind=RunKind.STEERING_EVAL)
-        .only(*RUN_FIELDS, "request")
+        .only(*RUN_FIELDS)
         .order_by("queued_at", "id")
     )
     return EvaluationReport(evaluation=evaluation, runs=runs)
+
+
+def steering_sent(evaluation: SteeringEvaluation) -> dict | None:
+    """The vector as the evaluation's steered requests sent it (the codec's dict), None
+    when it has none."""
+    request = (
+        Run.objects.filter(group=evaluation.id, meta__role="steered")
+        .values_list("request", flat=True)
+        .first()
+    )
+    return request["apply_steering_vectors"][0]["activations"] if request else None
 
 
 def latest_evaluation_id(*, user: User):

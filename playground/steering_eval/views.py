@@ -18,7 +18,12 @@ from . import services
 from .figures import evaluation_figures
 from .forms import SteeringEvalForm, cost_statement
 from .notebook import evaluation_notebook
-from .selectors import EvaluationReport, evaluation_for_user, latest_evaluation_id
+from .selectors import (
+    EvaluationReport,
+    evaluation_for_user,
+    latest_evaluation_id,
+    steering_sent,
+)
 
 PAGE = "playground/steering_eval/page.html"
 DETAIL = "playground/steering_eval/detail.html"
@@ -34,8 +39,7 @@ def _report(request, evaluation_id) -> EvaluationReport:
 
 
 def report_context(report: EvaluationReport) -> dict:
-    steered = next((run for run in report.runs if run.meta.get("role") == "steered"), None)
-    wire = steered.request["apply_steering_vectors"][0]["activations"] if steered else None
+    wire = steering_sent(report.evaluation)
     return {
         "report": report,
         "figures": evaluation_figures(report),

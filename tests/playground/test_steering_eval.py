@@ -547,3 +547,9 @@ def test_the_notebook_code_computes_the_same_numbers(ada, answered, monkeypatch)
     assert namespace["noise_floor"]["logit_diff"] == pytest.approx(
         document["noise_floor"]["logit_diff"], abs=1e-12
     )
+
+
+def test_an_empty_library_says_where_vectors_come_from(ada):
+    html = ada.get(reverse("playground:steering_eval")).content.decode()
+    assert "Your library has no vector yet" in html
+    assert "The evaluation appears here once you run it." in html
