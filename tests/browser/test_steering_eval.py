@@ -49,14 +49,14 @@ def personas(system, django_db_blocker):
     """The three users, each with a vector in their library (committed: the servers read
     it); the quota persona's playground key has no activation request left."""
     with django_db_blocker.unblock():
-        for email in (RESEARCHER, CANCELLER, NO_QUOTA):
-            user = make_user(email)
-            values = np.random.default_rng(1).normal(size=576).astype(np.float32)
+        users = {email: make_user(email) for email in (RESEARCHER, CANCELLER, NO_QUOTA)}
+        values = np.random.default_rng(1).normal(size=576).astype(np.float32)
+        for user in users.values():
             steering_vector_create(
-                user=user, name="towards Paris", model="smollm2-135m", layer=10,
+                user=user, name="random direction", model="smollm2-135m", layer=10,
                 method="upload", vector=values / np.linalg.norm(values),
             )  # fmt: skip
-        key, _ = playground_key_get_or_create(user=user)
+        key, _ = playground_key_get_or_create(user=users[NO_QUOTA])
         ApiKey.objects.filter(pk=key.pk).update(monthly_activation_quota=0)
 
 
@@ -67,7 +67,7 @@ def persona_page(browser, system, sign_in, email):
 def price_and_run(page, *, dataset=DATASET, scales="0, 8"):
     """Fill the form, have the cost stated, then run it."""
     page.goto("/playground/steering-eval/")
-    page.select_option("#id_steereval-vector", label="towards Paris (layer 10)")
+    page.select_option("#id_steereval-vector", label="random direction (layer 10)")
     page.fill("#id_steereval-scales", scales)
     page.fill("#id_steereval-dataset", dataset)
     page.click(SUBMIT)
@@ -144,7 +144,7 @@ def test_a_spent_activation_quota_is_said_before_anything_is_sent(
 ):
     with persona_page(browser, system, sign_in, NO_QUOTA) as page:
         page.goto("/playground/steering-eval/")
-        page.select_option("#id_steereval-vector", label="towards Paris (layer 10)")
+        page.select_option("#id_steereval-vector", label="random direction (layer 10)")
         page.fill("#id_steereval-dataset", DATASET)
         page.click(SUBMIT)
         error = page.locator("#steering-eval-form .errorlist").first

@@ -553,3 +553,15 @@ def test_an_empty_library_says_where_vectors_come_from(ada):
     html = ada.get(reverse("playground:steering_eval")).content.decode()
     assert "Your library has no vector yet" in html
     assert "The evaluation appears here once you run it." in html
+
+
+def test_an_uploaded_dataset_is_priced_and_kept_in_the_text_box(ada, vector, no_enqueue):
+    jsonl = "".join(json.dumps({"prompt": p, "target": t, "foil": f}) + "\n" for p, t, f in ROWS)
+    upload = io.BytesIO(jsonl.encode())
+    upload.name = "rows.jsonl"
+    data = form_data(vector, dataset="", dataset_file=upload)
+    html = ada.post(reverse("playground:steering_eval_submit"), data).content.decode()
+    assert f"= {expected_cost()['total_tokens']} tokens" in html
+    # The file cannot be sent again by the browser: its text is, once confirmed.
+    assert jsonl.splitlines()[0] in html_module.unescape(html)
+    assert not Run.objects.exists()
