@@ -173,7 +173,8 @@ class SteeringEvalForm(SubmitOnceForm):
 def cost_statement(cost: dict, *, prompts: int, scales: int) -> str:
     """The cost as the page states it before the evaluation is submitted."""
     return (
-        f"{cost['requests']:,} requests ({prompts} prompts × ({scales} scales + {REPEATS} "
+        f"{cost['requests']:,} requests ({prompts} prompt{'s' * (prompts != 1)} × ({scales} "
+        f"scale{'s' * (scales != 1)} + {REPEATS} "
         f"unsteered repeats) × 2 completions): {cost['prompt_tokens']:,} prompt tokens + "
         f"{cost['completion_tokens']:,} generated tokens (one per request) = "
         f"{cost['total_tokens']:,} tokens, and {cost['activation_requests']:,} activation "

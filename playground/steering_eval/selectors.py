@@ -270,10 +270,12 @@ class EvaluationReport:
             },
             "definitions": metrics.DEFINITIONS,
             "cost": evaluation.cost,
+            # Each text with its token ids and the tokens' own strings (the gateway's tokenizer).
             "rows": [
                 {
-                    name: row[name]
-                    for name in ("prompt", "target", "foil", "prompt_ids", "target_ids", "foil_ids")
+                    f"{text}{part}": row[f"{text}{part}"]
+                    for text in ("prompt", "target", "foil")
+                    for part in ("", "_ids", "_strings")
                 }
                 for row in evaluation.rows
             ],

@@ -46,7 +46,7 @@ def report_context(report: EvaluationReport) -> dict:
         "notebook": evaluation_notebook(report.evaluation, wire, base_url=settings.SITE_URL)
         if wire
         else "",
-        "cost_text": cost_statement(
+        "stated_cost": cost_statement(
             report.evaluation.cost,
             prompts=len(report.evaluation.rows),
             scales=len(report.scales),

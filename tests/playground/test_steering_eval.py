@@ -483,6 +483,7 @@ def test_per_prompt_numbers_match_the_stored_answers_and_means_match_numpy(ada, 
     assert scale_zero["prompts"] == 4 and strong["prompts"] == 3, "row 0's foil was refused"
     assert strong["flipped"] == 2 and scale_zero["flipped"] == 0
     assert document["bootstrap"] == {"resamples": RESAMPLES, "seed": SEED, "confidence": 0.95}
+    assert document["rows"][3]["foil_strings"] == [" Paris", " France"]
 
 
 def test_the_page_shows_the_table_figures_floor_and_the_budget_refusal(ada, answered):
@@ -565,3 +566,15 @@ def test_an_uploaded_dataset_is_priced_and_kept_in_the_text_box(ada, vector, no_
     # The file cannot be sent again by the browser: its text is, once confirmed.
     assert jsonl.splitlines()[0] in html_module.unescape(html)
     assert not Run.objects.exists()
+
+
+def test_a_plain_post_below_an_earlier_evaluation_states_the_new_cost(
+    ada, vector, no_enqueue, submit
+):
+    submit()
+    response = ada.post(reverse("playground:steering_eval_submit"), form_data(vector, scales="0"))
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" in html
+    cost = re.search(r'<p class="evaluation-cost[^"]*"[^>]*>(.*?)</p>', html, re.S).group(1)
+    assert "4 prompts × (1 scale + 3 unsteered repeats)" in cost
+    assert "Cost stated before it was sent: 40 requests (4 prompts × (2 scales" in html
