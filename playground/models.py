@@ -18,6 +18,8 @@ class RunKind(models.TextChoices):
     SWEEP = "sweep", "Scale sweep"
     PATCHING_CAPTURE = "patching_capture", "Patching capture"
     PATCHED = "patched", "Patched run"
+    PATCHSCOPE_CAPTURE = "patchscope_capture", "Patchscope capture"
+    PATCHSCOPE = "patchscope", "Patchscope generation"
 
 
 class Run(models.Model):
@@ -305,3 +307,6 @@ class RunComparison(models.Model):
     @property
     def is_finished(self):
         return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
+
+
+from .patchscopes.models import Patchscope  # noqa: E402, F401 (registers the model)

@@ -20,6 +20,8 @@ from .models import (
 
 # Runs of activation patching grids, which have their own pages (`patching_views`).
 PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
+# Runs with pages of their own: patching grids' and Patchscopes' (`patchscopes`).
+OWN_PAGE_KINDS = (*PATCHING_KINDS, RunKind.PATCHSCOPE_CAPTURE, RunKind.PATCHSCOPE)
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -50,7 +52,7 @@ def latest_group_for_user(*, user):
     grids have their own page)."""
     return (
         Run.objects.filter(user=user, group__isnull=False)
-        .exclude(kind__in=PATCHING_KINDS)
+        .exclude(kind__in=OWN_PAGE_KINDS)
         .values_list("group", flat=True)
         .first()
     )
@@ -67,7 +69,7 @@ def run_for_user(*, user, run_id) -> Run:
 def group_runs_for_user(*, user, group) -> list[Run]:
     """The runs of one comparison, sweep or contrast pair, ordered by scale; 404 if none."""
     runs = sorted(
-        Run.objects.filter(group=group, user=user).exclude(kind__in=PATCHING_KINDS),
+        Run.objects.filter(group=group, user=user).exclude(kind__in=OWN_PAGE_KINDS),
         key=lambda run: (run.scale if run.scale is not None else 0, run.meta.get("role", "")),
     )
     if not runs:
