@@ -18,7 +18,7 @@ from .. import selectors as run_selectors
 from ..forms import ModelCapabilities
 from ..models import Run
 from ..vectors import CaptureError, capture_of
-from ..views import model_cards, with_new_submit_token
+from ..views import model_cards
 from . import services
 from .forms import PatchscopeForm
 from .selectors import capture_runs, latest_patchscope_id, patchscope_for_user
@@ -65,8 +65,12 @@ def _default_source(request) -> Source | None:
 def _cost(form: PatchscopeForm) -> dict:
     """What the cost line says for `form` (bound or not): the cost, or what to fix first."""
     if not form.is_bound:
-        initial = {name: field.initial for name, field in form.fields.items()}
-        data = {f"{form.prefix}-{name}": value for name, value in initial.items() if value}
+        initial = {
+            name: form.get_initial_for_field(field, name) for name, field in form.fields.items()
+        }
+        data = {
+            f"{form.prefix}-{name}": value for name, value in initial.items() if value is not None
+        }
         form = PatchscopeForm(data, capture=form.capture, capabilities=form.capabilities)
     if not form.is_valid():
         errors = [str(error) for errors in form.errors.values() for error in errors]
@@ -149,7 +153,12 @@ def patchscope_submit(request):
     if not request.htmx:
         return redirect("playground:patchscope_detail", patchscope_id=patchscope_id)
     response = render(request, PANEL_PARTIAL, {"scope": _scope(request, patchscope_id)})
-    return with_new_submit_token(request, response, form)
+    # The form as typed, without the errors of earlier posts and with a new one-time token.
+    typed = {name: form[name].value() for name in form.fields if name != "submit_token"}
+    fresh = source.form(initial=typed)
+    context = {"source": source, "form": fresh, "stated": _cost(fresh), "out_of_band": True}
+    response.content += render(request, FORM_PARTIAL, context).content
+    return response
 
 
 def _form_errors(request, source: Source, form):

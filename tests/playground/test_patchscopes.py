@@ -394,3 +394,26 @@ def test_another_users_patchscope_and_run_are_404(ada, finished, other_user, cli
     assert cancel.status_code == 404
     submit = client.post(reverse("playground:patchscope_submit"), form_data(source_run))
     assert submit.status_code == 404
+
+
+def test_an_htmx_submit_shows_the_table_and_redraws_the_form_without_old_errors(
+    ada, source_run, no_enqueue
+):
+    bad = ada.post(
+        reverse("playground:patchscope_submit"),
+        form_data(source_run, inspection_position="99"),
+        **HTMX,
+    )
+    assert "No position 99" in bad.content.decode()
+    response = ada.post(
+        reverse("playground:patchscope_submit"), form_data(source_run, max_tokens="4"), **HTMX
+    )
+    html = response.content.decode()
+    assert response.status_code == 200 and "<html" not in html
+    assert 'class="patchscope"' in html and 'hx-trigger="load delay:700ms"' in html
+    assert "Running: 0 of 4 requests finished (capturing the inspection prompt first)" in html
+    # The form out of band: as typed, no error, a new one-time token, the cost of what it says.
+    form = html[html.index('<form id="patchscope-form"') :]
+    assert 'hx-swap-oob="true"' in form and "errorlist" not in form
+    assert 'name="scope-max_tokens" value="4"' in form
+    assert stated_cost(form) == (P + 1) + 3 * (P + 4)
