@@ -417,3 +417,32 @@ def test_an_htmx_submit_shows_the_table_and_redraws_the_form_without_old_errors(
     assert 'hx-swap-oob="true"' in form and "errorlist" not in form
     assert 'name="scope-max_tokens" value="4"' in form
     assert stated_cost(form) == (P + 1) + 3 * (P + 4)
+
+
+def test_the_run_picker_redraws_the_form_for_the_run_picked(ada, source_run, approved_user):
+    other = Run.objects.create(
+        user=approved_user,
+        request={**source_run.request, "prompt": "Hello world"},
+        status=WorkStatus.SUCCEEDED,
+        response={**source_run.response, "activations": {"residual_stream": encode_vector(
+            np.ones((3, 2, HIDDEN), dtype=np.float32))}},
+        tokens={"prompts": [{"ids": [1, 2], "strings": ["Hello", " world"]}]},
+    )  # fmt: skip
+    page = ada.get(reverse("playground:patchscopes")).content.decode()
+    assert '<option value="1" selected>1 ·world</option>' in page, "the latest capture run"
+    response = ada.get(
+        reverse("playground:patchscopes"),
+        {"run": source_run.pk},
+        HTTP_HX_TARGET="patchscope-form",
+        **HTMX,
+    )
+    html = response.content.decode()
+    assert html.lstrip().startswith('<form id="patchscope-form"')
+    assert f'name="run" value="{source_run.pk}"' in html and other.prompt_preview not in html
+    assert '<option value="3">3 ·France</option>' in html
+
+
+def test_without_a_capture_run_the_page_says_how_to_make_one(ada):
+    page = ada.get(reverse("playground:patchscopes")).content.decode()
+    assert "run a completion with “Capture residual stream”</a> first" in page
+    assert 'id="patchscope-form"' not in page
