@@ -19,6 +19,8 @@ class RunKind(models.TextChoices):
     PATCHING_CAPTURE = "patching_capture", "Patching capture"
     PATCHED = "patched", "Patched run"
     STEERING_EVAL = "steering_eval", "Steering evaluation"
+    PATCHSCOPE_CAPTURE = "patchscope_capture", "Patchscope capture"
+    PATCHSCOPE = "patchscope", "Patchscope generation"
 
 
 class Run(models.Model):
@@ -309,3 +311,4 @@ class RunComparison(models.Model):
 
 
 from .steering_eval.models import SteeringEvaluation  # noqa: E402, F401 (registers the model)
+from .patchscopes.models import Patchscope  # noqa: E402, F401 (registers the model)

@@ -26,8 +26,9 @@ from .patching_metrics import (
 )
 
 
-def _outcome(run: Run) -> str:
-    """The run's outcome: ran (succeeded), failed, cancelled (never sent) or pending."""
+def run_outcome(run: Run) -> str:
+    """A grid's run's outcome: ran (succeeded), failed, cancelled (never sent) or pending
+    (shared with `patchscopes`)."""
     if run.status == WorkStatus.SUCCEEDED:
         return "ran"
     if run.status == WorkStatus.FAILED:
@@ -189,7 +190,7 @@ class PatchingGrid:
         }
         tally = {}
         for part, runs in parts.items():
-            outcomes = [_outcome(run) for run in runs]
+            outcomes = [run_outcome(run) for run in runs]
             tally[part] = {
                 outcome: outcomes.count(outcome)
                 for outcome in ("ran", "failed", "cancelled", "pending")

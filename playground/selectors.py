@@ -20,8 +20,13 @@ from .models import (
 
 # Runs of activation patching grids, which have their own pages (`patching_views`).
 PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
-# Groups with a page of their own, never shown as a steering comparison.
-OWN_PAGE_KINDS = (*PATCHING_KINDS, RunKind.STEERING_EVAL)
+# Runs with pages of their own: patching grids', steering evaluations' and Patchscopes'.
+OWN_PAGE_KINDS = (
+    *PATCHING_KINDS,
+    RunKind.STEERING_EVAL,
+    RunKind.PATCHSCOPE_CAPTURE,
+    RunKind.PATCHSCOPE,
+)
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",

@@ -7,6 +7,7 @@ from infra.lifecycle import WorkStatus
 
 from . import compare, patching
 from .models import RunKind
+from .patchscopes.services import patchscope_runs_create_or_fail, patchscopes_resume_stalled
 from .services.run_execution import RunRetry, run_execute
 from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
@@ -28,6 +29,13 @@ def run_execute_task(self, run_id: str) -> None:
         and run.status == WorkStatus.SUCCEEDED
     ):
         patching.patched_runs_create_or_fail(group=run.group)
+    # A Patchscope's generations follow the capture of its inspection prompt.
+    if (
+        run is not None
+        and run.kind == RunKind.PATCHSCOPE_CAPTURE
+        and run.status == WorkStatus.SUCCEEDED
+    ):
+        patchscope_runs_create_or_fail(patchscope_id=run.group)
 
 
 @shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
@@ -58,9 +66,11 @@ def runs_sweep_task() -> int:
     """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
     queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
     `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), resume patching
-    grids stalled between their captures and their patched runs, and send the next runs of
-    groups whose dispatch stalled. Returns how many it failed."""
+    grids stalled between their captures and their patched runs (and Patchscopes between
+    their capture and their generations), and send the next runs of groups whose dispatch
+    stalled. Returns how many it failed."""
     patching.patching_grids_resume_stalled()
+    patchscopes_resume_stalled()
     groups_dispatch_stalled()
     return (
         runs_fail_stuck()
