@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from infra.lifecycle import ACTIVE, WorkStatus
 
+from .probes.models import Probe  # noqa: F401 (Django registers the models of this module)
+
 
 class RunKind(models.TextChoices):
     COMPLETION = "completion", "Completion"
@@ -175,6 +177,7 @@ class VectorMethod(models.TextChoices):
     CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"
     UPLOAD = "upload", "Uploaded .npy"
     CAPTURE_MEAN = "capture_mean", "Mean of a capture"
+    LINEAR_PROBE = "linear_probe", "Linear probe direction"
 
 
 class SteeringVector(models.Model):

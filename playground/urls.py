@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import include, path
 
 from . import patching_views, vector_views, views
 
@@ -46,6 +46,7 @@ urlpatterns = [
     ),
     path("compare/", views.run_compare, name="compare"),
     path("compare/score/", views.run_compare_score, name="compare_score"),
+    path("probes/", include("playground.probes.urls")),
     path("patching/", patching_views.patching_page, name="patching"),
     path("patching/new/", patching_views.patching_submit, name="patching_submit"),
     path("patching/<uuid:group>/", patching_views.patching_detail, name="patching_detail"),
