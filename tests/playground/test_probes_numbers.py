@@ -14,7 +14,6 @@ import json
 import re
 from itertools import product
 
-import httpx
 import numpy as np
 import pytest
 from django.urls import reverse
