@@ -58,8 +58,10 @@ def _form_response(request, form, *, status: int):
     """The form again (with its errors, or its cost to confirm): for htmx only the form,
     swapped over the old one; otherwise the whole page."""
     if request.htmx:
+        # htmx swaps no 4xx answer: the form's errors come as a 200 (a 503 names its target).
         models, _ = models_and_capabilities(request)
-        response = render(request, FORM_PARTIAL, {"form": form, "models": models}, status=status)
+        shown = status if status >= 500 else 200
+        response = render(request, FORM_PARTIAL, {"form": form, "models": models}, status=shown)
         return reswap(retarget(response, "#probe-form"), "outerHTML")
     return _page(request, form, status=status)
 
