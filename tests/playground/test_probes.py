@@ -6,9 +6,11 @@ and a failed harvest kept with the API's code, a spent quota worded as such), ca
 harvest cancelled through /v1, the worker's later writes refused), the stuck sweep, and another
 user's probe. The numbers themselves, on the real engine: test_probes_numbers.py."""
 
+import csv
 import datetime as dt
 import functools
 import hashlib
+import io
 import json
 import uuid
 
@@ -385,3 +387,48 @@ def test_bootstrap_auroc_equals_a_loop_over_the_resamples():
                                    for p in positive]))  # fmt: skip
     expected = [np.percentile(values, 2.5), np.percentile(values, 97.5)]
     assert fitting.auroc_interval(scores, labels, counts) == pytest.approx(expected, abs=1e-12)
+
+
+def planted_features(probe: Probe) -> np.ndarray:
+    """`[texts, layers, hidden]`: layer 0 noise, layer 1 the label planted on dimension 0."""
+    rng = np.random.default_rng(11)
+    labels = np.array([probe.classes.index(label) for label in probe.dataset["labels"]])
+    features = rng.normal(size=(len(labels), 2, 8))
+    features[:, 1, 0] += 6 * labels
+    return features
+
+
+def claimed(probe: Probe) -> services.Attempt:
+    attempt = services.work_claim(Probe, pk=probe.pk, now=timezone.now(), lease=services.LEASE)
+    assert attempt is not None
+    return attempt
+
+
+def test_the_fit_reads_the_planted_layer_and_the_downloads_hold_its_numbers(
+    ada, approved_user, sent
+):
+    probe = make_probe(approved_user)
+    services.probe_fit(attempt=claimed(probe), probe=probe, features=planted_features(probe))
+    probe.refresh_from_db()
+    assert probe.status == WorkStatus.SUCCEEDED
+    noise, planted = probe.results["layers"]
+    assert planted["accuracy"] == 1.0 and planted["auroc"] == 1.0
+    assert noise["accuracy_ci"][0] <= 0.5 <= noise["accuracy_ci"][1]
+    rows = list(csv.DictReader(io.StringIO(
+        ada.get(reverse("playground:probe_csv", args=[probe.id])).content.decode()
+    )))  # fmt: skip
+    assert [int(row["layer"]) for row in rows] == [3, 15]
+    assert [float(row["accuracy"]) for row in rows] == [noise["accuracy"], 1.0]
+    document = ada.get(reverse("playground:probe_json", args=[probe.id])).json()
+    assert document["layers"][1]["control_accuracy_ci"] == planted["control_accuracy_ci"]
+    assert document["dataset_sha256"] == datasets.parse_dataset(GOOD).sha256
+
+
+def test_a_probe_cancelled_during_its_fit_stops_after_the_layer_it_is_on(approved_user, sent):
+    probe = make_probe(approved_user)
+    attempt = claimed(probe)
+    services.probe_cancel(probe=Probe.objects.get(pk=probe.pk))
+    services.probe_fit(attempt=attempt, probe=probe, features=planted_features(probe))
+    probe.refresh_from_db()
+    assert probe.status == WorkStatus.CANCELLED
+    assert probe.results is None and probe.weights is None
