@@ -273,3 +273,12 @@ def test_probes_by_layer_equal_scikit_learn_on_the_downloaded_harvest(
     expected += details["intercept"]
     np.testing.assert_allclose(shown_scores, expected, rtol=1e-9, atol=1e-9)
     assert len(shown_scores) == rows.shape[0]
+    # The run page's probe picker redraws the strip of the probe picked, and no other's.
+    strip_url = reverse("playground:probe_score_strip", args=[run.id])
+    picked = client.get(strip_url, {"vector": vector.id}).content.decode()
+    assert [float(value) for value in re.findall(r'data-score="([^"]+)"', picked)] == shown_scores
+    assert client.get(strip_url, {"vector": vector.id + 1}).status_code == 404
+    # The vector library says where the probe came from.
+    library = client.get(reverse("playground:page")).content.decode()
+    assert reverse("playground:probe_detail", args=[probe.id]) in library
+    assert f"held-out accuracy {numbers['layers'][1]['accuracy']:.3f}" in library
