@@ -100,6 +100,7 @@ class ProbeForm(SubmitOnceForm):
     def _uploaded_text(self) -> None:
         """An uploaded file takes the pasted text's place, so that the form shown again (with
         an error, or its cost) holds the dataset without another upload."""
+        self._upload_error = ""
         upload = self.files.get(self.add_prefix("dataset_file")) if self.is_bound else None
         if upload is None:
             return
@@ -116,7 +117,7 @@ class ProbeForm(SubmitOnceForm):
 
     def clean(self):
         data = super().clean()
-        if error := getattr(self, "_upload_error", ""):
+        if error := self._upload_error:
             self.add_error("dataset_file", error)
             return data
         if reason := self.capabilities.activations_reason:

@@ -30,6 +30,9 @@ class Probe(models.Model):
     )
     model = models.CharField(max_length=64)
     dataset = models.JSONField()
+    # len(dataset["texts"]), kept apart so that the page, which reads it while the probe runs,
+    # need not load the dataset.
+    n_rows = models.PositiveIntegerField()
     dataset_sha256 = models.CharField(max_length=64)
     classes = models.JSONField()
     layers = models.JSONField()
@@ -79,10 +82,6 @@ class Probe(models.Model):
     @property
     def is_ended(self) -> bool:
         return self.status in ENDED
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.dataset["texts"])
 
     @property
     def positive_class(self) -> str:

@@ -32,15 +32,19 @@ COLUMNS = (
 )  # fmt: skip
 
 
+# What the page never shows: up to MAX_DATASET_BYTES of texts, and every layer's fitted probe.
+LARGE_FIELDS = ("dataset", "weights")
+
+
 def probe_for_user(*, user, probe_id) -> Probe:
-    probe = Probe.objects.defer("weights").filter(user=user, pk=probe_id).first()
+    probe = Probe.objects.defer(*LARGE_FIELDS).filter(user=user, pk=probe_id).first()
     if probe is None:
         raise Http404("No such probe.")
     return probe
 
 
 def latest_probe_for_user(*, user) -> Probe | None:
-    return Probe.objects.defer("weights").filter(user=user).first()
+    return Probe.objects.defer(*LARGE_FIELDS).filter(user=user).first()
 
 
 def probe_layers_fitted(probe: Probe) -> list[dict]:

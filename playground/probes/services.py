@@ -88,6 +88,7 @@ def probe_create(
                 user=user,
                 model=model,
                 dataset={"texts": dataset.texts, "labels": dataset.labels},
+                n_rows=len(dataset.texts),
                 dataset_sha256=dataset.sha256,
                 classes=dataset.classes,
                 layers=layers,
