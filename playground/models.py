@@ -9,6 +9,11 @@ from django.utils import timezone
 
 from infra.lifecycle import ACTIVE, WorkStatus
 
+# Django registers the models of the features' own modules by these imports.
+from .patchscopes.models import Patchscope  # noqa: F401
+from .probes.models import Probe  # noqa: F401
+from .steering_eval.models import SteeringEvaluation  # noqa: F401
+
 
 class RunKind(models.TextChoices):
     COMPLETION = "completion", "Completion"
@@ -178,6 +183,7 @@ class VectorMethod(models.TextChoices):
     CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"
     UPLOAD = "upload", "Uploaded .npy"
     CAPTURE_MEAN = "capture_mean", "Mean of a capture"
+    LINEAR_PROBE = "linear_probe", "Linear probe direction"
 
 
 class SteeringVector(models.Model):
@@ -308,7 +314,3 @@ class RunComparison(models.Model):
     @property
     def is_finished(self):
         return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
-
-
-from .steering_eval.models import SteeringEvaluation  # noqa: E402, F401 (registers the model)
-from .patchscopes.models import Patchscope  # noqa: E402, F401 (registers the model)

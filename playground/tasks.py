@@ -8,6 +8,8 @@ from infra.lifecycle import WorkStatus
 from . import compare, patching
 from .models import RunKind
 from .patchscopes.services import patchscope_runs_create_or_fail, patchscopes_resume_stalled
+from .probes import tasks as probe_tasks  # noqa: F401 (Celery registers its tasks)
+from .probes.services import probes_fail_stuck
 from .services.run_execution import RunRetry, run_execute
 from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
@@ -63,12 +65,12 @@ def run_comparison_execute_task(comparison_id: str) -> None:
 
 @shared_task
 def runs_sweep_task() -> int:
-    """Fail playground runs and same-token comparisons, and refuse job submissions, stuck in
-    queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
-    `job_submissions_fail_stuck` and `compare.comparisons_fail_stuck`), resume patching
-    grids stalled between their captures and their patched runs (and Patchscopes between
-    their capture and their generations), and send the next runs of groups whose dispatch
-    stalled. Returns how many it failed."""
+    """Fail playground runs, same-token comparisons and probes, and refuse job submissions,
+    stuck in queued or running (see `runs_fail_stuck`, `steering_scores_fail_stuck`,
+    `job_submissions_fail_stuck`, `compare.comparisons_fail_stuck` and `probes_fail_stuck`),
+    resume patching grids stalled between their captures and their patched runs (and
+    Patchscopes between their capture and their generations), and send the next runs of groups
+    whose dispatch stalled. Returns how many it failed."""
     patching.patching_grids_resume_stalled()
     patchscopes_resume_stalled()
     groups_dispatch_stalled()
@@ -77,4 +79,5 @@ def runs_sweep_task() -> int:
         + steering_scores_fail_stuck()
         + job_submissions_fail_stuck()
         + compare.comparisons_fail_stuck()
+        + probes_fail_stuck()
     )

@@ -47,6 +47,7 @@ urlpatterns = [
     path("compare/", views.run_compare, name="compare"),
     path("compare/score/", views.run_compare_score, name="compare_score"),
     path("patchscopes/", include("playground.patchscopes.urls")),
+    path("probes/", include("playground.probes.urls")),
     path("patching/", patching_views.patching_page, name="patching"),
     path("patching/new/", patching_views.patching_submit, name="patching_submit"),
     path("patching/<uuid:group>/", patching_views.patching_detail, name="patching_detail"),

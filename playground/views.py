@@ -36,6 +36,7 @@ from .forms import (
 )
 from .history import HistoryFilterForm, runs_page
 from .models import Run, RunKind, VectorMethod
+from .probes.strip import score_strip_section
 from .run_figures import (
     ACTIVATIONS,
     BY_NAME,
@@ -325,6 +326,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
     if drawing.capture is not None:
         context["activations"] = _activations_context(run, drawing)
         context["lens"] = _lens_context(drawing)
+        context["probe_strip"] = score_strip_section(run, drawing.capture)
         context["save_vector_form"] = save_vector_form or SaveVectorForm(
             run=run, capture=drawing.capture
         )
