@@ -16,7 +16,10 @@ its row only while the row is running and claimed by no later attempt, and every
 worker (heartbeat, progress, outcome, re-queue) and every bill of its work is conditional on
 that, so a worker whose row the sweep took back (its lease ran out while it was paused or slow)
 and another worker claimed writes and bills nothing: it finds out at its next write, logs it
-and stops."""
+and stops.
+
+Every table of background work is a `WorkRow` (its columns are the lifecycle's), and every
+row failed by the work itself, not by an answer of /v1, carries a code of `WORK_ERRORS`."""
 
 import logging
 from collections.abc import Callable
@@ -27,6 +30,7 @@ from django.conf import settings
 from django.db import connections, models
 from django.db.models import F, Q
 from django.db.models.sql import UpdateQuery
+from django.utils import timezone
 
 from .tasks import task_send
 
@@ -47,25 +51,77 @@ ACTIVE = (WorkStatus.QUEUED, WorkStatus.RUNNING)
 # Ended with its output still stored: an expired row has ended too, and has nothing left.
 ENDED = (WorkStatus.SUCCEEDED, WorkStatus.FAILED, WorkStatus.CANCELLED)
 
+# The codes a row is failed with by its background work itself (its worker, the sweep, the
+# task queue), and what each tells a person. A row failed by an answer of /v1 keeps that
+# answer's code and message (`api.errors.ERROR_CODES`).
+WORK_ERRORS = {
+    "worker_lost": "The worker running it stopped before it finished; run it again.",
+    "not_started": "No worker picked it up in time; run it again.",
+    "not_sent": "No worker sent this job in time; check the jobs below, then submit again.",
+    "queue_unreachable": "The task queue could not be reached: nothing was sent, run or billed.",
+    "playground_error": "The playground worker could not process the answer; see its log.",
+    "not_comparable": "The runs cannot be compared on the same tokens; the message says why.",
+}
+
+
+def work_error(code: str, message: str = "") -> dict:
+    """The error fields of a row its background work fails with `code` (a key of
+    WORK_ERRORS): `message`, or the table's words for the code."""
+    return {"error_code": code, "error_message": message or WORK_ERRORS[code]}
+
+
+class WorkRow(models.Model):
+    """The columns of a table of background work, which this module's functions read and
+    write: `status` (WorkStatus), `attempts` (claims so far), `created_at`, `started_at` (the
+    last claim), `finished_at` (when it ended: succeeded, failed or cancelled),
+    `lease_expires_at` (see `work_sweep`) and, once it failed, `error_code` and
+    `error_message` (a person reads the message; an API body is built from both).
+
+    A new work table subclasses it and adds its own columns::
+
+        class Probe(WorkRow):
+            user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+            results = models.JSONField(null=True, blank=True)
+
+    its worker claims a row with `work_claim(Probe, pk=..., now=...)`, writes through the
+    returned `Attempt` (`write`, `heartbeat`, `requeue`), fails a row with
+    `attempt.write(status=WorkStatus.FAILED, finished_at=..., **work_error(code))` (or the
+    API's code and message), and beat runs `work_sweep(Probe, ...)` for its stuck rows."""
+
+    status = models.CharField(
+        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
+    )
+    attempts = models.PositiveSmallIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+
+    class Meta:
+        abstract = True
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE
+
+    @property
+    def is_finished(self) -> bool:
+        """Ended (succeeded, failed, cancelled; or expired since)."""
+        return self.status not in ACTIVE
+
 
 def work_claim(model, *, pk, now: datetime, lease: timedelta | None = None) -> "Attempt | None":
-    """Move row `pk` of `model` from queued to running if it is still queued, and return the
-    attempt this claim starts; None when another worker, a cancel or the sweep got there
-    first. Counts the attempt and stamps its start where the table keeps them (`attempts`,
-    `started_at`); with `lease` the row is held until `now + lease` (`lease_expires_at`),
-    when the sweep takes it back. One statement: the count comes back from the update."""
-    fields = {"status": WorkStatus.RUNNING}
-    counted = _counts_attempts(model)
-    if counted:
-        fields["attempts"] = F("attempts") + 1
-    if "started_at" in _fields(model):
-        fields["started_at"] = now
+    """Move row `pk` of `model` (a WorkRow) from queued to running if it is still queued, and
+    return the attempt this claim starts; None when another worker, a cancel or the sweep got
+    there first. Counts the attempt and stamps its start; with `lease` the row is held until
+    `now + lease`, when the sweep takes it back. One statement: the count comes back from
+    the update."""
+    fields = {"status": WorkStatus.RUNNING, "attempts": F("attempts") + 1, "started_at": now}
     if lease is not None:
         fields["lease_expires_at"] = now + lease
     queued = model.objects.filter(pk=pk, status=WorkStatus.QUEUED)
-    if not counted:
-        # Such a table's sweep never puts a row back to queued: it has one attempt.
-        return Attempt(model, pk, 1) if queued.update(**fields) else None
     with connections[queued.db].cursor() as cursor:
         cursor.execute(*_update_sql(queued, fields, returning="attempts"))
         row = cursor.fetchone()
@@ -74,11 +130,11 @@ def work_claim(model, *, pk, now: datetime, lease: timedelta | None = None) -> "
 
 @dataclass(frozen=True)
 class Attempt:
-    """The `number`th attempt at row `pk` of `model` (its `attempts` count once claimed; 1 for
-    a table that counts none, whose rows are never re-queued). It holds the row while the row
-    is running with that count: every write its worker makes and every bill of its work goes
-    through `rows()`, `write`, `heartbeat`, `requeue` or `fence_steps`, which change nothing
-    once a later attempt claimed the row (or it was cancelled or failed)."""
+    """The `number`th attempt at row `pk` of `model` (its `attempts` count once claimed). It
+    holds the row while the row is running with that count: every write its worker makes and
+    every bill of its work goes through `rows()`, `write`, `heartbeat`, `requeue` or
+    `fence_steps`, which change nothing once a later attempt claimed the row (or it was
+    cancelled or failed)."""
 
     model: type[models.Model]
     pk: object
@@ -87,14 +143,13 @@ class Attempt:
     @classmethod
     def of(cls, row: models.Model) -> "Attempt":
         """The attempt of the worker that claimed `row` and then loaded it."""
-        return cls(type(row), row.pk, getattr(row, "attempts", 1))
+        return cls(type(row), row.pk, row.attempts)
 
     def rows(self, *statuses: str) -> models.QuerySet:
         """The row while this attempt holds it (running, or in `statuses` where given)."""
-        rows = self.model.objects.filter(pk=self.pk, status__in=statuses or [WorkStatus.RUNNING])
-        if _counts_attempts(self.model):
-            rows = rows.filter(attempts=self.number)
-        return rows
+        return self.model.objects.filter(
+            pk=self.pk, status__in=statuses or [WorkStatus.RUNNING], attempts=self.number
+        )
 
     def write(self, **fields) -> bool:
         """Write `fields` (an outcome, progress) while this attempt holds the row; False,
@@ -113,7 +168,7 @@ class Attempt:
         self.refused("its heartbeat")
         return False
 
-    def requeue(self, *, task: str, delay_s: int, lease: timedelta, now: datetime) -> bool:
+    def requeue(self, *, task: str, delay_s: float, lease: timedelta, now: datetime) -> bool:
         """Put the row back to queued and send `task` for it in `delay_s` seconds (what an
         upstream asking to retry then wants); the sweep re-sends it if no worker took it
         `lease` after that. False, sending nothing, when this attempt no longer holds it."""
@@ -141,7 +196,7 @@ class Attempt:
         """Log that `what` of this attempt was refused; `look`: say why (one query)."""
         name = f"{self.model._meta.verbose_name} {self.pk}"
         current = None
-        if look and _counts_attempts(self.model):
+        if look:
             current = self.model.objects.filter(pk=self.pk).values("status", "attempts").first()
         if current is not None and current["attempts"] != self.number:
             logger.warning(
@@ -160,14 +215,6 @@ class Attempt:
                 " was refused; its worker stops",
                 name, self.number, what,
             )  # fmt: skip
-
-
-def _fields(model) -> set[str]:
-    return {field.name for field in model._meta.concrete_fields}
-
-
-def _counts_attempts(model) -> bool:
-    return "attempts" in _fields(model)
 
 
 def _update_sql(rows: models.QuerySet, fields: dict, *, returning: str) -> tuple[str, list]:
@@ -197,29 +244,43 @@ def work_sweep(
     *,
     running_lost: Q,
     queued_lost: Q,
-    failed: Callable[[models.Model, str], dict],
     now: datetime,
     resend: Resend | None = None,
+    failed_as: str | None = None,
+    message: Callable[[models.Model, str], str] | None = None,
     ended: Callable[[models.Model], object] | None = None,
 ) -> int:
-    """Recover or fail the rows of `model` that can no longer finish on their own; returns how
-    many it touched. Run by beat.
+    """Recover or fail the rows of `model` (a WorkRow) that can no longer finish on their
+    own; returns how many it touched. Run by beat.
 
     A running row matching `running_lost` lost its worker. With `resend` it goes back to
     queued and its task is sent again, until it has used ACS_JOB_MAX_ATTEMPTS attempts;
     otherwise, or then, it fails as `worker_lost`. A queued row matching `queued_lost` was
     never taken by a worker: with `resend` its task is sent again (at most once per lease;
     the conditional claim makes a duplicate message harmless), otherwise it fails as
-    `not_started`. Failing sets FAILED and the fields `failed(row, code)` returns (the
-    table's error and finished time); `ended(row)` then runs for each row failed. Every
-    write is conditional on the row still matching, so a row that moved meanwhile is left
-    alone."""
+    `not_started`. `failed_as` replaces both codes where a table tells them apart no
+    further. A failed row gets FAILED, the code, `message(row, code)` (by default the code's
+    words in WORK_ERRORS) and `now` as its end, and holds no lease; `ended(row)` then runs
+    for it. Every write is conditional on the row still matching, so a row that moved
+    meanwhile is left alone."""
+
+    def fail(rows: models.QuerySet, row: models.Model, code: str) -> int:
+        code = failed_as or code
+        error = work_error(code, message(row, code) if message else "")
+        if not rows.update(
+            status=WorkStatus.FAILED, finished_at=now, lease_expires_at=None, **error
+        ):
+            return 0
+        if ended is not None:
+            ended(row)
+        return 1
+
     touched = 0
     lost = model.objects.filter(running_lost, status=WorkStatus.RUNNING)
     for row in lost:
         still_lost = lost.filter(pk=row.pk)
         if resend is None or row.attempts >= settings.ACS_JOB_MAX_ATTEMPTS:
-            touched += _failed(still_lost, row, "worker_lost", failed, ended, resend)
+            touched += fail(still_lost, row, "worker_lost")
         elif still_lost.update(status=WorkStatus.QUEUED, lease_expires_at=now + resend.lease):
             touched += 1
             task_send(resend.task, str(row.pk))
@@ -227,20 +288,8 @@ def work_sweep(
     for row in unclaimed:
         still_unclaimed = unclaimed.filter(pk=row.pk)
         if resend is None:
-            touched += _failed(still_unclaimed, row, "not_started", failed, ended, resend)
+            touched += fail(still_unclaimed, row, "not_started")
         elif still_unclaimed.update(lease_expires_at=now + resend.lease):
             touched += 1
             task_send(resend.task, str(row.pk))
     return touched
-
-
-def _failed(rows, row, code: str, failed, ended, resend) -> int:
-    fields = failed(row, code)
-    if resend is not None:
-        # Nothing holds a failed row any more.
-        fields["lease_expires_at"] = None
-    if not rows.update(status=WorkStatus.FAILED, **fields):
-        return 0
-    if ended is not None:
-        ended(row)
-    return 1

@@ -18,7 +18,7 @@ class RecordAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(RecordAdmin):
-    list_display = ["id", "user", "kind", "status", "error_code", "queued_at", "finished_at"]
+    list_display = ["id", "user", "kind", "status", "error_code", "created_at", "finished_at"]
     list_filter = ["status", "kind"]
     search_fields = ["id", "user__email", "request_id", "error_code"]
     raw_id_fields = ["user", "vector"]

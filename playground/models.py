@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from infra.lifecycle import ACTIVE, WorkStatus
+from infra.lifecycle import WorkRow, WorkStatus
 
 # Django registers the models of the features' own modules by these imports.
 from .patchscopes.models import Patchscope  # noqa: F401
@@ -28,13 +28,14 @@ class RunKind(models.TextChoices):
     PATCHSCOPE = "patchscope", "Patchscope generation"
 
 
-class Run(models.Model):
+class Run(WorkRow):
     """One request sent to /v1/completions with the user's playground key.
 
     `request` is the body exactly as sent. Runs of one steering comparison, sweep or contrast
     pair share a `group`; `scale` is the steering scale of that run (None when unsteered).
-    Status moves queued → running → succeeded | failed; a worker claims a run with a
-    conditional update, so only one worker ever runs it. A group's runs go to the workers a
+    Status moves queued → running → succeeded | failed (or cancelled, with its patching
+    grid, before it was sent); a worker claims a run with a conditional update, so only one
+    worker ever runs it. A group's runs go to the workers a
     few at a time (`sent_at`), so that a big grid or sweep shares them with everyone else.
     """
 
@@ -52,21 +53,12 @@ class Run(models.Model):
         "SteeringVector", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     request = models.JSONField()
-    status = models.CharField(
-        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
-    )
-    attempts = models.PositiveSmallIntegerField(default=0)
     response = models.JSONField(null=True, blank=True)
-    error_code = models.CharField(max_length=64, blank=True)
-    error_message = models.TextField(blank=True)
     request_id = models.CharField(max_length=64, blank=True)
-    queued_at = models.DateTimeField(default=timezone.now)
     # When its task went to the workers: at once for a run of its own, in turn for the runs
     # of a group (`services.runs.group_runs_dispatch`). None while it waits for its turn.
     sent_at = models.DateTimeField(null=True, blank=True)
-    started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
     gateway_ms = models.FloatField(null=True, blank=True)
     upstream_ms = models.FloatField(null=True, blank=True)
     # Time to first token as the worker, a client of /v1, saw it (streamed runs).
@@ -83,8 +75,8 @@ class Run(models.Model):
     submit_token = models.UUIDField(null=True, blank=True)
 
     class Meta:
-        ordering = ["-queued_at"]
-        indexes = [models.Index(fields=["user", "-queued_at"])]
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["user", "-created_at"])]
         constraints = [
             models.UniqueConstraint(
                 fields=["user", "submit_token"],
@@ -110,10 +102,6 @@ class Run(models.Model):
         return " | ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
 
     @property
-    def is_finished(self):
-        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
-
-    @property
     def scale_entered(self) -> float | None:
         """The steering scale as the user entered it: a multiple of the layer's typical
         norm when `meta["scale_unit"]` is "typical", else the absolute `scale`."""
@@ -134,7 +122,7 @@ class Run(models.Model):
     def queue_ms(self):
         if self.started_at is None:
             return None
-        return (self.started_at - self.queued_at).total_seconds() * 1000
+        return (self.started_at - self.created_at).total_seconds() * 1000
 
     @property
     def first_token_ms(self):
@@ -146,10 +134,10 @@ class Run(models.Model):
     def total_ms(self):
         if self.finished_at is None:
             return None
-        return (self.finished_at - self.queued_at).total_seconds() * 1000
+        return (self.finished_at - self.created_at).total_seconds() * 1000
 
 
-class SteeringScore(models.Model):
+class SteeringScore(WorkRow):
     """The same-token comparison of a steering comparison or sweep (`group`): once its runs
     have finished, a worker sends teacher-forced requests through /v1 with the user's
     playground key (metered and budget-checked like runs; see `scoring`) and keeps, per
@@ -161,21 +149,10 @@ class SteeringScore(models.Model):
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="steering_scores"
     )
-    status = models.CharField(
-        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
-    )
     results = models.JSONField(null=True, blank=True)
-    error_code = models.CharField(max_length=64, blank=True)
-    error_message = models.TextField(blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
-    finished_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self):
         return f"steering score {self.group} ({self.status})"
-
-    @property
-    def is_finished(self):
-        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
 
 
 class VectorMethod(models.TextChoices):
@@ -235,12 +212,13 @@ _SUBMISSION_STATUS_LABELS = {
 }
 
 
-class JobSubmission(models.Model):
+class JobSubmission(WorkRow):
     """A completion or harvest job asked for on the Jobs page. A worker sends `request` to
     /v1 with the user's playground key, exactly as an outside client would (so budgets,
     limits and revocation apply the same way), and keeps the API's `job_id`, or the error
     the API refused it with. Status moves queued → running (being sent) → succeeded (the
-    API took it) | failed (the API refused it); `status_label` says so to a person."""
+    API took it) | failed (the API refused it), at `finished_at`; `status_label` says so to
+    a person."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(
@@ -248,13 +226,7 @@ class JobSubmission(models.Model):
     )
     kind = models.CharField(max_length=10, choices=JobKind.choices)
     request = models.JSONField()
-    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
-    attempts = models.PositiveSmallIntegerField(default=0)
     job_id = models.UUIDField(null=True, blank=True)
-    error_code = models.CharField(max_length=64, blank=True)
-    error_message = models.TextField(blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
-    sent_at = models.DateTimeField(null=True, blank=True)
     # The one-time token of the form submission: posted again, it returns this submission.
     submit_token = models.UUIDField(null=True, blank=True)
 
@@ -273,16 +245,12 @@ class JobSubmission(models.Model):
         return f"{self.get_kind_display().lower()} submission {self.id} ({self.status})"
 
     @property
-    def is_pending(self):
-        return self.status in ACTIVE
-
-    @property
     def status_label(self) -> str:
         """The status as the Jobs page words it: what happened to the sending."""
         return _SUBMISSION_STATUS_LABELS[self.status]
 
 
-class RunComparison(models.Model):
+class RunComparison(WorkRow):
     """Two runs of one user scored on the same tokens (see `compare`): once asked for on the
     comparison page, a worker sends teacher-forced requests through /v1 with the user's
     playground key (metered like runs), each run's tokens under `run_a`'s request settings
@@ -294,14 +262,7 @@ class RunComparison(models.Model):
     )
     run_a = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
     run_b = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
-    status = models.CharField(
-        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
-    )
     results = models.JSONField(null=True, blank=True)
-    error_code = models.CharField(max_length=64, blank=True)
-    error_message = models.TextField(blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
-    finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -310,7 +271,3 @@ class RunComparison(models.Model):
 
     def __str__(self):
         return f"comparison {self.run_a_id} vs {self.run_b_id} ({self.status})"
-
-    @property
-    def is_finished(self):
-        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)

@@ -46,7 +46,6 @@ from .services.runs import run_create, submitted_once
 
 logger = logging.getLogger(__name__)
 
-CANCELLED_CODE = "cancelled"
 # Unpatched corrupted requests sent among a grid's cells, for its baseline and noise floor.
 PATCHING_REPEATS = 3
 # A capture's worker queues the patched runs as soon as the second capture succeeds; a grid
@@ -179,7 +178,7 @@ def _captures_locked(group) -> dict[str, Run]:
     """The grid's two capture runs by role, their rows locked so that creating the patched
     runs and cancelling the grid happen one after the other."""
     runs = Run.objects.select_for_update().filter(group=group, kind=RunKind.PATCHING_CAPTURE)
-    return {run.meta["role"]: run for run in runs.order_by("queued_at")}
+    return {run.meta["role"]: run for run in runs.order_by("created_at")}
 
 
 def queue_order(cells: list, repeats: int) -> list[tuple[str, object]]:
@@ -293,8 +292,8 @@ def patching_grids_resume_stalled(*, now=None) -> int:
 
 
 def patching_grid_cancel(*, user: User, group) -> int:
-    """Cancel a grid: its runs not yet taken by a worker fail as cancelled (never sent, so
-    never billed), and no patched runs are created afterwards. Runs already being sent
+    """Cancel a grid: its runs not yet taken by a worker are cancelled (never sent, so never
+    billed), and no patched runs are created afterwards. Runs already being sent
     finish. Returns how many runs were cancelled."""
     now = timezone.now()
     with transaction.atomic():
@@ -303,8 +302,5 @@ def patching_grid_cancel(*, user: User, group) -> int:
             return 0
         Run.objects.filter(pk=clean.pk).update(meta={**clean.meta, "cancelled": True})
         return Run.objects.filter(group=group, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.FAILED,
-            error_code=CANCELLED_CODE,
-            error_message="Cancelled with its patching grid before it was sent.",
-            finished_at=now,
+            status=WorkStatus.CANCELLED, finished_at=now
         )

@@ -12,7 +12,7 @@ from infra.lifecycle import WorkStatus
 
 from . import exports, figures, selectors
 from .models import Run, RunKind
-from .patching import CANCELLED_CODE, spec_targets
+from .patching import spec_targets
 from .patching_metrics import (
     METRIC_DEFINITIONS,
     METRICS,
@@ -32,7 +32,9 @@ def run_outcome(run: Run) -> str:
     if run.status == WorkStatus.SUCCEEDED:
         return "ran"
     if run.status == WorkStatus.FAILED:
-        return "cancelled" if run.error_code == CANCELLED_CODE else "failed"
+        return "failed"
+    if run.status == WorkStatus.CANCELLED:
+        return "cancelled"
     return "pending"
 
 
@@ -347,7 +349,7 @@ def patching_grid_for_user(*, user: User, group, metric: str = "") -> PatchingGr
     grid's `metrics`."""
     runs = list(
         Run.objects.filter(user=user, group=group, kind__in=selectors.PATCHING_KINDS).order_by(
-            "queued_at", "id"
+            "created_at", "id"
         )
     )
     captures = {run.meta["role"]: run for run in runs if run.kind == RunKind.PATCHING_CAPTURE}

@@ -1,7 +1,6 @@
 """Celery tasks of the playground: thin, ids in; the work is in `services`."""
 
 from celery import shared_task
-from django.conf import settings
 
 from infra.lifecycle import WorkStatus
 
@@ -10,19 +9,16 @@ from .models import RunKind
 from .patchscopes.services import patchscope_runs_create_or_fail, patchscopes_resume_stalled
 from .probes import tasks as probe_tasks  # noqa: F401 (Celery registers its tasks)
 from .probes.services import probes_fail_stuck
-from .services.run_execution import RunRetry, run_execute
+from .services.run_execution import run_execute
 from .services.runs import groups_dispatch_stalled, runs_fail_stuck
 from .services.scores import steering_score_execute, steering_scores_fail_stuck
-from .services.submissions import SubmissionRetry, job_submission_send, job_submissions_fail_stuck
+from .services.submissions import job_submission_send, job_submissions_fail_stuck
 
 
-@shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def run_execute_task(self, run_id: str) -> None:
-    """Execute one playground run; retried only on transient API errors."""
-    try:
-        run = run_execute(run_id=run_id, final_attempt=self.request.retries >= self.max_retries)
-    except RunRetry as retry:
-        raise self.retry(countdown=retry.countdown) from None
+@shared_task(acks_late=True)
+def run_execute_task(run_id: str) -> None:
+    """Execute one playground run (re-sent by the service after a transient API error)."""
+    run = run_execute(run_id=run_id)
     # A patching grid's patched runs follow its captures; started here because `patching`
     # builds its runs with `services`.
     if (
@@ -40,15 +36,11 @@ def run_execute_task(self, run_id: str) -> None:
         patchscope_runs_create_or_fail(patchscope_id=run.group)
 
 
-@shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def job_submission_send_task(self, submission_id: str) -> None:
-    """Send one job asked for on the Jobs page to /v1; retried only when the API asks to."""
-    try:
-        job_submission_send(
-            submission_id=submission_id, final_attempt=self.request.retries >= self.max_retries
-        )
-    except SubmissionRetry as retry:
-        raise self.retry(countdown=retry.countdown) from None
+@shared_task(acks_late=True)
+def job_submission_send_task(submission_id: str) -> None:
+    """Send one job asked for on the Jobs page to /v1 (re-sent by the service when the API
+    asks to retry)."""
+    job_submission_send(submission_id=submission_id)
 
 
 @shared_task(acks_late=True)

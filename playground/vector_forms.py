@@ -17,7 +17,7 @@ class RunChoiceField(forms.ModelChoiceField):
     def label_from_instance(self, run: Run) -> str:
         preview = run.prompt_preview
         preview = preview if len(preview) <= 50 else preview[:49] + "…"
-        return f"{preview} ({run.queued_at:%Y-%m-%d %H:%M} UTC)"
+        return f"{preview} ({run.created_at:%Y-%m-%d %H:%M} UTC)"
 
 
 class SaveVectorForm(forms.Form):

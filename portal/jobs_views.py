@@ -68,7 +68,7 @@ def _jobs_context(request) -> dict:
     ]
     return {
         **jobs,
-        "active": jobs["active"] or any(s.is_pending for s in submissions),
+        "active": jobs["active"] or any(s.is_active for s in submissions),
         "submissions": submissions,
         "harvest_rows": harvest_rows,
         "plotted": plotted,
@@ -159,7 +159,7 @@ def completion_result(request, job_id):
     job = selectors.completion_job_get(user_id=request.user.pk, job_id=job_id)
     if job is None or not job.is_finished:
         raise Http404("No finished completion job with this id.")
-    response = JsonResponse(job.result_body, status=200)
+    response = JsonResponse(job.answer[1], status=200)
     response["Content-Disposition"] = f'attachment; filename="completion-{job.pk}.json"'
     return response
 

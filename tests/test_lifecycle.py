@@ -38,6 +38,46 @@ def test_every_background_table_takes_its_statuses_from_work_status(model):
     assert status.default == WorkStatus.QUEUED
 
 
+@pytest.mark.parametrize("model", WORK_TABLES, ids=lambda model: model.__name__)
+def test_every_background_table_is_a_work_row_with_its_columns_and_nothing_of_its_own_for_them(
+    model,
+):
+    """One name for each time (created, started, finished), one way to store an error."""
+    assert issubclass(model, lifecycle.WorkRow)
+    names = {field.name for field in model._meta.concrete_fields}
+    work_row = {field.name for field in lifecycle.WorkRow._meta.fields}
+    assert work_row == {
+        "status", "attempts", "created_at", "started_at", "finished_at", "lease_expires_at",
+        "error_code", "error_message",
+    }  # fmt: skip
+    assert work_row <= names
+    assert not names & {"queued_at", "completed_at", "sent_at", "error"} - (
+        {"sent_at"} if model is Run else set()  # a run's turn among its group's runs
+    )
+    for name in work_row:
+        assert model._meta.get_field(name).model is model
+        assert (
+            model._meta.get_field(name).deconstruct()[1:]
+            == (lifecycle.WorkRow._meta.get_field(name).deconstruct()[1:])
+        )
+
+
+def test_a_job_failed_by_the_api_answers_the_error_it_stored_as_code_and_message(
+    approved_user, api_key
+):
+    job = CompletionJob(status=WorkStatus.FAILED, error_code="spend_cap", error_message="Paused.")
+    error = {"code": "spend_cap", "message": "Paused.", "type": "rate_limit_error"}
+    assert job.answer == (429, {"error": error})
+    assert job.error == error
+    assert (
+        harvest_job(approved_user, api_key, error_code="spend_cap", error_message="Paused.").error
+        == error
+    )
+    assert (
+        CompletionJob(status=WorkStatus.SUCCEEDED, result_status=200, result_body={}).error is None
+    )
+
+
 def _migration(app: str, name: str):
     return importlib.import_module(f"{app}.migrations.{name}")
 
@@ -129,24 +169,38 @@ def test_one_sweep_fails_the_stuck_rows_of_every_table(
         ),
     ]  # fmt: skip
     failed_through_lifecycle = []
-    fail = lifecycle._failed
+    error = lifecycle.work_error
 
-    def recorded(rows, row, *args):
-        failed_through_lifecycle.append(type(row))
-        return fail(rows, row, *args)
+    def recorded(code, message=""):
+        failed_through_lifecycle.append(code)
+        return error(code, message)
 
-    monkeypatch.setattr(lifecycle, "_failed", recorded)
+    monkeypatch.setattr(lifecycle, "work_error", recorded)
+    before = timezone.now()
 
     jobs_tasks.jobs_sweep_task()
     playground_tasks.runs_sweep_task()
 
-    assert set(failed_through_lifecycle) == set(WORK_TABLES)
+    # The rows above and run_b, the comparison's other run, stuck as long.
+    assert sorted(failed_through_lifecycle) == ["not_sent"] + ["worker_lost"] * 6
     for row in rows:
         row.refresh_from_db()
         assert row.status == WorkStatus.FAILED, row
+        assert row.finished_at >= before and row.lease_expires_at is None, row
     assert rows[0].error["code"] == rows[1].error["code"] == "worker_lost"
+    assert (
+        rows[0].error["message"]
+        == rows[1].error["message"]
+        == (
+            f"The worker running this job stopped {settings.ACS_JOB_MAX_ATTEMPTS} times; the job "
+            "was given up."
+        )
+    )
     assert [row.error_code for row in rows[2:5]] == ["worker_lost"] * 3
-    assert rows[5].error_code == "not_sent"
+    assert rows[2].error_message == lifecycle.WORK_ERRORS["worker_lost"]
+    assert (rows[5].error_code, rows[5].error_message) == (
+        "not_sent", lifecycle.WORK_ERRORS["not_sent"]
+    )  # fmt: skip
 
 
 def test_the_jobs_sweep_requeues_a_job_whose_worker_died_and_resends_it(

@@ -14,12 +14,16 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from infra.lifecycle import ACTIVE, WorkStatus
+from api.errors import ApiError
+from infra.lifecycle import WorkRow, WorkStatus
 
 
-class CompletionJob(models.Model):
+class CompletionJob(WorkRow):
     """One POST /v1/completions body run by a worker. The row (request and result) is deleted
-    24 hours after the job ends."""
+    24 hours after the job ends. A job that succeeded keeps the completion's status and body
+    (`result_status`, `result_body`); one that failed keeps the error's code and message, from
+    which its answer is built (`result_body` is then empty), and either keeps the answer's
+    headers that belong to the result (`result_headers`)."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(
@@ -31,12 +35,6 @@ class CompletionJob(models.Model):
     request_hash = models.CharField(max_length=64)
     request = models.JSONField()
     workload = models.CharField(max_length=16, blank=True)
-    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
-    attempts = models.PositiveSmallIntegerField(default=0)
-    created_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
     result_status = models.PositiveSmallIntegerField(null=True, blank=True)
     result_body = models.JSONField(null=True, blank=True)
     result_headers = models.JSONField(default=dict, blank=True)
@@ -58,21 +56,31 @@ class CompletionJob(models.Model):
         return f"completion job {self.id} ({self.status})"
 
     @property
-    def is_finished(self):
-        return self.status in (WorkStatus.SUCCEEDED, WorkStatus.FAILED)
+    def error(self) -> dict | None:
+        """The error object of a failed job, as the API answers it; else None."""
+        return _error_object(self)
 
     @property
-    def error(self):
-        """The error object of a failed job, else None."""
-        if self.status != WorkStatus.FAILED or not isinstance(self.result_body, dict):
-            return None
-        return self.result_body.get("error")
+    def answer(self) -> tuple[int, dict]:
+        """The HTTP status and body of a finished job's result: the completion, or the error
+        envelope built from the row."""
+        if self.error_code:
+            error = ApiError(self.error_code, self.error_message)
+            return error.status, error.body()
+        return self.result_status, self.result_body
+
+
+def _error_object(job: WorkRow) -> dict | None:
+    """The `{code, message, type}` object /v1 answers for a job failed with its row's error."""
+    if not job.error_code:
+        return None
+    return ApiError(job.error_code, job.error_message).body()["error"]
 
 
 _HARVEST_PUBLIC_STATUS = {WorkStatus.QUEUED: "pending", WorkStatus.SUCCEEDED: "done"}
 
 
-class HarvestJob(models.Model):
+class HarvestJob(WorkRow):
     """Residual-stream captures of many prompts, written as safetensors files under
     `storage_prefix` in Django's default storage, deleted (the job then reads as expired)
     ACS_HARVEST_RETENTION_SECONDS after the job ends."""
@@ -92,13 +100,6 @@ class HarvestJob(models.Model):
     add_special_tokens = models.BooleanField(default=True)
     n_prompts = models.PositiveIntegerField()
     prompts_done = models.PositiveIntegerField(default=0)
-    status = models.CharField(max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED)
-    attempts = models.PositiveSmallIntegerField(default=0)
-    created_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    completed_at = models.DateTimeField(null=True, blank=True)
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
-    error = models.JSONField(null=True, blank=True)
     # Names of the files written, relative to storage_prefix, once the job is done (or
     # failed on a limit after some batches: what they wrote).
     files = models.JSONField(default=list, blank=True)
@@ -133,8 +134,9 @@ class HarvestJob(models.Model):
         return f"harvest/{self.id}/"
 
     @property
-    def is_active(self):
-        return self.status in ACTIVE
+    def error(self) -> dict | None:
+        """The error object of a failed job, as the API answers it; else None."""
+        return _error_object(self)
 
     @property
     def public_status(self) -> str:

@@ -134,9 +134,8 @@ async def completion_job_result(request, job_id):
         response = json_response(request, completion_job_body(job), status=202)
         response["Retry-After"] = str(RESULT_POLL_SECONDS)
         return response
-    return result_response(
-        request, CompletionResult(job.result_status, job.result_body, dict(job.result_headers))
-    )
+    status, body = job.answer
+    return result_response(request, CompletionResult(status, body, dict(job.result_headers)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,7 +195,7 @@ def harvest_job_body(job: HarvestJob, *, key_id: int) -> responses.HarvestJob:
         n_prompts=job.n_prompts,
         progress=responses.HarvestProgress(prompts_done=job.prompts_done, n_prompts=job.n_prompts),
         created_at=job.created_at,
-        completed_at=job.completed_at,
+        completed_at=job.finished_at,
         error=job.error,
         message=_expiry_message() if job.status == WorkStatus.EXPIRED else None,
         result=None if links is None else _harvest_files(links),

@@ -216,7 +216,7 @@ def patchscope_for_user(*, user: User, patchscope_id) -> PatchscopeView | None:
     patchscope = Patchscope.objects.filter(pk=patchscope_id, user=user).first()
     if patchscope is None:
         return None
-    runs = Run.objects.filter(group=patchscope.id, user=user).order_by("queued_at", "id")
+    runs = Run.objects.filter(group=patchscope.id, user=user).order_by("created_at", "id")
     capture = next((run for run in runs if run.kind == RunKind.PATCHSCOPE_CAPTURE), None)
     generations = {run.meta["source_layer"]: run for run in runs if run.kind == RunKind.PATCHSCOPE}
     return PatchscopeView(patchscope=patchscope, capture=capture, generations=generations)

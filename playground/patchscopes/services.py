@@ -33,7 +33,6 @@ from infra.lifecycle import WorkStatus
 
 from .. import figures
 from ..models import Run, RunKind
-from ..patching import CANCELLED_CODE
 from ..services.runs import run_create, submitted_once
 from .models import Patchscope
 
@@ -230,8 +229,6 @@ def patchscope_cancel(*, user: User, patchscope_id) -> int:
             return 0
         Patchscope.objects.filter(pk=patchscope.pk).update(cancelled=True)
         return Run.objects.filter(group=patchscope.id, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.FAILED,
-            error_code=CANCELLED_CODE,
-            error_message="Cancelled with its Patchscope before it was sent.",
+            status=WorkStatus.CANCELLED,
             finished_at=timezone.now(),
         )

@@ -6,9 +6,8 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
-from django.utils import timezone
 
-from infra.lifecycle import ACTIVE, ENDED, WorkStatus
+from infra.lifecycle import ENDED, WorkRow
 
 
 class Pooling(models.TextChoices):
@@ -16,13 +15,14 @@ class Pooling(models.TextChoices):
     MEAN = "mean", "Mean over positions after the first"
 
 
-class Probe(models.Model):
-    """Status moves queued → running (the harvest submitted, followed, then the fit) →
-    succeeded | failed | cancelled. `dataset` holds the texts and labels as given (`classes`:
-    the two labels in sorted order, the second the positive class); `results` the numbers
-    per layer (see `fitting.layer_results`) and `weights` each layer's fitted probe (kept
-    apart: the page never needs them, saving a vector does). Every write of the worker is
-    fenced by its claim (`infra.lifecycle.Attempt`), so a cancel wins over a late write."""
+class Probe(WorkRow):
+    """A work row (`infra.lifecycle.WorkRow`): status moves queued → running (the harvest
+    submitted, followed, then the fit) → succeeded | failed | cancelled. `dataset` holds the
+    texts and labels as given (`classes`: the two labels in sorted order, the second the
+    positive class); `results` the numbers per layer (see `fitting.layer_results`) and
+    `weights` each layer's fitted probe (kept apart: the page never needs them, saving a vector
+    does). Every write of the worker is fenced by its claim (`infra.lifecycle.Attempt`), so a
+    cancel wins over a late write."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     user = models.ForeignKey(
@@ -43,22 +43,12 @@ class Probe(models.Model):
     # The tokens the harvest bills, stated before submitting: every prompt token plus the one
     # token each capture generates.
     token_cost = models.PositiveIntegerField()
-    status = models.CharField(
-        max_length=10, choices=WorkStatus.choices, default=WorkStatus.QUEUED, db_index=True
-    )
-    attempts = models.PositiveSmallIntegerField(default=0)
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
     harvest_job_id = models.UUIDField(null=True, blank=True)
     prompts_done = models.PositiveIntegerField(default=0)
     # "harvest" while the harvest runs, then "fit" (the layers fitted so far in `results`).
     stage = models.CharField(max_length=10, blank=True)
     results = models.JSONField(null=True, blank=True)
     weights = models.JSONField(null=True, blank=True)
-    error_code = models.CharField(max_length=64, blank=True)
-    error_message = models.TextField(blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
     submit_token = models.UUIDField(null=True, blank=True)
 
     class Meta:
@@ -74,10 +64,6 @@ class Probe(models.Model):
 
     def __str__(self):
         return f"probe {self.id} ({self.status})"
-
-    @property
-    def is_active(self) -> bool:
-        return self.status in ACTIVE
 
     @property
     def is_ended(self) -> bool:

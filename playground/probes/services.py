@@ -37,7 +37,6 @@ PROBE_HARVEST_CANCEL_TASK = "playground.probes.tasks.probe_harvest_cancel_task"
 FOLLOW_EVERY_S = 1
 # A running probe whose worker has not written for this long lost it (the sweep fails it).
 LEASE = dt.timedelta(minutes=10)
-CANCELLED_CODE = "cancelled"
 
 
 class ProbeRetry(Exception):
@@ -262,8 +261,6 @@ def probe_cancel(*, probe: Probe) -> bool:
     with transaction.atomic():
         cancelled = Probe.objects.filter(pk=probe.pk, status__in=ACTIVE).update(
             status=WorkStatus.CANCELLED,
-            error_code=CANCELLED_CODE,
-            error_message="Cancelled.",
             finished_at=timezone.now(),
             lease_expires_at=None,
         )

@@ -4,6 +4,7 @@ its output published as it streams and its result stored."""
 
 import logging
 import time
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import DataError, connection, transaction
@@ -12,14 +13,14 @@ from django.utils import timezone
 from acs_client.client import AcsApiError, AcsClient
 from api.errors import result_unstorable
 from infra.database import written_through_reconnects
-from infra.lifecycle import Attempt, WorkStatus, work_claim
+from infra.lifecycle import WORK_ERRORS, Attempt, WorkStatus, work_claim
 
 from .. import streams
 from ..models import Run, RunKind
 from ..run_lens import run_lens
 from ..run_tokens import run_tokens
 from .keys import worker_secret
-from .runs import group_runs_dispatch, run_fail
+from .runs import RUN_EXECUTE_TASK, group_runs_dispatch, run_fail
 from .scores import STEERING_KINDS, steering_score_queue
 from .vectors import steering_vector_from_contrast
 
@@ -30,7 +31,7 @@ def run_claim(*, run_id) -> Run | None:
     """Move a queued run to running and return it; None if another worker has it or it has
     finished. The conditional update makes the claim atomic across workers. The run's
     `attempts` is then the claim's attempt, which fences what its worker writes
-    (`Attempt.of`)."""
+    (`Attempt.of`) and counts its retries."""
     with transaction.atomic():
         if connection.vendor == "postgresql":
             # The claim is on the path to the first token; a claim lost in a crash only
@@ -43,23 +44,17 @@ def run_claim(*, run_id) -> Run | None:
     return Run.objects.select_related("user").get(pk=run_id)
 
 
-class RunRetry(Exception):
-    """A transient failure before any output: the run is queued again for a retry."""
-
-    def __init__(self, countdown: float):
-        super().__init__(f"retry in {countdown}s")
-        self.countdown = countdown
-
-
-def run_execute(*, run_id, final_attempt: bool) -> Run | None:
+def run_execute(*, run_id) -> Run | None:
     """Claim the run, send its request, publish its output and store the result.
 
-    Raises `RunRetry` for a transient error (unreachable API, 429/502/503 with a Retry-After
-    of at most `PLAYGROUND_RUN_MAX_RETRY_DELAY`) when nothing was published yet and this is
-    not the final attempt; any other error fails the run with the API's code and message.
-    Returns None if the run could not be claimed. Every write of the run is fenced by the
-    claim's attempt (`infra.lifecycle`): once the sweep failed the run (its worker ran past
-    the API's request limit), a late answer is neither stored nor published as its end.
+    A transient error (unreachable API, 429/502/503 with a Retry-After of at most
+    `PLAYGROUND_RUN_MAX_RETRY_DELAY`) before anything was published puts the run back to
+    queued and sends its task again after that delay (`Attempt.requeue`), for at most
+    `PLAYGROUND_RUN_MAX_RETRIES` retries; any other error, or the last attempt's, fails the
+    run with the API's code and message. Returns None if the run could not be claimed.
+    Every write of the run is fenced by the claim's attempt (`infra.lifecycle`): once the
+    sweep failed the run (its worker ran past the API's request limit), a late answer is
+    neither stored nor published as its end.
     """
     run = run_claim(run_id=run_id)
     if run is None:
@@ -83,9 +78,9 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     except AcsApiError as error:
         countdown = error.retry_after if error.retry_after is not None else 1
         retryable = error.should_retry and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
+        final_attempt = attempt.number > settings.PLAYGROUND_RUN_MAX_RETRIES
         if retryable and not progress["tokens"] and not final_attempt:
-            if _run_requeue(run, attempt):
-                raise RunRetry(countdown) from error
+            _run_requeue(run, attempt, delay_s=countdown)
             run.refresh_from_db()
             return run
         message = error.message
@@ -100,7 +95,7 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
             run,
             attempt,
             code="playground_error",
-            message="The playground worker could not process the answer; see the worker log.",
+            message=WORK_ERRORS["playground_error"],
         )
     try:
         stored = _run_succeed(run=run, attempt=attempt, **result)
@@ -126,10 +121,19 @@ def run_execute(*, run_id, final_attempt: bool) -> Run | None:
     return run
 
 
-def _run_requeue(run: Run, attempt: Attempt) -> bool:
-    """Put the run back to queued for a retry while `attempt` holds it; whether it did."""
+def _run_requeue(run: Run, attempt: Attempt, *, delay_s: float) -> None:
+    """Put the run back to queued and send it again in `delay_s` seconds, while `attempt`
+    holds it. The runs sweep, not a lease, finds a retry no worker took
+    (`runs_fail_stuck`)."""
     streams.reset(run.id)
-    return written_through_reconnects(lambda: attempt.write(status=WorkStatus.QUEUED))
+    written_through_reconnects(
+        lambda: attempt.requeue(
+            task=RUN_EXECUTE_TASK,
+            delay_s=delay_s,
+            lease=timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS),
+            now=timezone.now(),
+        )
+    )
 
 
 def _execute_streaming(run: Run, client: AcsClient, progress: dict) -> dict:

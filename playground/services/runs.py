@@ -93,12 +93,12 @@ def group_runs_dispatch(*, group) -> int:
     raised. Returns how many runs it sent."""
     with transaction.atomic():
         # The group's first run, locked: dispatches of one group happen one after another.
-        first = Run.objects.select_for_update().filter(group=group).order_by("queued_at", "id")
+        first = Run.objects.select_for_update().filter(group=group).order_by("created_at", "id")
         if first.first() is None:
             return 0
         active = Run.objects.filter(group=group, status__in=ACTIVE)
         free = settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT - active.exclude(sent_at=None).count()
-        waiting = active.filter(status=WorkStatus.QUEUED, sent_at=None).order_by("queued_at", "id")
+        waiting = active.filter(status=WorkStatus.QUEUED, sent_at=None).order_by("created_at", "id")
         ids = [str(run_id) for run_id in waiting.values_list("pk", flat=True)[: max(free, 0)]]
         Run.objects.filter(pk__in=ids).update(sent_at=timezone.now())
     for run_id in ids:
@@ -195,13 +195,6 @@ def _run_failed(run: Run) -> Run:
     return run
 
 
-# Why the sweep failed a run, by the lifecycle's code: what its page says.
-_RUN_LOST_MESSAGES = {
-    "worker_lost": "The worker running this request stopped before it finished; re-run it.",
-    "not_started": "No worker picked this run up in time; re-run it.",
-}
-
-
 def runs_fail_stuck(*, now=None) -> int:
     """Fail runs that can no longer finish: running past the API's 14-minute request limit
     (their worker died; a redelivered task cannot claim a running run) or still queued as
@@ -214,12 +207,6 @@ def runs_fail_stuck(*, now=None) -> int:
         Run,
         running_lost=Q(started_at__lt=cutoff),
         queued_lost=Q(sent_at__lt=cutoff),
-        failed=lambda _run, code: {
-            "error_code": code,
-            "error_message": _RUN_LOST_MESSAGES[code],
-            "request_id": "",
-            "finished_at": now,
-        },
         ended=_run_failed,
         now=now,
     )

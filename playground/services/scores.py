@@ -10,7 +10,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from acs_client.client import AcsApiError, AcsClient
-from infra.lifecycle import WorkStatus, work_claim, work_sweep
+from infra.lifecycle import WorkStatus, work_claim, work_error, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 
 from .. import scoring
@@ -44,12 +44,13 @@ def scoring_outcome(compute, *, what: str) -> dict:
     except AcsApiError as error:
         fields.update(error_code=error.code, error_message=error.message)
     except ScoreUnavailable as reason:
-        fields.update(error_code="not_comparable", error_message=str(reason))
+        fields.update(work_error("not_comparable", str(reason)))
     except Exception:
         logger.exception("%s failed", what)
         fields.update(
-            error_code="playground_error",
-            error_message="The playground worker could not compare the runs; see its log.",
+            work_error(
+                "playground_error", "The playground worker could not compare the runs; see its log."
+            )
         )
     return fields
 
@@ -248,11 +249,8 @@ def scorings_fail_stuck(model, *, message: str, now=None) -> int:
         running_lost=too_old,
         queued_lost=too_old,
         # Queued ones too: their pages say the scoring did not finish.
-        failed=lambda _scoring, _code: {
-            "error_code": "worker_lost",
-            "error_message": message,
-            "finished_at": now,
-        },
+        failed_as="worker_lost",
+        message=lambda _scoring, _code: message,
         now=now,
     )
 

@@ -63,27 +63,19 @@ def job_submission_refuse_unsent(*, submission: JobSubmission, error: TaskQueueU
         error_code=error.code,
         error_message=str(error),
         submit_token=None,
-        sent_at=timezone.now(),
+        finished_at=timezone.now(),
     )
 
 
-class SubmissionRetry(Exception):
-    """The API refused for now (Retry-After): the submission is queued again."""
-
-    def __init__(self, countdown: float):
-        super().__init__(f"retry in {countdown}s")
-        self.countdown = countdown
-
-
-def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission | None:
+def job_submission_send(*, submission_id) -> JobSubmission | None:
     """Claim a queued submission and send it to /v1 with the user's playground key, a
     completion job or a harvest with the submission's id as its Idempotency-Key (so a resend
-    never makes a second job). Keeps the API's job id, or its error. Raises
-    `SubmissionRetry` for an answer that asks to retry within
-    `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached), unless this is
-    the final attempt. Returns None if the submission could not be claimed. Its writes are
-    fenced by the claim's attempt (`infra.lifecycle`): once the sweep refused it, they change
-    nothing."""
+    never makes a second job). Keeps the API's job id, or its error. An answer that asks to
+    retry within `PLAYGROUND_RUN_MAX_RETRY_DELAY` (or an API that could not be reached) puts
+    the submission back to queued and sends it again after that delay (`Attempt.requeue`),
+    for at most `PLAYGROUND_RUN_MAX_RETRIES` retries. Returns None if the submission could
+    not be claimed. Its writes are fenced by the claim's attempt (`infra.lifecycle`): once
+    the sweep refused it, they change nothing."""
     attempt = work_claim(JobSubmission, pk=submission_id, now=timezone.now())
     if attempt is None:
         return None
@@ -103,14 +95,18 @@ def job_submission_send(*, submission_id, final_attempt: bool) -> JobSubmission 
         if (
             error.should_retry
             and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
-            and not final_attempt
+            and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES
         ):
-            if attempt.write(status=WorkStatus.QUEUED):
-                raise SubmissionRetry(countdown) from error
+            attempt.requeue(
+                task=JOB_SUBMISSION_SEND_TASK,
+                delay_s=countdown,
+                lease=dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS),
+                now=timezone.now(),
+            )
             submission.refresh_from_db()
             return submission
         return _job_submission_refuse(attempt, submission, code=error.code, message=error.message)
-    attempt.write(status=WorkStatus.SUCCEEDED, job_id=job_id, sent_at=timezone.now())
+    attempt.write(status=WorkStatus.SUCCEEDED, job_id=job_id, finished_at=timezone.now())
     submission.refresh_from_db()
     return submission
 
@@ -122,7 +118,7 @@ def _job_submission_refuse(
         status=WorkStatus.FAILED,
         error_code=code,
         error_message=message,
-        sent_at=timezone.now(),
+        finished_at=timezone.now(),
     )
     submission.refresh_from_db()
     return submission
@@ -139,12 +135,6 @@ def job_submissions_fail_stuck(*, now=None) -> int:
         running_lost=too_old,
         queued_lost=too_old,
         # Either way, all the Jobs page can say is that the job was not sent.
-        failed=lambda _submission, _code: {
-            "error_code": "not_sent",
-            "error_message": (
-                "No worker sent this job in time; check the jobs below, then submit again."
-            ),
-            "sent_at": now,
-        },
+        failed_as="not_sent",
         now=now,
     )

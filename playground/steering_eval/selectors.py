@@ -13,7 +13,7 @@ from metering.selectors import budget_windows
 
 from ..figures import visible_token
 from ..models import Run, RunKind
-from ..patching import CANCELLED_CODE
+from ..patching_grid import run_outcome
 from . import metrics
 from .models import SteeringEvaluation
 
@@ -196,7 +196,7 @@ class EvaluationReport:
         """How many runs ran, failed, were cancelled unsent, or are pending."""
         counts = dict.fromkeys(("ran", "failed", "cancelled", "pending"), 0)
         for run in self.runs:
-            counts[_outcome(run)] += 1
+            counts[run_outcome(run)] += 1
         return counts
 
     @cached_property
@@ -205,7 +205,7 @@ class EvaluationReport:
         count and one message, so the page can say a budget or quota is spent."""
         found = {}
         for run in self.runs:
-            if _outcome(run) == "failed":
+            if run_outcome(run) == "failed":
                 entry = found.setdefault(
                     run.error_code, {"code": run.error_code, "count": 0,
                                      "message": run.error_message},
@@ -289,14 +289,6 @@ class EvaluationReport:
 BUDGET_CODES = {"budget_exceeded", "activation_quota_exceeded", "spend_cap"}
 
 
-def _outcome(run: Run) -> str:
-    if run.status == WorkStatus.SUCCEEDED:
-        return "ran"
-    if run.status == WorkStatus.FAILED:
-        return "cancelled" if run.error_code == CANCELLED_CODE else "failed"
-    return "pending"
-
-
 def evaluation_for_user(*, user: User, evaluation_id) -> EvaluationReport | None:
     """The user's evaluation with its runs read back; None for another user's or none."""
     evaluation = SteeringEvaluation.objects.filter(pk=evaluation_id, user=user).first()
@@ -305,7 +297,7 @@ def evaluation_for_user(*, user: User, evaluation_id) -> EvaluationReport | None
     runs = list(
         Run.objects.filter(group=evaluation.id, kind=RunKind.STEERING_EVAL)
         .only(*RUN_FIELDS)
-        .order_by("queued_at", "id")
+        .order_by("created_at", "id")
     )
     return EvaluationReport(evaluation=evaluation, runs=runs)
 

@@ -29,7 +29,7 @@ from acs_client.codec import decode
 from infra.lifecycle import WorkStatus
 
 from ..models import Run, RunKind, SteeringVector
-from ..patching import CANCELLED_CODE, queue_order
+from ..patching import queue_order
 from ..run_tokens import with_token_ids
 from ..services.keys import playground_key_get_or_create
 from ..services.runs import group_runs_dispatch, submitted_once
@@ -151,8 +151,8 @@ def _runs(evaluation: SteeringEvaluation, vector: SteeringVector, submit_token) 
                         vector=vector if what == "cell" else None,
                         request=with_token_ids(request),
                         meta=meta,
-                        # Sent in this order (`group_runs_dispatch` orders by queued_at).
-                        queued_at=start + dt.timedelta(microseconds=len(runs)),
+                        # Sent in this order (`group_runs_dispatch` orders by created_at).
+                        created_at=start + dt.timedelta(microseconds=len(runs)),
                         submit_token=None if runs else submit_token,
                     )
                 )
@@ -176,8 +176,6 @@ def steering_evaluation_cancel(*, user: User, evaluation_id) -> int:
             evaluation.cancelled_at = now
             evaluation.save(update_fields=["cancelled_at"])
         return Run.objects.filter(group=evaluation.id, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.FAILED,
-            error_code=CANCELLED_CODE,
-            error_message="Cancelled with its steering evaluation before it was sent.",
+            status=WorkStatus.CANCELLED,
             finished_at=now,
         )

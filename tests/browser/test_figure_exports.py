@@ -28,7 +28,7 @@ PROMPT = "Internationalization, interoperability and incomprehensibilities of a"
 
 
 def latest_run() -> Run:
-    return Run.objects.filter(user__email=BROWSER_USER).order_by("-queued_at").first()
+    return Run.objects.filter(user__email=BROWSER_USER).order_by("-created_at").first()
 
 
 def download(page, figure: str, file_format: str) -> str:

@@ -60,7 +60,7 @@ def expect_grid_finished(grid) -> None:
         expect(grid).to_have_attribute("data-finished", "true", timeout=GRID_TIMEOUT_MS)
     except AssertionError:
         group = grid.get_attribute("id").removeprefix("grid-")
-        runs = Run.objects.filter(group=group).order_by("queued_at")
+        runs = Run.objects.filter(group=group).order_by("created_at")
         states = [(r.kind, r.meta.get("role"), r.status, r.error_code, r.attempts) for r in runs]
         raise AssertionError(f"grid {group} did not finish: {states}") from None
 
@@ -143,7 +143,7 @@ def test_a_large_grid_is_cancelled_and_its_unsent_runs_are_never_sent(page):
     # 30 layers × 5 positions + the clean baseline and 3 repeats + 2 captures: cancelled
     # while capturing, no patched run was created; cancelled later, the queued ones were
     # never sent.
-    sent = runs.exclude(error_code="cancelled")
+    sent = runs.exclude(status=WorkStatus.CANCELLED)
     assert sent.count() < 156
     assert runs.filter(kind=RunKind.PATCHED).count() in (0, 154)
     expect(grid.get_by_role("button", name="Cancel the grid")).to_have_count(0)

@@ -133,10 +133,10 @@ def test_a_cancelled_evaluation_never_sends_its_queued_runs(
         expect(panel.get_by_role("button", name="Cancel the evaluation")).to_have_count(0)
     runs = Run.objects.filter(group=SteeringEvaluation.objects.get(user__email=CANCELLER).id)
     assert not runs.filter(status__in=(WorkStatus.QUEUED, WorkStatus.RUNNING)).exists()
-    sent = runs.exclude(error_code="cancelled").count()
+    sent = runs.exclude(status=WorkStatus.CANCELLED).count()
     # Two answered, and at most the few in flight when it was cancelled.
     assert 2 <= sent <= 2 + settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT
-    assert runs.filter(error_code="cancelled").count() == 40 - sent
+    assert runs.filter(status=WorkStatus.CANCELLED).count() == 40 - sent
 
 
 def test_a_spent_activation_quota_is_said_before_anything_is_sent(

@@ -41,7 +41,7 @@ def seeded_run(user, *, kind, prompt, minutes_ago, scale=None) -> Run:
         status=WorkStatus.SUCCEEDED,
         scale=scale,
         request={"model": "smollm2-135m", "prompt": prompt},
-        queued_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
+        created_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
     )
 
 

@@ -145,7 +145,7 @@ def _harvests(answers: Answers) -> None:
     HarvestJob.objects.filter(pk=done_id).update(
         status=WorkStatus.SUCCEEDED,
         prompts_done=2,
-        completed_at=timezone.now(),
+        finished_at=timezone.now(),
         files=["shard-00000.safetensors", STATS_NAME, MANIFEST_NAME],
     )
     assert answers.send("GET", job, f"/v1/harvest/{done_id}").json()["result"]["shard_urls"]

@@ -173,7 +173,7 @@ def test_a_harvest_attempt_taken_over_neither_bills_nor_records_its_batch(
         harvests.harvest_job_execute(job_id=job.pk)
         job.refresh_from_db()
         assert (job.status, job.attempts) == (WorkStatus.SUCCEEDED, 2), job.error
-        finished = (job.shards, job.files, job.prompts_done, job.completed_at)
+        finished = (job.shards, job.files, job.prompts_done, job.finished_at)
     first.join()
 
     # Each batch billed once: batch 0 by attempt 1, batch 1 by attempt 2 only.
@@ -188,7 +188,7 @@ def test_a_harvest_attempt_taken_over_neither_bills_nor_records_its_batch(
     )
     job.refresh_from_db()
     assert (job.status, job.attempts) == (WorkStatus.SUCCEEDED, 2)
-    assert (job.shards, job.files, job.prompts_done, job.completed_at) == finished
+    assert (job.shards, job.files, job.prompts_done, job.finished_at) == finished
     assert [shard["name"] for shard in job.shards] == [
         "shard_00000.safetensors",
         "shard_00001-attempt2.safetensors",

@@ -42,7 +42,7 @@ def assert_failed_once_and_billed_once(api_client, job: CompletionJob, code: str
     status = api_client.get(f"/v1/completion-jobs/{job.pk}").json()
     assert status["status"] == "failed" and status["error"]["code"] == code
     result = api_client.get(f"/v1/completion-jobs/{job.pk}/result")
-    assert result.status_code == job.result_status
+    assert result.status_code == job.answer[0]
     assert result.json()["error"]["code"] == code
     assert UsageRecord.objects.filter(endpoint="completion-jobs").count() == 1
     return status["error"]

@@ -292,7 +292,7 @@ def _finished_job_with_a_manifest(api_key) -> HarvestJob:
         n_prompts=1,
         prompts_done=1,
         status=WorkStatus.SUCCEEDED,
-        completed_at=timezone.now(),
+        finished_at=timezone.now(),
         files=[MANIFEST_NAME],
     )
     harvest_file_write(job.storage_prefix, MANIFEST_NAME, b'{"shards": []}')

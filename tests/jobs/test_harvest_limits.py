@@ -254,7 +254,7 @@ def _ended_job(api_key, *, ended_ago):
         harvest_file_write(job.storage_prefix, name, b"{}")
     HarvestJob.objects.filter(pk=job.pk).update(
         status=WorkStatus.SUCCEEDED,
-        completed_at=timezone.now() - ended_ago,
+        finished_at=timezone.now() - ended_ago,
         files=["shard_00000.safetensors", "stats.safetensors", "manifest.json"],
     )
     return job

@@ -62,7 +62,7 @@ def test_a_completion_job_whose_access_ended_after_submit_fails_with_the_apis_co
 
     job = CompletionJob.objects.get(pk=response.json()["id"])
     assert job.status == WorkStatus.FAILED
-    assert job.result_status == 401
+    assert job.answer[0] == 401
     assert job.error["code"] == code
     assert job.result_headers == {"X-Should-Retry": "false"}
     _nothing_billed(api_key)

@@ -74,8 +74,8 @@ def test_polling_stops_when_no_job_is_active(logged_in, api_key):
     job, _ = completion_jobs.completion_job_submit(key=api_key, idempotency_key="k", payload=BODY)
     CompletionJob.objects.filter(pk=job.pk).update(
         status=WorkStatus.FAILED,
-        result_status=429,
-        result_body={"error": {"code": "budget_exceeded", "message": "No budget <left>."}},
+        error_code="budget_exceeded",
+        error_message="No budget <left>.",
     )
     fragment = logged_in.get("/jobs/", headers={"HX-Request": "true"}).content.decode()
     assert "hx-trigger" not in fragment

@@ -81,7 +81,7 @@ def test_the_vector_leaves_the_first_position_out(
         answer = {"choices": [{"index": 0, "text": "x"}], "usage": {"prompt_tokens": 4},
                   "activations": {"residual_stream": encode_vector(rows)}}  # fmt: skip
         gateway.handler = lambda request, answer=answer: httpx.Response(200, json=answer)
-        run_execute(run_id=run.id, final_attempt=True)
+        run_execute(run_id=run.id)
     vector = approved_user.steering_vectors.get()
     sent = {role: decode(encode_vector(rows))[0] for role, rows in captures.items()}
     want = expected(sent["positive"].astype(np.float64), sent["negative"].astype(np.float64))

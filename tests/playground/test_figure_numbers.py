@@ -150,7 +150,7 @@ def figure_of(response) -> dict:
 
 def run_through(user, request: dict) -> Run:
     run = run_create(user=user, request=request)
-    run = run_execute(run_id=run.id, final_attempt=True)
+    run = run_execute(run_id=run.id)
     assert run.status == WorkStatus.SUCCEEDED, (run.error_code, run.error_message)
     return run
 
@@ -456,7 +456,7 @@ def steer(user, *, prompt, scales, kind, target=""):
         vector=vector, layers=[6], scales=scales, kind=kind, target_token=target,
     )  # fmt: skip
     for run in Run.objects.filter(group=group):
-        run_execute(run_id=run.id, final_attempt=True)
+        run_execute(run_id=run.id)
     score = SteeringScore.objects.get(group=group)
     score = steering_score_execute(score_id=score.pk)
     assert score.status == WorkStatus.SUCCEEDED, (score.error_code, score.error_message)
@@ -589,7 +589,7 @@ def test_typical_norm_is_the_median_over_reference_positions_after_the_first(
         positive="Joy, delight, happiness", negative="Grief, sorrow, sadness",
     )  # fmt: skip
     for run in Run.objects.filter(group=group):
-        run_execute(run_id=run.id, final_attempt=True)
+        run_execute(run_id=run.id)
     references = [
         residual_stream(recorder.answer_to(run.request))[0]
         for run in Run.objects.filter(group=group, meta__role="reference")

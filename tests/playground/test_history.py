@@ -26,7 +26,7 @@ def make_run(user, prompt, *, kind=RunKind.COMPLETION, vector=None, minutes_ago=
     return Run.objects.create(
         user=user, kind=kind, vector=vector, status=WorkStatus.SUCCEEDED,
         request={"model": "smollm2-135m", "prompt": prompt},
-        queued_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
+        created_at=timezone.now() - dt.timedelta(minutes=minutes_ago),
     )  # fmt: skip
 
 

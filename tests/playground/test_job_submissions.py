@@ -7,6 +7,7 @@ import uuid
 
 import httpx
 import pytest
+from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
@@ -17,7 +18,6 @@ from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilitie
 from playground.models import JobKind, JobSubmission
 from playground.services.keys import playground_key_get_or_create
 from playground.services.submissions import (
-    SubmissionRetry,
     job_submission_create,
     job_submission_send,
     job_submissions_fail_stuck,
@@ -56,7 +56,7 @@ def test_a_completion_job_is_sent_with_the_playground_key_and_an_idempotency_key
     job = {"id": JOB_ID, "status": "queued", "created_at": 1_796_580_000}
     answer = CompletionJob(**job, started_at=None, finished_at=None, error=None)
     gateway.handler = lambda request: httpx.Response(202, json=answer.model_dump(mode="json"))
-    job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id)
 
     [sent] = gateway.requests
     assert sent.method == "POST" and sent.url.path == "/v1/completion-jobs"
@@ -87,7 +87,7 @@ def test_a_harvest_is_posted_to_v1_harvest_with_an_idempotency_key(
         result=None,
     )
     gateway.handler = lambda request: httpx.Response(202, json=answer.model_dump(mode="json"))
-    job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id)
     [sent] = gateway.requests
     assert sent.url.path == "/v1/harvest"
     assert sent.headers["idempotency-key"] == str(submission.id)
@@ -112,21 +112,40 @@ def test_the_same_form_submission_makes_one_submission(approved_user, enqueued):
 def test_the_apis_refusal_is_kept_for_the_page(approved_user, gateway, enqueued):
     submission = _submission(approved_user, JobKind.COMPLETION, COMPLETION)
     gateway.handler = lambda request: error(429, "budget_exceeded")
-    job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id)
     submission.refresh_from_db()
     assert submission.status == WorkStatus.FAILED
     assert submission.error_code == "budget_exceeded"
     assert submission.error_message == "budget_exceeded happened"
 
 
-def test_a_refusal_that_asks_to_retry_queues_the_submission_again(approved_user, gateway, enqueued):
+def test_a_refusal_that_asks_to_retry_queues_the_submission_again(
+    approved_user, gateway, monkeypatch
+):
     submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
+    sent = []
+    monkeypatch.setattr(
+        celery_app, "send_task", lambda name, args, countdown=None: sent.append((*args, countdown))
+    )
     gateway.handler = lambda request: error(429, "rate_limited", {"retry-after": "2"})
-    with pytest.raises(SubmissionRetry) as retry:
-        job_submission_send(submission_id=submission.id, final_attempt=False)
-    assert retry.value.countdown == 2
+    job_submission_send(submission_id=submission.id)
+    assert sent == [(str(submission.id), 2)]
     submission.refresh_from_db()
-    assert submission.status == WorkStatus.QUEUED
+    assert (submission.status, submission.attempts) == (WorkStatus.QUEUED, 1)
+
+
+def test_a_refusal_that_asks_to_retry_is_kept_after_the_last_retry(
+    approved_user, gateway, enqueued
+):
+    submission = _submission(approved_user, JobKind.HARVEST, HARVEST)
+    JobSubmission.objects.filter(pk=submission.pk).update(
+        attempts=settings.PLAYGROUND_RUN_MAX_RETRIES
+    )
+    gateway.handler = lambda request: error(429, "rate_limited", {"retry-after": "2"})
+    job_submission_send(submission_id=submission.id)
+    submission.refresh_from_db()
+    assert (submission.status, submission.error_code) == (WorkStatus.FAILED, "rate_limited")
+    assert enqueued == []
 
 
 @pytest.mark.parametrize(
@@ -143,10 +162,10 @@ def test_a_job_is_resent_when_the_api_could_not_be_reached(
         raise httpx.ReadTimeout("no answer", request=request)
 
     gateway.handler = unreachable
-    with pytest.raises(SubmissionRetry):
-        job_submission_send(submission_id=submission.id, final_attempt=False)
+    job_submission_send(submission_id=submission.id)
     submission.refresh_from_db()
     assert submission.status == WorkStatus.QUEUED
+    assert enqueued == [str(submission.id)]
 
 
 def test_a_submission_no_worker_sent_is_refused_by_the_sweep(approved_user, enqueued):

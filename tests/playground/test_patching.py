@@ -212,7 +212,7 @@ def submit(django_capture_on_commit_callbacks):
 
 def test_plain_submit_queues_two_captures_and_redirects_to_the_grid(ada, no_enqueue, submit):
     response = submit(ada, htmx=False)
-    captures = list(Run.objects.filter(kind=RunKind.PATCHING_CAPTURE).order_by("queued_at"))
+    captures = list(Run.objects.filter(kind=RunKind.PATCHING_CAPTURE).order_by("created_at"))
     assert response.status_code == 302
     assert response["Location"] == reverse("playground:patching_detail", args=[captures[0].group])
     assert {run.meta["role"] for run in captures} == {"clean", "corrupted"}
@@ -357,7 +357,7 @@ def test_scoring_runs_are_the_clean_baseline_repeats_and_one_patch_per_cell(capt
     # first before every cell and the last after them.
     order = [
         run.meta["role"]
-        for run in Run.objects.filter(group=group, kind=RunKind.PATCHED).order_by("queued_at")
+        for run in Run.objects.filter(group=group, kind=RunKind.PATCHED).order_by("created_at")
     ]
     assert order == ["clean", "repeat", *["cell"] * 5, "repeat", *["cell"] * 5, "repeat"]
     cells = scoring_runs(group, "cell")
@@ -423,12 +423,14 @@ def test_the_sweep_resumes_a_grid_whose_worker_stopped_after_the_captures(captur
     assert Run.objects.filter(group=group, kind=RunKind.PATCHED).count() == 1 + REPEATS + 10
 
 
-def test_cancel_fails_the_queued_runs_and_says_what_ran_and_what_was_cancelled(ada, captured_grid):
+def test_cancel_cancels_the_queued_runs_and_says_what_ran_and_what_was_cancelled(
+    ada, captured_grid
+):
     group, _, _ = captured_grid
     patching.patched_runs_create(group=group)
     [clean] = scoring_runs(group, "clean")
-    first_repeat = scoring_runs(group, "repeat").order_by("queued_at").first()
-    cells = list(scoring_runs(group, "cell").order_by("queued_at"))
+    first_repeat = scoring_runs(group, "repeat").order_by("created_at").first()
+    cells = list(scoring_runs(group, "cell").order_by("created_at"))
     succeed(clean, {"choices": []})
     succeed(first_repeat, {"choices": []})
     for run in cells[:3]:
@@ -438,8 +440,9 @@ def test_cancel_fails_the_queued_runs_and_says_what_ran_and_what_was_cancelled(a
     html = response.content.decode()
     assert response.status_code == 200 and "<html" not in html
     assert "Cancel the grid" not in html
-    cancelled = Run.objects.filter(group=group, error_code=patching.CANCELLED_CODE)
+    cancelled = Run.objects.filter(group=group, status=WorkStatus.CANCELLED)
     assert cancelled.count() == 6 + 2, "the run already being sent finishes"
+    assert set(cancelled.values_list("error_code", flat=True)) == {""}, "a cancel is no error"
     assert Run.objects.get(pk=cells[3].pk).status == WorkStatus.RUNNING
     # What ran and what was cancelled, not "16 of 16 requests finished".
     assert (
@@ -455,7 +458,7 @@ def test_a_grid_cancelled_while_capturing_creates_no_patched_runs(ada, no_enqueu
     clean = Run.objects.get(meta__role="clean")
     response = ada.post(reverse("playground:patching_cancel", args=[clean.group]))
     assert response.status_code == 302
-    assert set(Run.objects.values_list("error_code", flat=True)) == {"cancelled"}
+    assert set(Run.objects.values_list("status", flat=True)) == {WorkStatus.CANCELLED}
     assert patching.patched_runs_create(group=clean.group) == 0
     html = ada.get(response["Location"]).content.decode()
     assert (
@@ -471,7 +474,7 @@ def test_another_users_grid_is_404_everywhere(ada, other_user, client, no_enqueu
     for name in ("patching_detail", "patching_json", "patching_csv"):
         assert client.get(reverse(f"playground:{name}", args=[group])).status_code == 404
     assert client.post(reverse("playground:patching_cancel", args=[group])).status_code == 404
-    assert not Run.objects.filter(error_code="cancelled").exists()
+    assert not Run.objects.filter(status=WorkStatus.CANCELLED).exists()
 
 
 # ---------------------------------------------------------------------------------------
@@ -673,7 +676,7 @@ def test_the_notebook_code_computes_the_same_grid(ada, logit_difference_grid, mo
     html = ada.get(reverse("playground:patching_detail", args=[group])).content.decode()
     code = re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', html, re.S).group(1)
     answers = {}
-    for run in sorted(runs.values(), key=lambda run: run.queued_at):
+    for run in sorted(runs.values(), key=lambda run: run.created_at):
         # The grid asks for token ids to label its runs; the notebook needs none.
         request = {key: value for key, value in run.request.items() if key != "return_token_ids"}
         answers.setdefault(json.dumps(request, sort_keys=True), []).append(run.response)

@@ -272,14 +272,14 @@ def test_cancel_fails_the_queued_runs_and_says_what_ran(ada, submitted):
     scope = submitted()
     answer_capture(scope)
     services.patchscope_runs_create(patchscope_id=scope.pk)
-    first, second, third = Run.objects.filter(kind=RunKind.PATCHSCOPE).order_by("queued_at")
+    first, second, third = Run.objects.filter(kind=RunKind.PATCHSCOPE).order_by("created_at")
     Run.objects.filter(pk=first.pk).update(status=WorkStatus.SUCCEEDED, response={
         "choices": [{"index": 0, "text": " Paris"}]})  # fmt: skip
     Run.objects.filter(pk=second.pk).update(status=WorkStatus.RUNNING)
     response = ada.post(reverse("playground:patchscope_cancel", args=[scope.pk]), **HTMX)
     html = response.content.decode()
     assert response.status_code == 200 and "<html" not in html
-    assert Run.objects.get(pk=third.pk).error_code == "cancelled"
+    assert Run.objects.get(pk=third.pk).status == WorkStatus.CANCELLED
     assert Run.objects.get(pk=second.pk).status == WorkStatus.RUNNING, "already sent: finishes"
     assert (
         "<strong>Cancelled.</strong> Ran: 2 of 4 requests. Never sent (never billed): 1. "

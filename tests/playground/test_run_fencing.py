@@ -31,7 +31,7 @@ def test_a_run_failed_by_the_sweep_keeps_its_failure_when_its_answer_arrives_lat
         return httpx.Response(200, json=recorded("completion_logprobs.json"))
 
     gateway.handler = answer_after_the_sweep
-    returned = run_execute(run_id=run.id, final_attempt=False)
+    returned = run_execute(run_id=run.id)
 
     assert swept == [1]
     run.refresh_from_db()

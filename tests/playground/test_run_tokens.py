@@ -78,7 +78,7 @@ def run_through(user, gateway, *, logprobs: bool) -> Run:
         request["logprobs"] = 0
     gateway.handler = lambda sent: httpx.Response(200, json=answer(logprobs=logprobs))
     run = run_create(user=user, request=request)
-    return run_execute(run_id=run.id, final_attempt=True)
+    return run_execute(run_id=run.id)
 
 
 def test_a_run_without_logprobs_names_its_tokens_by_the_ids_returned(
@@ -151,7 +151,7 @@ def test_an_answer_without_token_ids_or_logprobs_leaves_its_tokens_unknown(
     del plain["choices"][0]["token_ids"]
     gateway.handler = lambda sent: httpx.Response(200, json=plain)
     run = run_create(user=approved_user, request={"model": "smollm2-135m", "prompt": PROMPT})
-    run = run_execute(run_id=run.id, final_attempt=True)
+    run = run_execute(run_id=run.id)
     assert run.tokens["completions"] == [None]
     assert run.tokens["prompts"][0]["ids"] == PROMPT_IDS
 
@@ -177,7 +177,7 @@ def test_an_echoed_run_does_not_ask_for_token_ids_and_names_its_tokens_by_logpro
     gateway.handler = lambda sent: httpx.Response(200, json=echoed)
     request = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 2, "logprobs": 0,
                "echo": True}  # fmt: skip
-    run = run_execute(run_id=run_create(user=approved_user, request=request).id, final_attempt=True)
+    run = run_execute(run_id=run_create(user=approved_user, request=request).id)
     sent = httpx.Response(200, content=gateway.requests[0].content).json()
     assert "return_token_ids" not in sent and sent["echo"] is True
     assert run.tokens["completions"] == [

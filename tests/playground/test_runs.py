@@ -17,12 +17,13 @@ from accounts.models import ApiKey, AuditLog
 from accounts.services.auth import api_key_authenticate
 from accounts.services.keys import api_key_revoke
 from acs_client.codec import decode
+from acs_portal.celery import app as celery_app
 from api.auth import access_generation_bump
 from infra.lifecycle import WorkStatus
 from playground import tasks
 from playground.models import Run, RunKind
 from playground.services.keys import playground_key_get_or_create
-from playground.services.run_execution import RunRetry, run_claim, run_execute
+from playground.services.run_execution import run_claim, run_execute
 from playground.services.runs import (
     group_runs_dispatch,
     run_create,
@@ -123,12 +124,12 @@ def test_successful_run_stores_response_timings_and_usage(queued_run, gateway, r
     gateway.handler = lambda request: httpx.Response(
         200, json=recorded("completion_logprobs.json"), headers=TIMING
     )
-    run = run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id)
     assert run.status == WorkStatus.SUCCEEDED
     assert run.response["choices"][0]["text"] == " Paris.\n\nThe answer"
     assert (run.gateway_ms, run.upstream_ms, run.request_id) == (14.5, 11.25, "req-9")
     assert run.usage == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
-    assert run.started_at >= run.queued_at and run.finished_at >= run.started_at
+    assert run.started_at >= run.created_at and run.finished_at >= run.started_at
     sent = gateway.requests[0]
     assert sent.url.path == "/v1/completions"
     assert httpx.Response(200, content=sent.content).json() == queued_run.request
@@ -144,7 +145,7 @@ def test_streamed_run_publishes_tokens_and_merges_the_frames(
     gateway.handler = lambda request: httpx.Response(
         200, text=recorded("stream.txt"), headers=TIMING
     )
-    run = run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id)
     events = replay(run.id)
     assert [e["text"] for e in events if e["type"] == "token"] == ["\n", "//", " create"]
     assert events[-1] == {"type": "end", "status": "succeeded"}
@@ -165,12 +166,18 @@ def test_streamed_run_publishes_tokens_and_merges_the_frames(
         error(429, "queue_full", {"retry-after": "1"}),
     ],
 )
-def test_transient_error_requeues_the_run_for_a_retry(queued_run, gateway, redis_client, answer):
+def test_transient_error_requeues_the_run_for_a_retry(
+    queued_run, gateway, redis_client, monkeypatch, answer
+):
+    sent = []
+    monkeypatch.setattr(
+        celery_app, "send_task", lambda name, args, countdown=None: sent.append((*args, countdown))
+    )
     gateway.handler = lambda request: answer
-    with pytest.raises(RunRetry):
-        run_execute(run_id=queued_run.id, final_attempt=False)
+    run_execute(run_id=queued_run.id)
     queued_run.refresh_from_db()
     assert queued_run.status == WorkStatus.QUEUED and queued_run.attempts == 1
+    assert sent == [(str(queued_run.id), int(answer.headers["retry-after"]))]
     assert replay(queued_run.id) == []
 
 
@@ -188,7 +195,7 @@ def test_permanent_error_fails_the_run_with_the_api_code(
     queued_run, gateway, redis_client, answer, code
 ):
     gateway.handler = lambda request: answer
-    run = run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id)
     assert run.status == WorkStatus.FAILED
     assert run.error_code == code and run.error_message == f"{code} happened"
     assert replay(run.id)[-1]["error"]["code"] == code
@@ -197,10 +204,11 @@ def test_permanent_error_fails_the_run_with_the_api_code(
 def test_last_attempt_at_a_transient_error_fails_with_a_readable_message(
     queued_run, gateway, redis_client
 ):
+    Run.objects.filter(pk=queued_run.pk).update(attempts=settings.PLAYGROUND_RUN_MAX_RETRIES)
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "1"})
-    run = run_execute(run_id=queued_run.id, final_attempt=True)
+    run = run_execute(run_id=queued_run.id)
     assert run.status == WorkStatus.FAILED and run.error_code == "circuit_open"
-    assert run.error_message == "Gave up after 1 attempts. circuit_open happened"
+    assert run.error_message == "Gave up after 4 attempts. circuit_open happened"
 
 
 def test_error_frame_after_tokens_fails_without_retry(
@@ -211,7 +219,7 @@ def test_error_frame_after_tokens_fails_without_retry(
         'data: {"error":{"code":"vllm_engine_dead","message":"engine died","type":"x"}}\n\n'
     )
     gateway.handler = lambda request: httpx.Response(200, text=body)
-    run = run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id)
     assert (run.status, run.error_code, run.error_message) == (
         WorkStatus.FAILED, "vllm_engine_dead", "engine died"
     )  # fmt: skip
@@ -222,18 +230,25 @@ def test_unreadable_answer_fails_the_run_instead_of_leaving_it_running(
     queued_run, gateway, redis_client
 ):
     gateway.handler = lambda request: httpx.Response(200, text="not json")
-    run = run_execute(run_id=queued_run.id, final_attempt=False)
+    run = run_execute(run_id=queued_run.id)
     assert run.status == WorkStatus.FAILED and run.error_code == "playground_error"
 
 
 def test_finished_run_is_not_executed_again(queued_run, gateway, redis_client):
     gateway.handler = lambda request: httpx.Response(200, json=recorded("completion_logprobs.json"))
-    run_execute(run_id=queued_run.id, final_attempt=False)
-    assert run_execute(run_id=queued_run.id, final_attempt=False) is None
+    run_execute(run_id=queued_run.id)
+    assert run_execute(run_id=queued_run.id) is None
     assert len(gateway.requests) == 1
 
 
-def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_client, settings):
+def run_task_and_its_retries(run: Run, sent: list) -> None:
+    """Run the run's task, then each task it sent again (a worker's part), until none is."""
+    sent.append(str(run.id))
+    while sent:
+        tasks.run_execute_task.apply(args=[sent.pop(0)])
+
+
+def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_client, no_enqueue):
     answers = iter(
         [
             error(503, "circuit_open", {"retry-after": "0"}),
@@ -242,7 +257,7 @@ def test_task_retries_transient_errors_then_succeeds(queued_run, gateway, redis_
         ]
     )
     gateway.handler = lambda request: next(answers)
-    tasks.run_execute_task.apply(args=[str(queued_run.id)])
+    run_task_and_its_retries(queued_run, no_enqueue)
     queued_run.refresh_from_db()
     assert queued_run.status == WorkStatus.SUCCEEDED and queued_run.attempts == 3
 
@@ -255,9 +270,9 @@ def test_task_does_not_retry_a_permanent_error(queued_run, gateway, redis_client
     assert len(gateway.requests) == 1
 
 
-def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_client):
+def test_task_gives_up_after_the_configured_retries(queued_run, gateway, redis_client, no_enqueue):
     gateway.handler = lambda request: error(503, "circuit_open", {"retry-after": "0"})
-    tasks.run_execute_task.apply(args=[str(queued_run.id)])
+    run_task_and_its_retries(queued_run, no_enqueue)
     queued_run.refresh_from_db()
     assert queued_run.status == WorkStatus.FAILED
     assert len(gateway.requests) == settings.PLAYGROUND_RUN_MAX_RETRIES + 1
@@ -281,9 +296,9 @@ def test_contrast_pair_builds_one_vector_from_both_captures(
     runs = list(Run.objects.filter(group=group, kind=RunKind.CONTRAST))
     assert {r.request["output_residual_stream"][0] for r in runs} == {4}
     for run in runs[:-1]:
-        run_execute(run_id=run.id, final_attempt=False)
+        run_execute(run_id=run.id)
     assert not approved_user.steering_vectors.exists()
-    run_execute(run_id=runs[-1].id, final_attempt=False)
+    run_execute(run_id=runs[-1].id)
     vector = approved_user.steering_vectors.get()
     assert (vector.name, vector.layer, vector.hidden_size) == ("happy", 4, 576)
     assert vector.norm == 0.0  # both captures are the same recording
@@ -310,7 +325,7 @@ def test_runs_stuck_past_the_request_limit_are_failed_with_a_reason(
     dead = Run.objects.create(
         user=approved_user, request=request, status=WorkStatus.RUNNING, started_at=old
     )
-    lost = Run.objects.create(user=approved_user, request=request, queued_at=old, sent_at=old)
+    lost = Run.objects.create(user=approved_user, request=request, created_at=old, sent_at=old)
     alive = Run.objects.create(
         user=approved_user, request=request, status=WorkStatus.RUNNING, started_at=now
     )
@@ -337,7 +352,7 @@ def test_a_run_whose_playground_key_was_revoked_fails_with_the_apis_code_and_mes
     assert models.status_code == 200  # the gateway now holds the key in its auth cache
     api_key_revoke(key=key, acting_user=approved_user)
 
-    run = run_execute(run_id=run.id, final_attempt=False)
+    run = run_execute(run_id=run.id)
 
     assert run.status == WorkStatus.FAILED
     assert run.error_code == "key_revoked"

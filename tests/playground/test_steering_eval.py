@@ -235,7 +235,7 @@ def test_confirmed_it_queues_one_sequence_per_run_and_sends_a_few_at_a_time(
     assert response.status_code == 302
     assert response["Location"] == reverse("playground:steering_eval_detail", args=[evaluation.id])
     assert evaluation.cost == expected_cost()
-    runs = list(Run.objects.filter(group=evaluation.id).order_by("queued_at"))
+    runs = list(Run.objects.filter(group=evaluation.id).order_by("created_at"))
     assert len(runs) == expected_cost()["requests"]
     assert {run.kind for run in runs} == {RunKind.STEERING_EVAL}
     assert len(no_enqueue) == settings.PLAYGROUND_GROUP_RUNS_IN_FLIGHT
@@ -296,14 +296,14 @@ def test_htmx_confirmation_shows_the_evaluation_and_resets_the_form(vector, no_e
 def test_cancel_fails_the_queued_runs_and_says_what_ran(ada, vector, no_enqueue, submit):
     submit()
     evaluation = SteeringEvaluation.objects.get()
-    runs = list(Run.objects.filter(group=evaluation.id).order_by("queued_at"))
+    runs = list(Run.objects.filter(group=evaluation.id).order_by("created_at"))
     for run in runs[:3]:
         succeed(run, scored_answer(run, evaluation, logprob=-1.0, top=None))
     Run.objects.filter(pk=runs[3].pk).update(status=WorkStatus.RUNNING)
     url = reverse("playground:steering_eval_cancel", args=[evaluation.id])
     html = ada.post(url, **HTMX).content.decode()
     cancelled = len(runs) - 4
-    assert Run.objects.filter(error_code="cancelled").count() == cancelled
+    assert Run.objects.filter(status=WorkStatus.CANCELLED).count() == cancelled
     assert Run.objects.get(pk=runs[3].pk).status == WorkStatus.RUNNING
     assert (
         f"<strong>Cancelled.</strong> Ran: 3 of {len(runs)} requests. Cancelled before they "
@@ -321,7 +321,7 @@ def test_another_users_evaluation_is_404_everywhere(client, other_user, no_enque
         assert client.get(url).status_code == 404
     cancel = reverse("playground:steering_eval_cancel", args=[evaluation.id])
     assert client.post(cancel).status_code == 404
-    assert not Run.objects.filter(error_code="cancelled").exists()
+    assert not Run.objects.filter(status=WorkStatus.CANCELLED).exists()
 
 
 def test_the_playground_page_does_not_take_an_evaluation_for_a_comparison(
@@ -518,7 +518,7 @@ def test_the_notebook_code_computes_the_same_numbers(ada, answered, monkeypatch)
     html = ada.get(reverse("playground:steering_eval_detail", args=[answered.id])).content
     code = re.search(r'<pre id="notebook-[^"]+">(.*?)</pre>', html.decode(), re.S).group(1)
     answers = {}
-    for run in Run.objects.filter(group=answered.id).order_by("queued_at"):
+    for run in Run.objects.filter(group=answered.id).order_by("created_at"):
         request = {key: value for key, value in run.request.items() if key != "return_token_ids"}
         answers.setdefault(json.dumps(request, sort_keys=True), []).append(run.response)
 

@@ -38,7 +38,7 @@ def live_engine(engine_url, gateway_url, settings, redis_client, no_enqueue):
 
 def execute(user, request: dict):
     run = run_create(user=user, request=request)
-    return run_execute(run_id=run.id, final_attempt=False)
+    return run_execute(run_id=run.id)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -270,7 +270,7 @@ def test_run_page_shows_request_response_timings_usage_and_figures(ada, approved
 
 def test_run_panel_times_are_utc_to_the_second(ada, approved_user):
     queued = dt.datetime(2026, 12, 1, 14, 3, 59, 744861, tzinfo=dt.UTC)
-    run = finished_run(approved_user, queued_at=queued)
+    run = finished_run(approved_user, created_at=queued)
     body = ada.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     assert "2026-12-01 14:03:59 UTC" in body
     assert "744861" not in body

@@ -53,7 +53,7 @@ def vllm_row_without_tokenizer(models, weights_dir):
 
 def run_on(model: str, user) -> Run:
     run = run_create(user=user, request={"model": model, **REQUEST})
-    return run_execute(run_id=run.id, final_attempt=True)
+    return run_execute(run_id=run.id)
 
 
 def test_a_capture_run_on_a_vllm_row_without_a_tokenizer_shows_the_engines_tokens_lens_and_dla(

@@ -160,15 +160,23 @@ def _completion_job_stored(attempt: Attempt, *, status: int, body: dict, headers
 
 def _completion_job_finish(attempt: Attempt, *, status: int, body: dict, headers: dict) -> None:
     """Store the job's outcome while `attempt` holds it (DataError when the database cannot
-    hold `body`); a stale attempt stores nothing."""
+    hold `body`): a completion as it is, an error envelope as its code and message. A stale
+    attempt stores nothing."""
+    if status < 400:
+        outcome = {"status": WorkStatus.SUCCEEDED, "result_status": status, "result_body": body}
+    else:
+        error = body["error"]
+        outcome = {
+            "status": WorkStatus.FAILED,
+            "error_code": error["code"],
+            "error_message": error["message"],
+        }
     with transaction.atomic():
         attempt.write(
-            status=WorkStatus.SUCCEEDED if status < 400 else WorkStatus.FAILED,
             finished_at=timezone.now(),
             lease_expires_at=None,
-            result_status=status,
-            result_body=body,
             result_headers={k: v for k, v in headers.items() if k in _STORED_RESULT_HEADERS},
+            **outcome,
         )
 
 
@@ -180,11 +188,7 @@ def completion_jobs_recover_stuck(*, now=None) -> int:
         CompletionJob,
         running_lost=Q(lease_expires_at__lt=now),
         queued_lost=Q(lease_expires_at__lt=now),
-        failed=lambda job, _code: {
-            "finished_at": now,
-            "result_status": 500,
-            "result_body": worker_lost(job.attempts).body(),
-        },
+        message=lambda job, _code: worker_lost(job.attempts).message,
         resend=Resend(
             COMPLETION_JOB_RUN_TASK, timedelta(seconds=settings.ACS_COMPLETION_JOB_LEASE_SECONDS)
         ),

@@ -122,7 +122,7 @@ def harvest_job_cancel(*, job: HarvestJob, now=None) -> HarvestJob:
     # until then it may still add the batches it wrote (`HarvestJob.is_stopping`).
     cancelled = HarvestJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
         status=WorkStatus.CANCELLED,
-        completed_at=now,
+        finished_at=now,
         lease_expires_at=Case(
             When(status=WorkStatus.RUNNING, then=F("lease_expires_at")), default=None
         ),
@@ -216,7 +216,7 @@ def harvest_job_execute(*, job_id, now=None) -> None:
     attempt.write(
         status=WorkStatus.SUCCEEDED,
         prompts_done=job.n_prompts,
-        completed_at=timezone.now(),
+        finished_at=timezone.now(),
         lease_expires_at=None,
         files=files,
     )
@@ -240,9 +240,10 @@ def _harvest_fail(attempt: Attempt, job: HarvestJob, error: ApiError, **kept) ->
     slot back."""
     failed = attempt.write(
         status=WorkStatus.FAILED,
-        completed_at=timezone.now(),
+        finished_at=timezone.now(),
         lease_expires_at=None,
-        error=error.body()["error"],
+        error_code=error.code,
+        error_message=error.message,
         **kept,
     )
     if failed and not kept.get("files"):
@@ -421,10 +422,7 @@ def harvest_jobs_recover_stuck(*, now=None) -> int:
         HarvestJob,
         running_lost=Q(lease_expires_at__lt=now),
         queued_lost=Q(lease_expires_at__lt=now),
-        failed=lambda job, _code: {
-            "completed_at": now,
-            "error": worker_lost(job.attempts).body()["error"],
-        },
+        message=lambda job, _code: worker_lost(job.attempts).message,
         resend=Resend(
             HARVEST_JOB_RUN_TASK, timedelta(seconds=settings.ACS_HARVEST_JOB_LEASE_SECONDS)
         ),
@@ -437,7 +435,7 @@ def harvest_jobs_expire(*, now=None) -> int:
     ago and mark them expired (their prompts go too); returns how many."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.ACS_HARVEST_RETENTION_SECONDS)
-    ended = HarvestJob.objects.filter(status__in=ENDED, completed_at__lt=cutoff)
+    ended = HarvestJob.objects.filter(status__in=ENDED, finished_at__lt=cutoff)
     expired = 0
     for job in ended.only("pk"):
         harvest_files_delete(job.storage_prefix)
