@@ -218,7 +218,7 @@ def patchscopes_resume_stalled(*, now=None) -> int:
 
 
 def patchscope_cancel(*, user: User, patchscope_id) -> int:
-    """Cancel a Patchscope: its runs not yet taken by a worker fail as cancelled (never sent,
+    """Cancel a Patchscope: its runs not yet taken by a worker are cancelled (never sent,
     so never billed), and no generation is created afterwards. Runs already being sent
     finish. Returns how many runs were cancelled."""
     with transaction.atomic():

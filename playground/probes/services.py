@@ -289,12 +289,7 @@ def probes_fail_stuck(*, now=None) -> int:
         queued_lost=Q(
             created_at__lt=now - dt.timedelta(seconds=settings.PLAYGROUND_RUN_STUCK_SECONDS)
         ),
-        failed=lambda _probe, code: {
-            "error_code": code,
-            "error_message": "The worker fitting this probe stopped; submit it again.",
-            "finished_at": now,
-            "lease_expires_at": None,
-        },
+        message=lambda _probe, _code: "The worker fitting this probe stopped; submit it again.",
         now=now,
     )
 
