@@ -342,6 +342,11 @@ CELERY_BEAT_SCHEDULE["playground-runs-sweep"] = {
     "task": "playground.tasks.runs_sweep_task",
     "schedule": 60.0,
 }
+# The Jobs page's submissions stuck on their way to /v1 (portal/tasks.py), on the same clock.
+CELERY_BEAT_SCHEDULE["job-submissions-sweep"] = {
+    "task": "portal.tasks.job_submissions_sweep_task",
+    "schedule": 60.0,
+}
 
 # --- /v1 gateway (api/) ---
 # Every /v1 response carries X-Request-Id (outermost, so error pages get it too).
@@ -364,7 +369,7 @@ GATEWAY_MIDDLEWARE = ["api.middleware.RequestIdMiddleware"]
 # open for long.
 ACS_REQUEST_BODY_TIMEOUT_SECONDS = env_int("ACS_REQUEST_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
-# --- Playground live output (playground/streams.py) ---
+# --- Playground live output (playground/runs/streams.py) ---
 # Seconds of silence on a run's SSE stream after which a `: keepalive` comment is sent (also
 # how long one blocking Redis read waits; its socket timeout is longer).
 PLAYGROUND_SSE_KEEPALIVE_SECONDS = env_int("PLAYGROUND_SSE_KEEPALIVE_SECONDS", 15, minimum=1)

@@ -10,7 +10,7 @@ NUL is not text this API takes, on any endpoint: PostgreSQL's text and jsonb can
 it, so a job, a harvest or a playground run carrying it could not be saved, and a body must
 mean the same on /v1/completions as in a completion job. A prompt that needs token 0's byte
 can be sent as token ids. The portal's forms refuse it the same way (Django's text fields
-do; the Jobs page's prompt files in `playground.forms.prompts_from_file`)."""
+do; the Jobs page's prompt files in `portal.jobs_forms.prompts_from_file`)."""
 
 import asyncio
 import json

@@ -58,7 +58,7 @@ class LanguageModel(models.Model):
     )
     tokenizer_sha256 = models.CharField(max_length=64, blank=True, editable=False)
     # The playground's logit lens needs the model's final norm and unembedding: it reads them
-    # from the model's own files (playground/lens.py) on the web and worker machines.
+    # from the model's own files (playground/lens/tables.py) on the web and worker machines.
     weights_dir = models.CharField(
         max_length=500,
         blank=True,

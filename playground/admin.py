@@ -1,19 +1,8 @@
 from django.contrib import admin
 
-from .models import JobSubmission, Run, RunComparison, SteeringScore, SteeringVector
+from infra.admin import RecordAdmin
 
-
-class RecordAdmin(admin.ModelAdmin):
-    """What the API answered or a worker recorded: shown, never edited (editing would falsify
-    the record) nor added by hand."""
-
-    raw_id_fields = ["user"]
-
-    def get_readonly_fields(self, request, obj=None):
-        return [field.name for field in self.model._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
+from .models import Run, RunComparison, SteeringScore, SteeringVector
 
 
 @admin.register(Run)
@@ -37,13 +26,6 @@ class RunComparisonAdmin(RecordAdmin):
     list_filter = ["status"]
     search_fields = ["user__email", "error_code"]
     raw_id_fields = ["user", "run_a", "run_b"]
-
-
-@admin.register(JobSubmission)
-class JobSubmissionAdmin(RecordAdmin):
-    list_display = ["id", "user", "kind", "status", "job_id", "error_code", "created_at"]
-    list_filter = ["status", "kind"]
-    search_fields = ["id", "user__email", "job_id", "error_code"]
 
 
 @admin.register(SteeringVector)

@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from infra.lifecycle import WorkRow, WorkStatus
+from infra.lifecycle import WorkRow
 
 # Django registers the models of the features' own modules by these imports.
 from .patchscopes.models import Patchscope  # noqa: F401
@@ -56,7 +56,7 @@ class Run(WorkRow):
     response = models.JSONField(null=True, blank=True)
     request_id = models.CharField(max_length=64, blank=True)
     # When its task went to the workers: at once for a run of its own, in turn for the runs
-    # of a group (`services.runs.group_runs_dispatch`). None while it waits for its turn.
+    # of a group (`runs.services.group_runs_dispatch`). None while it waits for its turn.
     sent_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
     gateway_ms = models.FloatField(null=True, blank=True)
@@ -197,57 +197,6 @@ class SteeringVector(models.Model):
 
     def __str__(self):
         return f"{self.name} (layer {self.layer})"
-
-
-class JobKind(models.TextChoices):
-    COMPLETION = "completion", "Completion job"
-    HARVEST = "harvest", "Harvest job"
-
-
-_SUBMISSION_STATUS_LABELS = {
-    WorkStatus.QUEUED: "Queued",
-    WorkStatus.RUNNING: "Sending",
-    WorkStatus.SUCCEEDED: "Submitted",
-    WorkStatus.FAILED: "Refused",
-}
-
-
-class JobSubmission(WorkRow):
-    """A completion or harvest job asked for on the Jobs page. A worker sends `request` to
-    /v1 with the user's playground key, exactly as an outside client would (so budgets,
-    limits and revocation apply the same way), and keeps the API's `job_id`, or the error
-    the API refused it with. Status moves queued → running (being sent) → succeeded (the
-    API took it) | failed (the API refused it), at `finished_at`; `status_label` says so to
-    a person."""
-
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="job_submissions"
-    )
-    kind = models.CharField(max_length=10, choices=JobKind.choices)
-    request = models.JSONField()
-    job_id = models.UUIDField(null=True, blank=True)
-    # The one-time token of the form submission: posted again, it returns this submission.
-    submit_token = models.UUIDField(null=True, blank=True)
-
-    class Meta:
-        ordering = ["-created_at"]
-        indexes = [models.Index(fields=["user", "-created_at"])]
-        constraints = [
-            models.UniqueConstraint(
-                fields=["user", "submit_token"],
-                condition=Q(submit_token__isnull=False),
-                name="one_job_submission_per_form_submission",
-            )
-        ]
-
-    def __str__(self):
-        return f"{self.get_kind_display().lower()} submission {self.id} ({self.status})"
-
-    @property
-    def status_label(self) -> str:
-        """The status as the Jobs page words it: what happened to the sending."""
-        return _SUBMISSION_STATUS_LABELS[self.status]
 
 
 class RunComparison(WorkRow):

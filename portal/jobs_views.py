@@ -12,13 +12,14 @@ from django_htmx.http import reswap, retarget
 from accounts.access import approved_required
 from api.jobs import selectors
 from api.jobs.services.harvests import HarvestNotCancellable, harvest_job_cancel
+from api.request_forms import ModelCapabilities
 from api.selectors import model_cards
 from infra.htmx import varies_on_htmx, wants_fragment, with_messages
 from infra.tasks import TaskQueueUnreachable
-from playground import selectors as playground_selectors
-from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
-from playground.models import JobKind
-from playground.services.submissions import job_submission_create
+from portal.jobs_forms import CompletionJobForm, HarvestJobForm
+from portal.models import JobKind
+from portal.selectors import job_submissions_shown
+from portal.services import job_submission_create
 
 from .figures import harvest_norm_figure
 
@@ -60,7 +61,7 @@ def _job_forms(request, **bound) -> dict:
 
 def _jobs_context(request) -> dict:
     jobs = selectors.jobs_for_user(user=request.user)
-    submissions = playground_selectors.job_submissions_shown(user=request.user)
+    submissions = job_submissions_shown(user=request.user)
     plotted = _plotted_job(jobs["harvest_jobs"], request.GET.get("plot"))
     harvest_rows = [
         {"job": job, "links": selectors.harvest_download_links(job=job)}

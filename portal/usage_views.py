@@ -14,7 +14,6 @@ from infra.htmx import varies_on_htmx, wants_fragment
 from infra.spreadsheet import SafeWriter
 from metering import selectors as usage_selectors
 from metering.windows import utc_day
-from playground.models import Run
 
 from .billing import billed
 from .figures import usage_figures
@@ -149,15 +148,13 @@ def request_detail(request, record_id: int):
     record = usage_selectors.usage_record_for_user(user_id=request.user.pk, record_id=record_id)
     if record is None:
         raise Http404("No such request in your log.")
-    # The playground keeps the bodies of its own requests; a request sent from there can be
-    # re-run from its run page. Other requests' bodies are never stored.
-    playground_run = (
-        Run.objects.filter(user_id=record.user_id, request_id=record.request_id).only("id").first()
-    )
+    # The playground keeps the bodies of its runs' requests, so a request sent with the
+    # playground key links to the playground, which finds its run. Other requests' bodies
+    # are never stored.
     return render(
         request,
         "usage/request_detail.html",
-        {"record": record, "billed": billed(record), "playground_run": playground_run},
+        {"record": record, "billed": billed(record), "from_playground": record.key.is_playground},
     )
 
 

@@ -1,12 +1,13 @@
 """The import rules of the project's apps, read from the source (ast) of every module.
 
-Dependencies between apps point one way: portal → {playground, api, metering, accounts},
-playground → {api, metering, accounts}, api → metering → accounts; `accounts` imports no
-other project app, and `engine` and `acs_client` no Django app. Every Django app may import
-`infra`, which imports none of them; `acs_portal` (settings, URLs, ASGI, the Celery app)
-stands above them all, and no app imports it. Within an app, no two modules
-import each other, directly or through others: an import inside a function counts as much as
-one at the top of the module, so a lazy import cannot hide a cycle. No module takes a private
+Dependencies between apps point one way: portal → {api, metering, accounts} and
+playground → {api, metering, accounts}, side by side (neither imports the other),
+api → metering → accounts; `accounts` imports no other project app, and `engine` and
+`acs_client` no Django app. Every Django app may import `infra`, which imports none of
+them; `acs_portal` (settings, URLs, ASGI, the Celery app) stands above them all, and no
+app imports it. Within an app, no two modules import each other, directly or through
+others: an import inside a function counts as much as one at the top of the module, so a
+lazy import cannot hide a cycle. No module takes a private
 name (`_name`) from another module of ours: what two modules share is public in one of them.
 And no `ApiError` is given an HTTP status: `api.errors.ERROR_CODES` gives each code its one.
 An app renders no template from another app's folder (`templates/<app>/`).
@@ -25,7 +26,9 @@ ALLOWED = {
     "metering": {"accounts", "infra"},
     "api": {"metering", "accounts", "acs_client", "infra"},
     "playground": {"api", "metering", "accounts", "acs_client", "infra"},
-    "portal": {"playground", "api", "metering", "accounts", "infra"},
+    # Not the playground: the Jobs page is the portal's own, and the playground key (which
+    # both use) is an API key, the accounts app's.
+    "portal": {"api", "metering", "accounts", "acs_client", "infra"},
     "acs_client": set(),
     "engine": {"acs_client"},
 }
@@ -257,3 +260,38 @@ def test_scripts_and_benches_use_the_test_support_package_not_the_tests():
         or line.lstrip().startswith(("from tests.", "import tests."))
     ]
     assert violations == []
+
+
+def test_the_portal_imports_no_playground_module():
+    """The two apps stand side by side: the Jobs page's submissions are the portal's, and
+    the request log links to the playground by URL."""
+    graph = import_graph()
+    assert [
+        f"{module} imports {target}"
+        for module, imported in sorted(graph.items())
+        if module.split(".")[0] == "portal"
+        for target in sorted(imported)
+        if target.split(".")[0] == "playground"
+    ] == []
+
+
+# A module a newcomer can read through; past this, split it by concern.
+MAX_PLAYGROUND_MODULE_LINES = 500
+
+
+def modules_over(limit: int, paths) -> list[str]:
+    """The modules among `paths` with more than `limit` lines, each with its count."""
+    counts = {path: len(path.read_text().splitlines()) for path in paths}
+    return [f"{path}: {n} lines" for path, n in sorted(counts.items()) if n > limit]
+
+
+def test_no_playground_module_is_over_500_lines():
+    paths = [path for path in (ROOT / "playground").rglob("*.py") if "migrations" not in path.parts]
+    assert modules_over(MAX_PLAYGROUND_MODULE_LINES, paths) == []
+
+
+def test_the_line_limit_catches_a_long_module(tmp_path):
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * 501)
+    short.write_text("x = 1\n" * 500)
+    assert [line.split(": ")[1] for line in modules_over(500, [long, short])] == ["501 lines"]

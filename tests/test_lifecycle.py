@@ -8,7 +8,8 @@ import importlib
 import uuid
 
 import pytest
-from django.apps import apps
+from django.db import connection
+from django.db.migrations.loader import MigrationLoader
 from django.utils import timezone
 
 from api.jobs import tasks as jobs_tasks
@@ -20,7 +21,9 @@ from metering import windows
 from metering.jobs import job_meter, job_reserve
 from metering.models import BudgetReservation, ReservationStatus, UsagePeriod, UsageRecord
 from playground import tasks as playground_tasks
-from playground.models import JobKind, JobSubmission, Run, RunComparison, SteeringScore
+from playground.models import Run, RunComparison, SteeringScore
+from portal import tasks as portal_tasks
+from portal.models import JobKind, JobSubmission
 
 WORK_TABLES = (CompletionJob, HarvestJob, Run, SteeringScore, RunComparison, JobSubmission)
 
@@ -82,6 +85,13 @@ def _migration(app: str, name: str):
     return importlib.import_module(f"{app}.migrations.{name}")
 
 
+def _models_at(app: str, name: str):
+    """The models as they stood at migration `name` of `app` (a model may have moved to
+    another app since: JobSubmission did, to the portal)."""
+    label = app.rpartition(".")[2]  # api.jobs's label is "jobs"
+    return MigrationLoader(connection).project_state((label, name)).apps
+
+
 @pytest.mark.parametrize(
     ("model", "migration", "renames"),
     [
@@ -111,6 +121,7 @@ def test_the_status_migrations_map_every_old_status_and_back(
                 user=approved_user, kind=JobKind.COMPLETION, request={}, status=old
             )
     module = _migration(*migration)
+    apps = _models_at(*migration)
 
     module.forward(apps, None)
     assert {old: model.objects.get(pk=row.pk).status for old, row in rows.items()} == renames
@@ -180,6 +191,7 @@ def test_one_sweep_fails_the_stuck_rows_of_every_table(
 
     jobs_tasks.jobs_sweep_task()
     playground_tasks.runs_sweep_task()
+    portal_tasks.job_submissions_sweep_task()
 
     # The rows above and run_b, the comparison's other run, stuck as long.
     assert sorted(failed_through_lifecycle) == ["not_sent"] + ["worker_lost"] * 6

@@ -18,7 +18,8 @@ from .test_settings import load_settings, production
 
 BUNDLE = REPO_ROOT / "static" / "vendor" / "plotly-acs-4.1.1.min.js"
 PACKAGE_BUNDLE = plotly.__file__.replace("__init__.py", "package_data/plotly.min.js")
-FIGURE_MODULES = ["playground/figures.py", "portal/figures.py"]
+# Every module that may build a figure: the playground's (by feature) and the portal's.
+FIGURE_MODULES = [*(REPO_ROOT / "playground").rglob("*.py"), REPO_ROOT / "portal" / "figures.py"]
 TEN_YEARS = 315360000
 
 
@@ -31,7 +32,7 @@ def traces_used() -> set[str]:
     """The trace type of every `go.<Trace>` in the figure builders, and of the usage charts."""
     used = set()
     for module in FIGURE_MODULES:
-        tree = ast.parse((REPO_ROOT / module).read_text())
+        tree = ast.parse(module.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "go":
                 candidate = getattr(go, node.attr)

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from accounts.models import User
 from infra.lifecycle import WorkStatus
+from playground.patching.grid import run_outcome
+from playground.plots import visible_token
 
-from ..figures import visible_token
 from ..models import Run, RunKind
-from ..patching_grid import run_outcome
 from .models import Patchscope
 from .services import patchscope_cost
 

@@ -30,10 +30,10 @@ from accounts.models import User
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
+from playground import captures
+from playground.runs.services import run_create, submitted_once
 
-from .. import figures
 from ..models import Run, RunKind
-from ..services.runs import run_create, submitted_once
 from .models import Patchscope
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def patchscope_runs_create(*, patchscope_id) -> int:
             return 0
         if runs.filter(kind=RunKind.PATCHSCOPE).exists():
             return 0
-        own = figures.activations(capture.request, capture.response).tensor
+        own = captures.activations(capture.request, capture.response).tensor
         targets = patchscope.target_layers
         sources = decode(patchscope.source_states)
         position = patchscope.inspection_position

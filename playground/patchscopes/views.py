@@ -11,14 +11,14 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
+from api.request_forms import ModelCapabilities
+from api.selectors import model_cards
 from infra.tasks import TaskQueueUnreachable
+from playground import exports
+from playground.runs import selectors as run_selectors
+from playground.vectors.captures import CaptureError, capture_of
 
-from .. import exports
-from .. import selectors as run_selectors
-from ..forms import ModelCapabilities
 from ..models import Run
-from ..vectors import CaptureError, capture_of
-from ..views import model_cards
 from . import services
 from .forms import PatchscopeForm
 from .selectors import capture_runs, latest_patchscope_id, patchscope_for_user

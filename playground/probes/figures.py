@@ -4,7 +4,7 @@ baseline for accuracy, 0.5 for AUROC)."""
 
 import plotly.graph_objects as go
 
-from ..figures import figure_entry
+from playground.plots import figure_entry
 
 PROBE_COLOUR = "#2166ac"
 CONTROL_COLOUR = "#b2182b"

@@ -7,10 +7,10 @@ from django import forms
 
 from acs_client.protocol import RuleBroken, check_layer_list
 from api.errors import ApiError
+from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from api.selectors import model_get
 from api.tokenizer import count_prompt_tokens
 
-from ..forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from .datasets import (
     FORMAT_HELP,
     MAX_DATASET_BYTES,

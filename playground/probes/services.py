@@ -18,14 +18,14 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import User
+from accounts.services.playground_key import playground_key_get_or_create, worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from acs_client.downloads import load_activations
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_claim, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
+from playground.vectors.services import steering_vector_create
 
 from ..models import SteeringVector, VectorMethod
-from ..services.keys import playground_key_get_or_create, worker_secret
-from ..services.vectors import steering_vector_create
 from . import fitting
 from .datasets import Dataset
 from .models import Probe

@@ -6,12 +6,13 @@ to every position's own row."""
 import numpy as np
 from django.http import Http404
 
-from .. import figures
+from playground import captures
+
 from ..models import Run, SteeringVector, VectorMethod
 from .fitting import decision
 
 
-def probe_vectors_for_run(run: Run, capture: figures.Capture) -> list[SteeringVector]:
+def probe_vectors_for_run(run: Run, capture: captures.Capture) -> list[SteeringVector]:
     """The run's user's saved probes of the run's model at a layer the run captured."""
     return list(
         SteeringVector.objects.filter(
@@ -30,7 +31,7 @@ def _colour(score: float, largest: float) -> str:
     return f"rgb({fade},{fade},255)" if score > 0 else f"rgb(255,{fade},{fade})"
 
 
-def score_strip(capture: figures.Capture, vector: SteeringVector) -> dict:
+def score_strip(capture: captures.Capture, vector: SteeringVector) -> dict:
     """The strip of `vector` (a saved probe) over the capture: per position its label,
     score and colour."""
     rows = capture.tensor[capture.layers.index(vector.layer)]
@@ -53,7 +54,7 @@ def score_strip(capture: figures.Capture, vector: SteeringVector) -> dict:
     }
 
 
-def score_strip_section(run: Run, capture: figures.Capture, vector_id=None) -> dict | None:
+def score_strip_section(run: Run, capture: captures.Capture, vector_id=None) -> dict | None:
     """The run page's score-strip section: the probes it can show and the strip of the one
     picked (`vector_id`; the newest by default); None when the user saved no probe of this
     model at a captured layer. 404 for a `vector_id` not among them."""

@@ -11,11 +11,11 @@ from django_htmx.http import reswap, retarget
 from accounts.access import approved_required
 from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
+from playground import exports
+from playground.runs import selectors as run_selectors
+from playground.runs.views import models_and_capabilities, with_new_submit_token
+from playground.vectors.captures import CaptureError, capture_of
 
-from .. import exports
-from .. import selectors as playground_selectors
-from ..vectors import CaptureError, capture_of
-from ..views import models_and_capabilities, with_new_submit_token
 from . import services
 from .forms import ProbeForm
 from .models import Probe
@@ -168,7 +168,7 @@ def probe_vector_save(request, probe_id):
 def probe_score_strip(request, run_id):
     """The score strip of the saved probe `?vector=` on a capture run (the run page's
     picker)."""
-    run = playground_selectors.run_for_user(user=request.user, run_id=run_id)
+    run = run_selectors.run_for_user(user=request.user, run_id=run_id)
     try:
         capture = capture_of(run)
     except CaptureError as error:

@@ -4,7 +4,8 @@ band around 0. One entry per figure in FIGURES: the page draws them in that orde
 
 import plotly.graph_objects as go
 
-from .. import figures as playground_figures
+from playground import plots
+
 from .selectors import EvaluationReport
 
 METRIC_LABELS = {
@@ -62,7 +63,7 @@ def change_by_scale_figure(report: EvaluationReport, metric: str) -> go.Figure:
         legend={"orientation": "h", "y": -0.3},
     )
     # The playground's one chart layout (as `compare` uses it).
-    return playground_figures._layout(figure, METRIC_LABELS[metric], height=380)
+    return plots.figure_layout(figure, METRIC_LABELS[metric], height=380)
 
 
 FIGURES = {
@@ -75,4 +76,4 @@ def evaluation_figures(report: EvaluationReport) -> list[dict]:
     """The page's figures as it embeds them, once any steered pair has been scored."""
     if not any(r["delta_logit_diff"] is not None for r in report.records):
         return []
-    return [playground_figures.figure_entry(name, build(report)) for name, build in FIGURES.items()]
+    return [plots.figure_entry(name, build(report)) for name, build in FIGURES.items()]

@@ -7,16 +7,11 @@ count only shows the cost (see `views.steering_eval_submit`)."""
 from django import forms
 
 from api.errors import ApiError
+from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm
+from playground.fields import MAX_SCALE, float_list
+from playground.runs.tokens import shown_tokens, tokenize
 
-from ..forms import (
-    LIST_FIELD_MAX_CHARS,
-    MAX_SCALE,
-    ModelCapabilities,
-    SubmitOnceForm,
-    float_list,
-)
 from ..models import SteeringVector
-from ..run_tokens import shown_tokens, tokenize
 from . import dataset as datasets
 from .models import SteerAt
 from .selectors import budget_shortfall

@@ -2,7 +2,8 @@
 sequence each, teacher-forced), the same per-prompt numbers and the same means, intervals,
 noise floors and flips, computed with numpy."""
 
-from ..exports import NOTEBOOK_HEADER
+from playground.exports import NOTEBOOK_HEADER
+
 from . import metrics
 from .models import SteerAt, SteeringEvaluation
 

@@ -10,10 +10,10 @@ from accounts.models import ApiKey, User
 from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.selectors import budget_windows
+from playground.patching.grid import run_outcome
+from playground.plots import visible_token
 
-from ..figures import visible_token
 from ..models import Run, RunKind
-from ..patching_grid import run_outcome
 from . import metrics
 from .models import SteeringEvaluation
 

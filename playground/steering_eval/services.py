@@ -24,15 +24,15 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.models import User
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import steering_vector
 from acs_client.codec import decode
 from infra.lifecycle import WorkStatus
+from playground.patching.services import queue_order
+from playground.runs.services import group_runs_dispatch, submitted_once
+from playground.runs.tokens import with_token_ids
 
 from ..models import Run, RunKind, SteeringVector
-from ..patching import queue_order
-from ..run_tokens import with_token_ids
-from ..services.keys import playground_key_get_or_create
-from ..services.runs import group_runs_dispatch, submitted_once
 from .models import SteerAt, SteeringEvaluation
 
 # Unsteered requests per prompt (each completion): the baseline and its noise floor.

@@ -11,9 +11,9 @@ from django_htmx.http import reswap, retarget
 
 from accounts.access import approved_required
 from infra.tasks import TaskQueueUnreachable
+from playground import exports
+from playground.runs.views import models_and_capabilities
 
-from .. import exports
-from ..views import models_and_capabilities
 from . import services
 from .figures import evaluation_figures
 from .forms import SteeringEvalForm, cost_statement

@@ -6,7 +6,7 @@
 // text is read back as plain text.
 //
 // A figure draws tokens with their whitespace made visible (·, ⏎); the downloads hold the
-// tokens' own text, which the figure carries beside what it draws (playground/figures.py):
+// tokens' own text, which the figure carries beside what it draws (playground/plots.py):
 // a trace's `meta` the plain text of its `text`, `x`, `y`, `customdata` or `name`, the
 // layout's `meta.labels` the plain text naming each value of an axis ("x", "y2").
 //

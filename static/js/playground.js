@@ -120,7 +120,7 @@
   }
 
   // Whether the plot `div` is the token strip, whose cells re-wrap to its width (its figure's
-  // data-width, from playground/run_figures.py).
+  // data-width, from playground/runs/registry.py).
   function isStrip(div) {
     var figure = div.closest("[data-width]");
     return Boolean(figure) && figure.dataset.width === "strip";

@@ -1,6 +1,6 @@
 // The scrubber of a finished sweep: its slider shows each scale's text, summary and
 // same-token figure and marks the scale on the sweep chart, in place (the steps are embedded
-// in the page: playground/scrub.py). Model output is only ever inserted with textContent.
+// in the page: playground/steering/scrub.py). Model output is only ever inserted with textContent.
 (function () {
   "use strict";
 

@@ -8,8 +8,8 @@ import pytest
 from playwright.sync_api import expect
 
 from accounts.models import ApiKey
+from accounts.services.playground_key import playground_key_secret
 from playground.models import Run
-from playground.services.keys import playground_key_secret
 
 from .conftest import BROWSER_USER
 from .test_playground import run_panel_after

@@ -9,11 +9,11 @@ from django.db import connections
 from playwright.sync_api import expect
 
 from accounts.models import User
+from accounts.services.playground_key import playground_key_get_or_create
 from api import upstream
 from api.jobs.models import HarvestJob
 from infra.lifecycle import WorkStatus
 from playground.probes.models import Probe
-from playground.services.keys import playground_key_get_or_create
 from tests.conftest import make_user
 
 from .conftest import BROWSER_USER, watched_page

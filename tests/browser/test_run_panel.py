@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from playwright.sync_api import expect
 
-from playground.figures import STRIP_WIDTH
+from playground.plots import STRIP_WIDTH
 
 from .test_playground import RUN_PANEL, run_panel_after, submit_completion
 

@@ -13,12 +13,12 @@ from django.conf import settings
 from playwright.sync_api import expect
 
 from accounts.models import ApiKey, User
+from accounts.services.playground_key import playground_key_get_or_create
 from api import upstream
 from infra.lifecycle import WorkStatus
 from playground.models import Run
-from playground.services.keys import playground_key_get_or_create
-from playground.services.vectors import steering_vector_create
 from playground.steering_eval.models import SteeringEvaluation
+from playground.vectors.services import steering_vector_create
 from tests.conftest import make_user
 
 from .conftest import watched_page

@@ -13,7 +13,7 @@ from playwright.sync_api import expect
 from accounts.models import User
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind, SteeringScore
-from playground.services.vectors import steering_vector_create
+from playground.vectors.services import steering_vector_create
 from tests.conftest import make_user
 from tests.playground.conftest import recorded
 

@@ -230,10 +230,10 @@ def float32_reference() -> ReferenceModel:
 
 @pytest.fixture(scope="session")
 def lens_weights(float32_reference):
-    """The playground's logit-lens weights (`playground.lens`) of the engine's weight
+    """The playground's logit-lens weights (`playground.lens.tables`) of the engine's weight
     directory, which `float32_reference` builds when missing."""
     from engine.loader import default_cache_dir
-    from playground.lens import lens_weights
+    from playground.lens.tables import lens_weights
 
     return lens_weights(str(default_cache_dir()))
 

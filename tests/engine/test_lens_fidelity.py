@@ -1,5 +1,5 @@
 """The logit lens and direct logit attribution that a run's page shows, computed by
-`playground.lens` from an upstream's raw captured rows, hold to transformers' float32 model:
+`playground.lens.tables` from an upstream's raw captured rows, hold to transformers' float32 model:
 forward hooks read each block's output (reference_model.py) and the model's own final norm and
 lm_head turn it into logits. Here for the embedded engine; test_vllm_lens_fidelity.py runs the
 same checks on vLLM-Lens.
@@ -22,7 +22,7 @@ from reference_model import cpu_description
 
 from acs_client.codec import decode
 from acs_client.protocol import in_vllm_xargs
-from playground import lens
+from playground.lens import tables as lens
 from tests.tolerances import WIDEST, Tolerance
 
 N_LAYERS = 30

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from infra.lifecycle import WorkStatus
 from playground.models import Run, RunKind
-from playground.services.runs import run_create, run_enqueue
+from playground.runs.services import run_create, run_enqueue
 
 from .conftest import STUB_MODEL, make_account, wait_for
 

@@ -11,7 +11,7 @@ import httpx
 from api.jobs.models import CompletionJob
 from metering.models import UsageRecord
 from playground.models import Run
-from playground.services.runs import run_create
+from playground.runs.services import run_create
 
 from .conftest import STUB_MODEL, make_account, wait_for
 

@@ -13,7 +13,7 @@ from accounts.services.keys import api_key_revoke
 from api.auth import GENERATION_KEY, access_generation_bump
 from metering.models import UsageRecord
 from playground.models import Run
-from playground.services.runs import run_create
+from playground.runs.services import run_create
 from tests.playground.conftest import replay
 
 from .conftest import STUB_MODEL, wait_for

@@ -26,8 +26,8 @@ from api import admission
 from metering import windows
 from metering.models import BudgetLease, UsagePeriod, UsageRecord
 from metering.tasks import budget_release_stale_task
-from playground import streams
 from playground.models import Run
+from playground.runs import streams
 from tests.conftest import PASSWORD
 from testsupport.servers import (
     REPO_ROOT,

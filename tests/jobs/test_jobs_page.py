@@ -16,7 +16,7 @@ from api.jobs.models import CompletionJob, HarvestJob
 from api.jobs.services import completion_jobs, harvests, statistics
 from api.jobs.storage import STATS_NAME, Tensor, harvest_file_write, safetensors_bytes
 from infra.lifecycle import WorkStatus
-from playground.models import JobKind, JobSubmission
+from portal.models import JobKind, JobSubmission
 from tests.conftest import PASSWORD
 from tests.playground.test_views import MODEL
 

@@ -11,15 +11,15 @@ import pytest
 from acs_client.client import AcsClient
 from acs_portal.celery import app as celery_app
 from infra.redis import redis_sync
-from playground import streams
+from playground.runs import streams
 from tests.gateway.conftest import gateway_url  # noqa: F401 (the live /v1 gateway)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The modules whose workers call /v1 with `AcsClient`.
 WORKER_MODULES = (
-    "playground.services.run_execution",
-    "playground.services.scores",
-    "playground.services.submissions",
+    "playground.runs.execution",
+    "playground.steering.services",
+    "portal.services",
 )
 
 
@@ -52,7 +52,7 @@ def ada(client, approved_user):
 @pytest.fixture
 def listed_model(monkeypatch):
     """The playground's pages list MODEL."""
-    monkeypatch.setattr("playground.views.model_cards", lambda: [MODEL])
+    monkeypatch.setattr("playground.runs.views.model_cards", lambda: [MODEL])
 
 
 def replay(run_id) -> list[dict]:

@@ -7,14 +7,9 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from playground.models import (
-    JobKind,
-    JobSubmission,
-    Run,
-    RunComparison,
-    SteeringScore,
-    WorkStatus,
-)
+from infra.lifecycle import WorkStatus
+from playground.models import Run, RunComparison, SteeringScore
+from portal.models import JobKind, JobSubmission
 from testsupport.second_factor import sign_in
 
 
@@ -49,14 +44,14 @@ def records(approved_user):
 def test_each_record_is_listed_shown_and_not_editable(superuser, records, index):
     record = records[index]
     meta = record._meta
-    changelist = superuser.get(reverse(f"admin:playground_{meta.model_name}_changelist"))
+    changelist = superuser.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_changelist"))
     assert changelist.status_code == 200 and record.error_code in changelist.content.decode()
-    change_url = reverse(f"admin:playground_{meta.model_name}_change", args=[record.pk])
+    change_url = reverse(f"admin:{meta.app_label}_{meta.model_name}_change", args=[record.pk])
     page = superuser.get(change_url)
     assert page.status_code == 200 and record.error_code in page.content.decode()
     assert 'name="status"' not in page.content.decode(), "no field is editable"
     superuser.post(change_url, {"status": WorkStatus.SUCCEEDED, "error_code": "edited"})
     record.refresh_from_db()
     assert record.error_code != "edited" and record.status == WorkStatus.QUEUED
-    add = superuser.get(reverse(f"admin:playground_{meta.model_name}_add"))
+    add = superuser.get(reverse(f"admin:{meta.app_label}_{meta.model_name}_add"))
     assert add.status_code == 403

@@ -15,7 +15,7 @@ from django.urls import reverse
 from acs_client.client import AcsClient
 from acs_client.codec import encode_vector
 from infra.lifecycle import WorkStatus
-from playground import compare
+from playground.compare import services as compare
 from tests.tolerances import WIDEST
 
 from . import test_figure_numbers
@@ -42,7 +42,7 @@ page_client = test_figure_numbers.page_client
 def recorder(science, monkeypatch):
     recorder, tokenizer = science
     monkeypatch.setattr(
-        "playground.compare.AcsClient", functools.partial(AcsClient, transport=recorder)
+        "playground.compare.services.AcsClient", functools.partial(AcsClient, transport=recorder)
     )
     return recorder, tokenizer
 

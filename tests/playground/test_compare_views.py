@@ -14,7 +14,9 @@ from django.utils import timezone
 
 from acs_client.client import AcsClient
 from infra.lifecycle import WorkStatus
-from playground import compare, scoring, tasks
+from playground import scoring, tasks
+from playground.compare import differences as compare_differences
+from playground.compare import services as compare
 from playground.models import Run, RunComparison
 
 from .conftest import HTMX, recorded
@@ -229,7 +231,7 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
 
     transport = httpx.MockTransport(answer)
     monkeypatch.setattr(
-        "playground.compare.AcsClient", functools.partial(AcsClient, transport=transport)
+        "playground.compare.services.AcsClient", functools.partial(AcsClient, transport=transport)
     )
     comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)
     comparison = compare.comparison_execute(comparison_id=comparison.pk)
@@ -238,7 +240,7 @@ def test_runs_without_logprobs_are_scored_under_each_runs_settings(approved_user
     assert [body["prompt"] for body in sent] == [sequences, sequences]
     assert [body.get("apply_steering_vectors") for body in sent] == [None, steering]
     assert all(body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 for body in sent)
-    differences = compare.logprob_differences(comparison.results)
+    differences = compare_differences.logprob_differences(comparison.results)
     assert differences["a"]["delta"] == differences["b"]["delta"] == [-2.0] * 5
 
 
@@ -281,7 +283,7 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
         return httpx.Response(200, json={"choices": choices, "usage": {}})
 
     monkeypatch.setattr(
-        "playground.compare.AcsClient",
+        "playground.compare.services.AcsClient",
         functools.partial(AcsClient, transport=httpx.MockTransport(answer)),
     )
     Run.objects.filter(pk=b.pk).update(
@@ -305,7 +307,7 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
     namespace = {}
     exec(compile(html.unescape(code), "notebook", "exec"), namespace)
     comparison.refresh_from_db()
-    differences = compare.logprob_differences(comparison.results)
+    differences = compare_differences.logprob_differences(comparison.results)
     for side in ("a", "b"):
         assert namespace["delta"][side.upper()].tolist() == differences[side]["delta"]
         assert namespace["mean_delta"][side.upper()] == -4.0

@@ -10,10 +10,11 @@ import pytest
 from django.urls import reverse
 
 from acs_client.codec import decode, encode_vector
-from playground import forms, views
 from playground.models import Run, RunKind
-from playground.services.run_execution import run_execute
-from playground.services.vectors import contrast_runs_create
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.vectors import forms as vector_forms
+from playground.vectors.services import contrast_runs_create
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.django_db
 def stand_ins(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     monkeypatch.setattr(
-        forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
+        vector_forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
     )
 
 

@@ -14,7 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from playground import compare, figures
+from playground import plots
+from playground.compare import differences
+from playground.compare import figures as compare_figures
+from playground.runs import activation_figures, figures
+from playground.steering import figures as steering_figures
 
 from .test_figures import ALL_POSITIONS, captured, positions, with_tokens  # noqa: F401
 
@@ -31,7 +35,7 @@ def downloads(built: dict[str, object] | None = None, cells: list | None = None)
     """What exports.js makes of `built` (figure name → plotly figure, or the dict the page
     embeds) and of `cells` (values written as CSV cells)."""
     embedded = {
-        name: figure if isinstance(figure, dict) else figures.figure_entry(name, figure)["data"]
+        name: figure if isinstance(figure, dict) else plots.figure_entry(name, figure)["data"]
         for name, figure in (built or {}).items()
     }
     answer = subprocess.run(
@@ -57,7 +61,7 @@ def test_csv_cells_a_spreadsheet_would_run_start_with_a_quote_and_numbers_stay_n
 
 def test_the_cosine_csv_holds_both_positions_of_each_pair(captured):  # noqa: F811
     capture = with_tokens(captured, TOKENS)
-    cosine = figures.activation_cosine_figure(capture, 4, ALL_POSITIONS)
+    cosine = activation_figures.activation_cosine_figure(capture, 4, ALL_POSITIONS)
     made = downloads({"cosine": cosine})["figures"]["cosine"]
     rows = csv_rows(made["csv"])
     pairs = {(int(row["position i (token)"]), int(row["position j (token)"])) for row in rows}
@@ -70,7 +74,7 @@ def test_the_cosine_csv_holds_both_positions_of_each_pair(captured):  # noqa: F8
         assert row["position i (token) label"] == f"{i} {TOKENS[i]}"
         assert row["position j (token) label"] == f"{j} {TOKENS[j]}"
     # Two axes of one name (a figure titled so) still give two columns.
-    same = figures.figure_entry("cosine", cosine)["data"]
+    same = plots.figure_entry("cosine", cosine)["data"]
     same["layout"]["yaxis"]["title"]["text"] = same["layout"]["xaxis"]["title"]["text"]
     [record, *_] = downloads({"cosine": same})["figures"]["cosine"]["json"]["records"]
     assert {"position j (token) (x)", "position j (token) (y)"} <= set(record)
@@ -95,11 +99,11 @@ def test_downloads_hold_the_tokens_own_text_not_the_figures_visible_whitespace(
     }  # fmt: skip
     built = {
         "tokens": figures.token_strip_figure(positions),
-        "heatmap": figures.activation_norm_heatmap(capture, ALL_POSITIONS),
-        "pca": figures.activation_pca_figure(capture, 4, ALL_POSITIONS),
+        "heatmap": activation_figures.activation_norm_heatmap(capture, ALL_POSITIONS),
+        "pca": activation_figures.activation_pca_figure(capture, 4, ALL_POSITIONS),
         "topk": figures.top_k_figure(top),
-        "same": figures.same_token_figure([" the", "\n"], compared),
-        "sweep": figures.scale_sweep_figure(
+        "same": steering_figures.same_token_figure([" the", "\n"], compared),
+        "sweep": steering_figures.scale_sweep_figure(
             [{"scale": 0.0, "target_logprob": -2.0, "missing": "", "mean_shift": None}], " Paris"
         ),
     }
@@ -123,7 +127,7 @@ def test_downloads_hold_the_tokens_own_text_not_the_figures_visible_whitespace(
     assert [(row["token"], row[pair]) for row in same] == [
         (" the", "0  the/=x"), ("\n", "1 \n"), ("'=x", "0  the/=x"),
     ]  # fmt: skip
-    assert [row[figures.DELTA_AXIS] for row in same] == ["-0.5", "1", "1"]
+    assert [row[steering_figures.DELTA_AXIS] for row in same] == ["-0.5", "1", "1"]
     assert [row["log p_baseline"] for row in same] == ["-1", "-2", "-3"]
     # A sweep's line named by its target's own text.
     assert made["sweep"]["json"]["records"][0]["trace"] == "logprob of  Paris (left)"
@@ -132,15 +136,17 @@ def test_downloads_hold_the_tokens_own_text_not_the_figures_visible_whitespace(
 
 
 def test_a_comparisons_downloads_hold_the_tokens_own_text():
-    sequence = compare.TokenSequence(ids=[1, 2, 3], strings=["He", " said", "\n"], prompt_length=2)
+    sequence = differences.TokenSequence(
+        ids=[1, 2, 3], strings=["He", " said", "\n"], prompt_length=2
+    )
     difference = {"positions": [1, 2], "delta": [-0.25, 0.5], "under_a": [-1.0, -2.0],
                   "under_b": [-1.25, -1.5]}  # fmt: skip
     activations = {"layers": [0], "norms": np.array([[0.0, 1.0]]), "labels": ["0 He", "1 ·a/·b"],
                    "texts": ["0 He", "1  a/ b"]}  # fmt: skip
     made = downloads(
         {
-            "delta": compare.logprob_difference_figure("a", sequence, difference),
-            "activations": compare.activation_difference_figure(activations),
+            "delta": compare_figures.logprob_difference_figure("a", sequence, difference),
+            "activations": compare_figures.activation_difference_figure(activations),
         }
     )["figures"]
     delta = made["delta"]["json"]["records"]

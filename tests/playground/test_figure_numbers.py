@@ -24,23 +24,19 @@ import zstandard
 from django.urls import reverse
 from tokenizers import Tokenizer
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_client.downloads import load_activations
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from infra.lifecycle import WorkStatus
-from playground import views
 from playground.models import Run, RunKind, SteeringScore
-from playground.services.keys import playground_key_get_or_create
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
-from playground.services.scores import steering_score_execute
-from playground.services.vectors import (
-    contrast_runs_create,
-    steering_runs_create,
-    steering_vector_create,
-)
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
+from playground.steering.services import steering_runs_create, steering_score_execute
+from playground.vectors.services import contrast_runs_create, steering_vector_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 from tests.tolerances import WIDEST

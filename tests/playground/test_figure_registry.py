@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 import pytest
 from django.urls import reverse
 
-from playground import run_figures
+from playground.runs import registry as run_figures
 
 from .conftest import HTMX
 from .test_views import finished_run

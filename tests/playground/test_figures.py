@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from playground import figures
+from playground import captures, plots, token_positions
+from playground.runs import activation_figures, figures
+from playground.steering import figures as steering_figures
 
 from .conftest import recorded
 
@@ -23,7 +25,7 @@ COMPLETION_REQUEST = {
 
 @pytest.fixture
 def positions():
-    return figures.token_positions(COMPLETION_REQUEST, recorded("completion_logprobs.json"))
+    return token_positions.token_positions(COMPLETION_REQUEST, recorded("completion_logprobs.json"))
 
 
 def test_token_positions_align_prompt_and_completion_tokens(positions):
@@ -41,7 +43,7 @@ def test_token_positions_align_prompt_and_completion_tokens(positions):
 
 def test_full_vocabulary_prompt_tokens_are_found_by_the_prompt_text():
     response = recorded("full_vocab_trimmed.json")
-    positions = figures.token_positions(
+    positions = token_positions.token_positions(
         {"prompt": "Paris is nice", "prompt_logprobs": -1}, response
     )
     assert [p["token"] for p in positions] == ["Paris", " is", " nice"]
@@ -63,7 +65,7 @@ def test_echo_logprobs_split_into_prompt_and_completion():
             }
         ]
     }
-    positions = figures.token_positions(request, response)
+    positions = token_positions.token_positions(request, response)
     assert [(p["source"], p["token"]) for p in positions] == [
         ("prompt", "a"),
         ("prompt", "b"),
@@ -94,7 +96,7 @@ def test_token_labels_escape_html():
 def test_token_labels_keep_quotes_plotly_would_show_as_entities():
     # plotly decodes &lt; &gt; &amp; and numeric entities in text, but not &quot;, which it
     # would show literally: quotes need no escaping in text, so they stay as they are.
-    assert figures._label("say \"hi\" & 'bye'") == "say·\"hi\"·&amp;·'bye'"
+    assert plots.token_label("say \"hi\" & 'bye'") == "say·\"hi\"·&amp;·'bye'"
 
 
 def test_top_k_figure_highlights_the_actual_token(positions):
@@ -122,49 +124,49 @@ TOKENS = [None, None, None, None, "<b>"]
 
 def with_tokens(capture, tokens):
     """The capture with its positions named `tokens` (all prompt tokens)."""
-    rows = [figures.CapturedRow(row, "prompt", token, None) for row, token in enumerate(tokens)]
-    return figures.Capture(capture.tensor, capture.layers, rows)
+    rows = [captures.CapturedRow(row, "prompt", token, None) for row, token in enumerate(tokens)]
+    return captures.Capture(capture.tensor, capture.layers, rows)
 
 
 @pytest.fixture
 def captured():
-    capture = figures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
+    capture = captures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
     return with_tokens(capture, TOKENS)
 
 
-ALL_POSITIONS = figures.PositionWindow(exclude_first=False)
+ALL_POSITIONS = captures.PositionWindow(exclude_first=False)
 
 
 def test_activation_norm_heatmap_is_layers_by_positions(captured):
-    heatmap = figures.activation_norm_heatmap(captured, ALL_POSITIONS).data[0]
+    heatmap = activation_figures.activation_norm_heatmap(captured, ALL_POSITIONS).data[0]
     assert np.array(heatmap.z).shape == (3, 5)
     assert list(heatmap.y) == ["0", "4", "8"]
     assert heatmap.z[1][2] == pytest.approx(float(np.linalg.norm(captured.tensor[1, 2])), rel=1e-5)
 
 
 def test_activation_views_leave_out_the_first_token_by_default(captured):
-    heatmap = figures.activation_norm_heatmap(captured).data[0]
+    heatmap = activation_figures.activation_norm_heatmap(captured).data[0]
     assert list(heatmap.x) == [1, 2, 3, 4] and np.array(heatmap.z).shape == (3, 4)
-    cosine = figures.activation_cosine_figure(captured, 4).data[0]
+    cosine = activation_figures.activation_cosine_figure(captured, 4).data[0]
     assert np.array(cosine.z).shape == (4, 4)
-    assert len(figures.activation_pca_figure(captured, 4).data[0].x) == 4
-    window = figures.PositionWindow(start=2, end=3)
-    assert list(figures.activation_norm_heatmap(captured, window).data[0].x) == [2, 3]
+    assert len(activation_figures.activation_pca_figure(captured, 4).data[0].x) == 4
+    window = captures.PositionWindow(start=2, end=3)
+    assert list(activation_figures.activation_norm_heatmap(captured, window).data[0].x) == [2, 3]
 
 
 def test_all_layer_capture_numbers_rows_from_zero():
     response = recorded("capture.json")
-    assert figures.activations({"output_residual_stream": True}, response).layers == [0, 1, 2]
+    assert captures.activations({"output_residual_stream": True}, response).layers == [0, 1, 2]
 
 
 def test_norm_by_layer_follows_one_position(captured):
-    line = figures.activation_norm_by_layer(captured, 3).data[0]
+    line = activation_figures.activation_norm_by_layer(captured, 3).data[0]
     assert list(line.x) == [0, 4, 8]
     assert line.y[2] == pytest.approx(float(np.linalg.norm(captured.tensor[2, 3])), rel=1e-5)
 
 
 def test_cosine_similarity_has_unit_diagonal_and_is_symmetric(captured):
-    z = np.array(figures.activation_cosine_figure(captured, 4, ALL_POSITIONS).data[0].z)
+    z = np.array(activation_figures.activation_cosine_figure(captured, 4, ALL_POSITIONS).data[0].z)
     assert np.allclose(np.diag(z), 1, atol=1e-5)
     assert np.allclose(z, z.T, atol=1e-6)
 
@@ -172,7 +174,7 @@ def test_cosine_similarity_has_unit_diagonal_and_is_symmetric(captured):
 def test_pca_recovers_a_planar_point_cloud():
     rng = np.random.default_rng(0)
     plane = rng.standard_normal((8, 2)) @ rng.standard_normal((2, 16))
-    coordinates, share = figures.pca_projection(plane)
+    coordinates, share = activation_figures.pca_projection(plane)
     assert share.sum() == pytest.approx(1.0)
     assert np.allclose(
         np.linalg.norm(coordinates, axis=1), np.linalg.norm(plane - plane.mean(0), axis=1)
@@ -180,7 +182,7 @@ def test_pca_recovers_a_planar_point_cloud():
 
 
 def test_pca_figure_places_every_position(captured):
-    scatter = figures.activation_pca_figure(captured, 8, ALL_POSITIONS).data[0]
+    scatter = activation_figures.activation_pca_figure(captured, 8, ALL_POSITIONS).data[0]
     assert len(scatter.x) == 5 and list(scatter.text) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
 
 
@@ -194,27 +196,27 @@ COMPARED = {
 
 
 def test_same_token_figure_plots_steered_minus_baseline_on_each_text():
-    figure = figures.same_token_figure(["a", " b"], COMPARED)
+    figure = steering_figures.same_token_figure(["a", " b"], COMPARED)
     base, own, kl = figure.data
     assert list(base.y) == [-0.5, 1.0] and list(own.y) == [3.0, 2.0]
     assert list(kl.y) == [0.25, 0.75] and kl.yaxis == "y2"
     assert list(figure.layout.xaxis.ticktext) == ["0 a/c", "1 ·b/d&lt;"]
     assert "nats" in figure.layout.yaxis.title.text
-    assert figures.same_token_summary(COMPARED) == {
+    assert steering_figures.same_token_summary(COMPARED) == {
         "delta_baseline_tokens": 0.25, "delta_steered_tokens": 2.5, "kl": 0.5,
     }  # fmt: skip
 
 
 def test_sweep_points_report_target_logprob_and_mean_shift():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    points = figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s", {4.0: COMPARED})
+    points = steering_figures.sweep_points([(4.0, steered), (0.0, baseline)], "'s", {4.0: COMPARED})
     assert [p["scale"] for p in points] == [0.0, 4.0]
     assert points[0]["mean_shift"] == 0 and points[1]["mean_shift"] == 0.25
     assert points[1]["mean_kl"] == 0.5
     assert points[0]["target_logprob"] == pytest.approx(-0.79675, abs=1e-4)
     assert points[1]["target_logprob"] is None  # not in the steered top-5
     assert points[1]["missing"] == "the target is outside the top-5 returned"
-    figure = figures.scale_sweep_figure(points, "'s")
+    figure = steering_figures.scale_sweep_figure(points, "'s")
     assert [trace.name for trace in figure.data] == [
         "logprob of 's (left)",
         "mean Δ logprob, baseline's tokens (right)",
@@ -257,7 +259,7 @@ def test_token_strip_text_is_dark_on_light_cells_at_a_readable_size():
 
 def test_capture_positions_are_labelled_by_their_tokens():
     response = recorded("completion_logprobs.json")
-    rows = figures.capture_rows(COMPLETION_REQUEST, response, None, 7)
+    rows = captures.capture_rows(COMPLETION_REQUEST, response, None, 7)
     assert [row.label for row in rows] == [
         "0 The", "1 ·capital", "2 ·of", "3 ·France", "4 ·is", "5 ·Paris", "6 .",
     ]  # fmt: skip
@@ -265,27 +267,30 @@ def test_capture_positions_are_labelled_by_their_tokens():
     unscored = {**COMPLETION_REQUEST, "prompt_logprobs": None}
     no_tokens = {"choices": [{**response["choices"][0], "prompt_logprobs": None,
                               "logprobs": None}], "usage": response["usage"]}  # fmt: skip
-    assert [row.label for row in figures.capture_rows(unscored, no_tokens, None, 2)] == ["0", "1"]
+    assert [row.label for row in captures.capture_rows(unscored, no_tokens, None, 2)] == ["0", "1"]
 
 
 def test_capture_axes_show_the_position_tokens(captured):
-    heatmap = figures.activation_norm_heatmap(captured, ALL_POSITIONS)
+    heatmap = activation_figures.activation_norm_heatmap(captured, ALL_POSITIONS)
     assert list(heatmap.layout.xaxis.ticktext) == ["0", "1", "2", "3", "4 &lt;b&gt;"]
-    cosine = figures.activation_cosine_figure(captured, 4, ALL_POSITIONS)
+    cosine = activation_figures.activation_cosine_figure(captured, 4, ALL_POSITIONS)
     assert list(cosine.layout.yaxis.ticktext) == list(cosine.layout.xaxis.ticktext)
-    norm = figures.activation_norm_by_layer(captured, 4)
+    norm = activation_figures.activation_norm_by_layer(captured, 4)
     assert norm.layout.title.text == "Norm by layer at position 4 &lt;b&gt;"
 
 
 def test_position_labels_keep_quotes_and_escape_markup(captured):
     capture = with_tokens(captured, ["He", ' "', "a<b", "&", "'x'"])
     shown = ["0 He", '1 ·"', "2 a&lt;b", "3 &amp;", "4 'x'"]
-    heatmap = figures.activation_norm_heatmap(capture, ALL_POSITIONS)
+    heatmap = activation_figures.activation_norm_heatmap(capture, ALL_POSITIONS)
     assert list(heatmap.layout.xaxis.ticktext) == shown
-    cosine = figures.activation_cosine_figure(capture, 4, ALL_POSITIONS)
+    cosine = activation_figures.activation_cosine_figure(capture, 4, ALL_POSITIONS)
     assert list(cosine.layout.xaxis.ticktext) == shown
-    assert list(figures.activation_pca_figure(capture, 4, ALL_POSITIONS).data[0].text) == shown
-    norm = figures.activation_norm_by_layer(capture, 1)
+    assert (
+        list(activation_figures.activation_pca_figure(capture, 4, ALL_POSITIONS).data[0].text)
+        == shown
+    )
+    norm = activation_figures.activation_norm_by_layer(capture, 1)
     assert norm.layout.title.text == 'Norm by layer at position 1 ·"'
 
 
@@ -302,7 +307,7 @@ def _whole_number_ticks(axis, values) -> bool:
 def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
     for figure in (
         figures.prompt_surprisal_figure(positions),
-        figures.activation_norm_by_layer(captured, 0),
+        activation_figures.activation_norm_by_layer(captured, 0),
     ):
         x = figure.data[0].x
         assert _whole_number_ticks(figure.layout.xaxis, x), figure.layout.title.text
@@ -310,7 +315,7 @@ def test_position_and_layer_axes_tick_whole_numbers_only(positions, captured):
 
 
 def test_long_position_axes_tick_every_few_whole_numbers():
-    assert [figures._integer_ticks(range(count))["dtick"] for count in (4, 12, 13, 30, 300)] == [
+    assert [plots.integer_ticks(range(count))["dtick"] for count in (4, 12, 13, 30, 300)] == [
         1, 1, 2, 5, 50
     ]  # fmt: skip
 
@@ -320,16 +325,16 @@ def test_norm_heatmap_colours_by_log_or_clipped_norm_keeping_the_norm_on_hover()
     tensor[:, 0] *= 1000  # the first position dwarfs the others, as in real models
     tensor[:, 3] *= 2
     norms = np.linalg.norm(tensor, axis=-1)
-    capture = with_tokens(figures.Capture(tensor, [0, 1], []), list("abcd"))
-    log = figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="log")
+    capture = with_tokens(captures.Capture(tensor, [0, 1], []), list("abcd"))
+    log = activation_figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="log")
     assert np.allclose(log.data[0].z, np.log10(norms))
     assert np.allclose(log.data[0].customdata, norms)
-    clipped = figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="clip")
+    clipped = activation_figures.activation_norm_heatmap(capture, ALL_POSITIONS, colour="clip")
     # Both ends of the colour range are set: plotly ignores a zmax without a zmin.
     assert clipped.data[0].zmax == pytest.approx(float(np.percentile(norms, 95)))
     assert clipped.data[0].zmin == pytest.approx(float(norms.min()))
     assert "clipped" in clipped.layout.title.text
-    linear = figures.activation_norm_heatmap(capture, ALL_POSITIONS).data[0]
+    linear = activation_figures.activation_norm_heatmap(capture, ALL_POSITIONS).data[0]
     assert linear.zmax is None and linear.zmin is None
 
 
@@ -351,12 +356,12 @@ def _scored(prompt_tokens: list[tuple[str, float]], scored_tokens: list[tuple[st
 def test_target_logprob_comes_from_the_scored_prompt_whatever_its_rank():
     prompt = [("I", 0.0), (" think", -2.0)]
     response = _scored(prompt, [*prompt, (" happ", -9.0), ("y", -0.5)])
-    assert figures.target_logprob(response, " happy") == (pytest.approx(-9.5), "")
+    assert steering_figures.target_logprob(response, " happy") == (pytest.approx(-9.5), "")
 
 
 def test_target_merged_into_the_prompt_token_is_reported_missing():
     response = _scored([("I", 0.0), (" think", -2.0)], [("I", 0.0), (" thinking", -3.0)])
-    assert figures.target_logprob(response, "ing") == (
+    assert steering_figures.target_logprob(response, "ing") == (
         None,
         "the target does not start a new token after the prompt",
     )
@@ -364,8 +369,10 @@ def test_target_merged_into_the_prompt_token_is_reported_missing():
 
 def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
     baseline, steered = recorded("steer_baseline.json"), recorded("steer_steered.json")
-    points = figures.sweep_points([(0.0, baseline), (-1.5, steered), (3.0, steered)], " zebra")
-    figure = figures.scale_sweep_figure(points, " zebra", "scale (× layer's typical norm)")
+    points = steering_figures.sweep_points(
+        [(0.0, baseline), (-1.5, steered), (3.0, steered)], " zebra"
+    )
+    figure = steering_figures.scale_sweep_figure(points, " zebra", "scale (× layer's typical norm)")
     # Nothing compared on the same tokens either: no line at all, and the note says why.
     assert list(figure.data) == []
     assert figure.layout.annotations[0].text == (
@@ -381,7 +388,7 @@ def test_top_k_title_counts_the_alternatives_asked_for_not_those_returned():
     response = {"choices": [{"text": "v", "logprobs": {
         "tokens": ["v"], "token_logprobs": [-6.0], "top_logprobs": [top], "text_offset": [2],
     }}]}  # fmt: skip
-    position = figures.token_positions(request, response)[0]
+    position = token_positions.token_positions(request, response)[0]
     figure = figures.top_k_figure(position)
     assert figure.layout.title.text == "Top-4 at position 0 (v), and the token itself (below them)"
     assert list(figure.data[0].y) == ["x", "y", "z", "w", "v"]

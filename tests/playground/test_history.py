@@ -10,9 +10,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from infra.lifecycle import WorkStatus
-from playground.history import RUNS_PER_PAGE
 from playground.models import Run, RunKind
-from playground.services.vectors import steering_vector_create
+from playground.runs.history import RUNS_PER_PAGE
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX
 

@@ -11,13 +11,14 @@ from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.responses import CompletionJob, HarvestJob
 from acs_portal.celery import app as celery_app
+from api.request_forms import ModelCapabilities
 from infra.lifecycle import WorkStatus
-from playground.forms import CompletionJobForm, HarvestJobForm, ModelCapabilities
-from playground.models import JobKind, JobSubmission
-from playground.services.keys import playground_key_get_or_create
-from playground.services.submissions import (
+from portal.jobs_forms import CompletionJobForm, HarvestJobForm
+from portal.models import JobKind, JobSubmission
+from portal.services import (
     job_submission_create,
     job_submission_send,
     job_submissions_fail_stuck,

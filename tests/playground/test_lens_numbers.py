@@ -6,7 +6,7 @@ As in test_figure_numbers.py, the runs go through the real path (worker, live ga
 embedded engine) and the expected numbers come from the raw bodies alone: the captured rows
 decoded by hand, the final norm's weight and the (tied) unembedding read from the weights
 directory's safetensors file by hand, the tokens from its tokenizer.json; never with
-`playground.lens`, `run_lens` or `figures`.
+`playground.lens`, its `run_lens` or its figures.
 """
 
 import json

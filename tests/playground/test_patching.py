@@ -26,9 +26,14 @@ from acs_client.client import AcsClient
 from acs_client.codec import decode, encode_vector
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import patching, patching_forms, patching_metrics, selectors, tasks, views
+from playground import tasks
+from playground.captures import activations
 from playground.models import Run, RunKind
-from playground.vector_forms import SaveVectorForm
+from playground.patching import forms as patching_forms
+from playground.patching import metrics as patching_metrics
+from playground.patching import services as patching
+from playground.runs import selectors, views
+from playground.vectors.forms import SaveVectorForm
 
 from .conftest import HTMX, MODEL
 
@@ -724,9 +729,7 @@ def test_history_and_the_save_vector_form_show_patching_runs_by_their_text(
     assert "100 | " not in page and str(TARGET_ID) not in page
     clean = Run.objects.get(group=group, meta__role="clean", kind=RunKind.PATCHING_CAPTURE)
     corrupted = Run.objects.get(group=group, meta__role="corrupted")
-    form = SaveVectorForm(
-        run=clean, capture=patching.figures.activations(clean.request, clean.response)
-    )
+    form = SaveVectorForm(run=clean, capture=activations(clean.request, clean.response))
     labels = [label for _, label in form.fields["subtract_run"].choices]
     assert any(label.startswith(f"{CORRUPTED}{TARGET} (") for label in labels), labels
     assert corrupted.prompt_preview == f"{CORRUPTED}{TARGET}"

@@ -21,11 +21,12 @@ from django.utils import timezone
 
 from acs_client.codec import decode, encode_vector
 from infra.lifecycle import WorkStatus
-from playground import tasks, views
+from playground import tasks
 from playground.models import Run, RunKind
 from playground.patchscopes import forms as patchscope_forms
 from playground.patchscopes import services
 from playground.patchscopes.models import Patchscope
+from playground.runs import views
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -44,6 +45,7 @@ P = len(INSPECTION_TOKENS.ids)
 @pytest.fixture(autouse=True)
 def stand_ins(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
+    monkeypatch.setattr("playground.patchscopes.views.model_cards", lambda: [MODEL])
     monkeypatch.setattr(
         patchscope_forms,
         "tokenize",

@@ -16,8 +16,9 @@ from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from metering.models import UsageRecord
-from playground import tasks, views
-from playground.services.runs import run_create
+from playground import tasks
+from playground.runs import views
+from playground.runs.services import run_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 from tests.patchscope_numbers import compare_generations, reference, source_states
@@ -44,6 +45,7 @@ def queued(engine_url, gateway_url, settings, redis_client, monkeypatch):
     registry_clear()
     settings.GATEWAY_URL = gateway_url
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL_ENTRY])
+    monkeypatch.setattr("playground.patchscopes.views.model_cards", lambda: [MODEL_ENTRY])
     sent = []
     monkeypatch.setattr(celery_app, "send_task", lambda name, args, **_: sent.append(args[0]))
     yield sent

@@ -21,14 +21,14 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
 from django.utils import timezone
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_client.responses import HarvestJob
 from acs_portal.celery import app as celery_app
 from infra.lifecycle import WorkStatus
-from playground import views
 from playground.probes import datasets, fitting, forms, services
 from playground.probes.models import Probe
-from playground.services.keys import playground_key_get_or_create
+from playground.runs import views
 
 from .conftest import HTMX, MODEL
 from .test_runs import error

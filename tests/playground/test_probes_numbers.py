@@ -23,6 +23,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_portal.celery import app as celery_app
 from api.jobs.services import harvests
@@ -30,13 +31,12 @@ from api.models import LanguageModel
 from api.selectors import registry_clear
 from infra.lifecycle import WorkStatus
 from metering.models import UsageRecord
-from playground import views
 from playground.models import RunKind, SteeringVector
 from playground.probes import services
 from playground.probes.models import Probe
-from playground.services.keys import playground_key_get_or_create
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 

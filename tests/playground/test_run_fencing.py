@@ -10,8 +10,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from infra.lifecycle import WorkStatus
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create, runs_fail_stuck
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create, runs_fail_stuck
 
 from .conftest import recorded, replay
 

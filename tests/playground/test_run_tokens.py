@@ -14,10 +14,13 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import compare, run_tokens, vectors, views
+from playground.compare import differences
 from playground.models import Run
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs import tokens as run_tokens
+from playground.runs import views
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
+from playground.vectors import services as vector_services
 
 from .conftest import MODEL
 
@@ -102,7 +105,7 @@ def test_a_run_without_logprobs_names_its_tokens_by_the_ids_returned(
     assert capture.token_ids.tolist() == [*PROMPT_IDS, NEWLINE]
     assert capture.token_strings == [VOCABULARY[i] for i in PROMPT_IDS] + ["\n"]
     # A vector saved from it says which tokens it averaged.
-    vector = vectors.steering_vector_from_capture(
+    vector = vector_services.steering_vector_from_capture(
         user=approved_user, run=run, name="newline", layer=4, positions=[4, 5]
     )
     assert vector.details["source"]["tokens"] == ["4 ·is", "5 ⏎"]
@@ -113,7 +116,7 @@ def test_the_same_tokens_with_and_without_logprobs_compare_equal(
 ):
     with_logprobs = run_through(approved_user, gateway, logprobs=True)
     without = run_through(approved_user, gateway, logprobs=False)
-    a, b = compare.run_sequence(with_logprobs), compare.run_sequence(without)
+    a, b = differences.run_sequence(with_logprobs), differences.run_sequence(without)
     assert a.ids == b.ids == [*PROMPT_IDS, NEWLINE, NEWLINE]
     page = ada.get(
         reverse("playground:compare") + f"?a={with_logprobs.id}&b={without.id}"

@@ -16,22 +16,22 @@ from django.utils import timezone
 from accounts.models import ApiKey, AuditLog
 from accounts.services.auth import api_key_authenticate
 from accounts.services.keys import api_key_revoke
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.codec import decode
 from acs_portal.celery import app as celery_app
 from api.auth import access_generation_bump
 from infra.lifecycle import WorkStatus
 from playground import tasks
 from playground.models import Run, RunKind
-from playground.services.keys import playground_key_get_or_create
-from playground.services.run_execution import run_claim, run_execute
-from playground.services.runs import (
+from playground.runs.execution import run_claim, run_execute
+from playground.runs.services import (
     group_runs_dispatch,
     run_create,
     run_enqueue,
     run_fail,
     runs_fail_stuck,
 )
-from playground.services.vectors import contrast_runs_create, steering_vector_from_contrast
+from playground.vectors.services import contrast_runs_create, steering_vector_from_contrast
 
 from .conftest import recorded, replay
 

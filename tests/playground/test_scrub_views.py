@@ -8,8 +8,8 @@ import uuid
 from django.urls import reverse
 
 from infra.lifecycle import WorkStatus
-from playground import views
 from playground.models import Run, RunKind, SteeringScore
+from playground.runs import views
 
 from .conftest import HTMX, recorded
 

@@ -20,16 +20,16 @@ import pytest
 from django.urls import reverse
 
 from accounts.models import ApiKey
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_client.codec import decode
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import views
 from playground.models import Run, RunKind
-from playground.services.keys import playground_key_get_or_create
-from playground.services.vectors import steering_vector_create
+from playground.runs import views
 from playground.steering_eval import dataset, forms, services
 from playground.steering_eval.models import SteeringEvaluation
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX, MODEL
 

@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 from django.urls import reverse
 
+from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import AcsClient
 from acs_portal.celery import app as celery_app
 from api.models import LanguageModel
 from api.selectors import registry_clear
 from metering.models import UsageRecord
 from metering.selectors import budget_windows
-from playground import views
 from playground.models import Run
-from playground.services.keys import playground_key_get_or_create
-from playground.services.run_execution import run_execute
-from playground.services.vectors import steering_vector_create
+from playground.runs import views
+from playground.runs.execution import run_execute
 from playground.steering_eval.models import SteeringEvaluation
+from playground.vectors.services import steering_vector_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 

@@ -9,7 +9,9 @@ from django.urls import reverse
 
 from api.errors import ApiError
 from infra.lifecycle import WorkStatus
-from playground import exports, forms, views
+from playground import fields
+from playground.runs import views
+from playground.steering import exports as steering_exports
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -25,7 +27,7 @@ TOKENS = "0 ‘The’ 1 ‘·capital’ 2 ‘·of’ 3 ‘·France’ 4 ‘·is�
 def stand_ins(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     tokenize = lambda model_id, texts: [word_tokens(t, s) for t, s in texts]  # noqa: E731
-    monkeypatch.setattr(forms, "tokenize", tokenize)
+    monkeypatch.setattr(fields, "tokenize", tokenize)
     monkeypatch.setattr(views, "tokenize", tokenize)
 
 
@@ -131,7 +133,7 @@ def test_a_sweep_steers_the_prompt_positions_asked_for_in_every_arm(ada, approve
     group = reverse("playground:group_detail", args=[runs[0].group])
     html = ada.get(group).content.decode()
     assert html.count("<td>3 ·France, 4 ·is</td>") == 3
-    notebook = exports.steering_notebook(runs, base_url="http://testserver")
+    notebook = steering_exports.steering_notebook(runs, base_url="http://testserver")
     assert "POSITIONS = [3, 4]" in notebook and "positions=POSITIONS" in notebook
 
 
@@ -181,13 +183,13 @@ class Counted(int):
 
 
 def operations(monkeypatch, text: str, count: int) -> int:
-    """The comparisons and hashes of positions `forms.position_list` makes reading `text`
+    """The comparisons and hashes of positions `fields.position_list` makes reading `text`
     (its ranges made of counted positions), failing past 4 a position."""
     counted_range = lambda start, stop: [Counted(p) for p in range(start, stop)]  # noqa: E731
     Counted.ops, Counted.budget = 0, 4 * count
     with monkeypatch.context() as patched:
-        patched.setattr(forms, "range", counted_range, raising=False)
-        assert forms.position_list(text, count=count) == list(range(count))
+        patched.setattr(fields, "range", counted_range, raising=False)
+        assert fields.position_list(text, count=count) == list(range(count))
     return Counted.ops
 
 
@@ -199,6 +201,6 @@ def test_32000_distinct_positions_are_checked_in_linear_operations(monkeypatch):
     # Each position counted at least once (the count is real), and linearly: 32 times the
     # 1,000-position baseline, with room to spare.
     assert baseline >= 1000 and 32000 <= large <= 2 * 32 * baseline
-    with pytest.raises(forms.forms.ValidationError) as refused:
-        forms.position_list("0-31999, 17", count=32000)
+    with pytest.raises(fields.forms.ValidationError) as refused:
+        fields.position_list("0-31999, 17", count=32000)
     assert refused.value.messages == ["Positions: 17 is listed more than once."]

@@ -11,10 +11,12 @@ import pytest
 from django.db import connection
 from django.urls import reverse
 
-from playground import forms, views
+from playground import fields
 from playground.models import Run, RunKind
-from playground.services.runs import run_create
-from playground.services.vectors import steering_vector_create
+from playground.runs import views
+from playground.runs.services import run_create
+from playground.vectors import forms as vector_forms
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX, MODEL
 from .test_patching import word_tokens
@@ -23,9 +25,10 @@ from .test_patching import word_tokens
 @pytest.fixture(autouse=True)
 def model_list(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
-    monkeypatch.setattr(
-        forms, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
-    )
+    for module in (fields, vector_forms):
+        monkeypatch.setattr(
+            module, "tokenize", lambda model_id, texts: [word_tokens(t, s) for t, s in texts]
+        )
 
 
 @pytest.fixture

@@ -15,18 +15,16 @@ from celery import Celery
 from django.urls import reverse
 
 from acs_portal.celery import app as celery_app
+from infra.lifecycle import WorkStatus
 from infra.tasks import TaskQueueUnreachable
-from playground import forms, patching_forms, views
-from playground.models import (
-    JobSubmission,
-    Run,
-    RunComparison,
-    RunKind,
-    SteeringScore,
-    WorkStatus,
-)
-from playground.services.scores import steering_score_queue
-from playground.services.vectors import steering_vector_create
+from playground import fields
+from playground.models import Run, RunComparison, RunKind, SteeringScore
+from playground.patching import forms as patching_forms
+from playground.runs import views
+from playground.steering.services import steering_score_queue
+from playground.vectors import forms as vector_forms
+from playground.vectors.services import steering_vector_create
+from portal.models import JobSubmission
 from testsupport.servers import free_port
 
 from .conftest import HTMX, MODEL
@@ -54,7 +52,7 @@ def broker_unreachable(monkeypatch):
 def models(monkeypatch):
     monkeypatch.setattr(views, "model_cards", lambda: [MODEL])
     monkeypatch.setattr("portal.jobs_views.model_cards", lambda: [MODEL])
-    for module in (patching_forms, forms):
+    for module in (patching_forms, fields, vector_forms):
         monkeypatch.setattr(
             module,
             "tokenize",

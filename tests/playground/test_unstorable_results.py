@@ -8,8 +8,8 @@ from api.models import LanguageModel
 from api.selectors import registry_clear
 from infra.lifecycle import WorkStatus
 from metering.models import UsageRecord
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
 from tests.conftest import ENGINE_MODEL_FIELDS
 from tests.gateway.conftest import wait_settled
 from tests.overflow import overflowing_steering

@@ -12,9 +12,10 @@ from django.urls import reverse
 
 from acs_client.codec import decode
 from infra.lifecycle import WorkStatus
-from playground import vectors
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
-from playground.services.vectors import steering_vector_create
+from playground.vectors import captures as vectors
+from playground.vectors import services as vector_services
+from playground.vectors.services import steering_vector_create
 
 from .conftest import HTMX, recorded
 from .test_views import finished_run
@@ -79,7 +80,7 @@ def library_vector(user, *, name="honesty", layer=3, model="smollm2-135m", hidde
 
 def test_capture_mean_is_the_mean_of_the_chosen_rows_at_the_layer(capture_run, approved_user):
     rows = raw_rows(recorded("capture.json"))
-    vector = vectors.steering_vector_from_capture(
+    vector = vector_services.steering_vector_from_capture(
         user=approved_user, run=capture_run, name="mean", layer=4, positions=[1, 2, 3, 4]
     )
     assert_stored(vector, rows[1, 1:5].astype(np.float64).mean(axis=0).astype(np.float32))
@@ -93,7 +94,7 @@ def test_capture_mean_minus_another_runs_mean_at_the_same_layer(
     capture_run, other_capture, approved_user
 ):
     rows = raw_rows(recorded("capture.json"))
-    vector = vectors.steering_vector_from_capture(
+    vector = vector_services.steering_vector_from_capture(
         user=approved_user, run=capture_run, name="diff", layer=4, positions=[2, 3],
         subtract_run=other_capture,
     )  # fmt: skip
@@ -111,7 +112,7 @@ def test_a_layer_the_run_to_subtract_did_not_capture_is_refused(capture_run, app
         response=recorded("capture.json"),
     )
     with pytest.raises(vectors.CaptureError, match="Layer 4 was not captured"):
-        vectors.steering_vector_from_capture(
+        vector_services.steering_vector_from_capture(
             user=approved_user, run=capture_run, name="x", layer=4, positions=[1],
             subtract_run=partial,
         )  # fmt: skip
@@ -395,7 +396,8 @@ def test_edit_and_rerun_keeps_the_steering(ada, approved_user, no_enqueue):
 
 
 def test_the_jobs_completion_form_does_not_steer():
-    from playground.forms import CompletionJobForm, ModelCapabilities
+    from api.request_forms import ModelCapabilities
+    from portal.jobs_forms import CompletionJobForm
 
     form = CompletionJobForm(models=[], capabilities=ModelCapabilities(None))
     assert "steer_vector" not in form.fields

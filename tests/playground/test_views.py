@@ -17,9 +17,10 @@ from acs_client.codec import decode
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
-from playground import forms, selectors, streams, views
 from playground.models import Run, RunKind, SteeringScore, SteeringVector
-from playground.services.vectors import REFERENCE_PROMPTS, steering_vector_create
+from playground.runs import selectors, streams, views
+from playground.vectors import forms as vector_forms
+from playground.vectors.services import REFERENCE_PROMPTS, steering_vector_create
 
 from .conftest import HTMX, MODEL, recorded
 
@@ -568,7 +569,7 @@ def test_upload_saves_a_one_by_hidden_vector(ada, approved_user):
 def test_contrast_form_queues_two_captures(ada, approved_user, no_enqueue, monkeypatch):
     # Each prompt two tokens (the form refuses one: see test_contrast_vectors).
     two = PromptTokens(ids=[40, 1234], strings=["I", " love"])
-    monkeypatch.setattr(forms, "tokenize", lambda model_id, texts: [two for _ in texts])
+    monkeypatch.setattr(vector_forms, "tokenize", lambda model_id, texts: [two for _ in texts])
     response = ada.post(
         reverse("playground:vector_contrast"),
         {"contrast-name": "love", "contrast-layer": 12, "contrast-positive": "I love",

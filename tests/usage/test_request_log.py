@@ -155,9 +155,12 @@ def test_another_users_request_detail_is_not_found(user_client, record, other_us
 
 
 def test_request_from_the_playground_links_to_its_run(user_client, record, approved_user):
+    from accounts.services.playground_key import playground_key_get_or_create
     from playground.models import Run
 
-    sent = record(utc(2025, 3, 1), request_id="req-from-playground")
+    playground_key, _ = playground_key_get_or_create(user=approved_user)
+    sent = record(utc(2025, 3, 1), key=playground_key, request_id="req-from-playground")
+    scored = record(utc(2025, 3, 1), key=playground_key, request_id="req-of-a-score")
     elsewhere = record(utc(2025, 3, 2), request_id="req-from-a-script")
     run = Run.objects.create(
         user=approved_user,
@@ -168,7 +171,11 @@ def test_request_from_the_playground_links_to_its_run(user_client, record, appro
     linked = user_client.get(f"/usage/requests/{sent.pk}/").content.decode()
     plain = user_client.get(f"/usage/requests/{elsewhere.pk}/").content.decode()
 
-    assert f'href="/playground/runs/{run.pk}/"' in linked
+    assert 'href="/playground/requests/req-from-playground/"' in linked
+    opened = user_client.get("/playground/requests/req-from-playground/")
+    assert opened.status_code == 302 and opened["Location"] == f"/playground/runs/{run.pk}/"
+    # A playground request that no run sent (a score's, a comparison's) has no run to open.
+    assert user_client.get(f"/playground/requests/{scored.request_id}/").status_code == 404
     assert 'id="playground-rerun"' not in plain
     assert "cannot be re-run from here" in plain
 

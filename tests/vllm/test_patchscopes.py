@@ -10,8 +10,8 @@ from django.test import Client
 from django.urls import reverse
 
 from playground import tasks
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs.execution import run_execute
+from playground.runs.services import run_create
 from tests.patchscope_numbers import compare_generations, reference, source_states
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -18,9 +18,9 @@ from api.selectors import registry_clear
 from api.services import language_model_tokenizer_set
 from playground import tasks
 from playground.models import Run
-from playground.run_figures import Drawing
-from playground.services.run_execution import run_execute
-from playground.services.runs import run_create
+from playground.runs.execution import run_execute
+from playground.runs.registry import Drawing
+from playground.runs.services import run_create
 from tests.patching_numbers import (
     LOGPROB_TOLERANCE,
     assert_causal_tracing_picture,
