@@ -9,6 +9,11 @@ from django.utils import timezone
 
 from infra.lifecycle import WorkRow
 
+# Django registers the models of the features' own modules by these imports.
+from .patchscopes.models import Patchscope  # noqa: F401
+from .probes.models import Probe  # noqa: F401
+from .steering_eval.models import SteeringEvaluation  # noqa: F401
+
 
 class RunKind(models.TextChoices):
     COMPLETION = "completion", "Completion"
@@ -18,6 +23,9 @@ class RunKind(models.TextChoices):
     SWEEP = "sweep", "Scale sweep"
     PATCHING_CAPTURE = "patching_capture", "Patching capture"
     PATCHED = "patched", "Patched run"
+    STEERING_EVAL = "steering_eval", "Steering evaluation"
+    PATCHSCOPE_CAPTURE = "patchscope_capture", "Patchscope capture"
+    PATCHSCOPE = "patchscope", "Patchscope generation"
 
 
 class Run(WorkRow):
@@ -152,6 +160,7 @@ class VectorMethod(models.TextChoices):
     CONTRAST_MEAN = "contrast_mean", "Contrast prompts, mean difference"
     UPLOAD = "upload", "Uploaded .npy"
     CAPTURE_MEAN = "capture_mean", "Mean of a capture"
+    LINEAR_PROBE = "linear_probe", "Linear probe direction"
 
 
 class SteeringVector(models.Model):

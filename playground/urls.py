@@ -10,4 +10,7 @@ urlpatterns = [
     path("", include("playground.steering.urls")),
     path("", include("playground.compare.urls")),
     path("", include("playground.patching.urls")),
+    path("patchscopes/", include("playground.patchscopes.urls")),
+    path("probes/", include("playground.probes.urls")),
+    path("steering-eval/", include("playground.steering_eval.urls")),
 ]

@@ -27,8 +27,9 @@ from playground.patching.services import spec_targets
 from playground.runs import selectors
 
 
-def _outcome(run: Run) -> str:
-    """The run's outcome: ran (succeeded), failed, cancelled (never sent) or pending."""
+def run_outcome(run: Run) -> str:
+    """A grid's run's outcome: ran (succeeded), failed, cancelled (never sent) or pending
+    (shared with `patchscopes`)."""
     if run.status == WorkStatus.SUCCEEDED:
         return "ran"
     if run.status == WorkStatus.FAILED:
@@ -192,7 +193,7 @@ class PatchingGrid:
         }
         tally = {}
         for part, runs in parts.items():
-            outcomes = [_outcome(run) for run in runs]
+            outcomes = [run_outcome(run) for run in runs]
             tally[part] = {
                 outcome: outcomes.count(outcome)
                 for outcome in ("ran", "failed", "cancelled", "pending")

@@ -180,7 +180,7 @@ def _captures_locked(group) -> dict[str, Run]:
     return {run.meta["role"]: run for run in runs.order_by("created_at")}
 
 
-def _queue_order(cells: list, repeats: int) -> list[tuple[str, object]]:
+def queue_order(cells: list, repeats: int) -> list[tuple[str, object]]:
     """The cells with the repeats spread evenly among them, the first repeat before every
     cell and the last after them, so that they share the cells' batches: ("cell", cell) and
     ("repeat", index) in the order the runs are sent."""
@@ -231,7 +231,7 @@ def patched_runs_create(*, group) -> int:
             _prompt_text(spec["clean_prompt"], target_texts),
         )
         cells = [(layer, position) for layer in spec["layers"] for position in spec["positions"]]
-        for what, item in _queue_order(cells, PATCHING_REPEATS):
+        for what, item in queue_order(cells, PATCHING_REPEATS):
             if what == "repeat":
                 create(dict(unpatched), {"role": "repeat", "repeat": item})
                 continue

@@ -8,6 +8,7 @@ from django.conf import settings
 
 from infra.lifecycle import WorkStatus
 from playground.models import Run
+from playground.probes.strip import score_strip_section
 from playground.runs import selectors
 from playground.runs.registry import (
     ACTIVATIONS,
@@ -75,6 +76,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
     if drawing.capture is not None:
         context["activations"] = activations_section_context(run, drawing)
         context["lens"] = lens_section_context(drawing)
+        context["probe_strip"] = score_strip_section(run, drawing.capture)
         context["save_vector_form"] = save_vector_form or SaveVectorForm(
             run=run, capture=drawing.capture
         )

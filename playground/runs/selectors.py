@@ -11,6 +11,13 @@ from playground.models import Run, RunKind
 
 # Runs of activation patching grids, which have their own pages (`patching.views`).
 PATCHING_KINDS = (RunKind.PATCHING_CAPTURE, RunKind.PATCHED)
+# Runs with pages of their own: patching grids', steering evaluations' and Patchscopes'.
+OWN_PAGE_KINDS = (
+    *PATCHING_KINDS,
+    RunKind.STEERING_EVAL,
+    RunKind.PATCHSCOPE_CAPTURE,
+    RunKind.PATCHSCOPE,
+)
 
 OPENAI_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
@@ -41,7 +48,7 @@ def latest_group_for_user(*, user):
     grids have their own page)."""
     return (
         Run.objects.filter(user=user, group__isnull=False)
-        .exclude(kind__in=PATCHING_KINDS)
+        .exclude(kind__in=OWN_PAGE_KINDS)
         .values_list("group", flat=True)
         .first()
     )

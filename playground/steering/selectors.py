@@ -4,13 +4,13 @@ what each arm sent."""
 from django.http import Http404
 
 from playground.models import Run, SteeringScore
-from playground.runs.selectors import PATCHING_KINDS
+from playground.runs.selectors import OWN_PAGE_KINDS
 
 
 def group_runs_for_user(*, user, group) -> list[Run]:
     """The runs of one comparison, sweep or contrast pair, ordered by scale; 404 if none."""
     runs = sorted(
-        Run.objects.filter(group=group, user=user).exclude(kind__in=PATCHING_KINDS),
+        Run.objects.filter(group=group, user=user).exclude(kind__in=OWN_PAGE_KINDS),
         key=lambda run: (run.scale if run.scale is not None else 0, run.meta.get("role", "")),
     )
     if not runs:
