@@ -39,14 +39,6 @@ FOLLOW_EVERY_S = 1
 LEASE = dt.timedelta(minutes=10)
 
 
-class ProbeRetry(Exception):
-    """The API asked to retry the harvest's submission later: the probe is queued again."""
-
-    def __init__(self, countdown: float):
-        super().__init__(f"retry in {countdown}s")
-        self.countdown = countdown
-
-
 def harvest_request(probe: Probe) -> dict:
     """The POST /v1/harvest body of a probe: every text, the probe's layers."""
     return {
@@ -133,10 +125,11 @@ def _end(attempt: Attempt, status: str, *, code: str, message: str) -> None:
     )
 
 
-def probe_submit(*, probe_id, final_attempt: bool) -> Probe | None:
+def probe_submit(*, probe_id) -> Probe | None:
     """Claim a queued probe and submit its harvest (the probe's id as Idempotency-Key, so a
-    resend never makes a second job), then queue `probe_follow`. Raises `ProbeRetry` when
-    the API asks to retry within PLAYGROUND_RUN_MAX_RETRY_DELAY (unless `final_attempt`); a
+    resend never makes a second job), then queue `probe_follow`. When the API asks to retry
+    within PLAYGROUND_RUN_MAX_RETRY_DELAY, the probe goes back to queued and its task is sent
+    again after that delay (`Attempt.requeue`), up to PLAYGROUND_RUN_MAX_RETRIES times; a
     refusal fails the probe with the API's code and message. None if not claimed."""
     attempt = work_claim(Probe, pk=probe_id, now=timezone.now(), lease=LEASE)
     if attempt is None:
@@ -150,10 +143,12 @@ def probe_submit(*, probe_id, final_attempt: bool) -> Probe | None:
         if (
             error.should_retry
             and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
-            and not final_attempt
-            and attempt.write(status=WorkStatus.QUEUED)
+            and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES
         ):
-            raise ProbeRetry(countdown) from error
+            attempt.requeue(
+                task=PROBE_SUBMIT_TASK, delay_s=countdown, lease=LEASE, now=timezone.now()
+            )
+            return probe
         _end(attempt, WorkStatus.FAILED, code=error.code, message=error.message)
         return probe
     if not attempt.write(harvest_job_id=job.job_id, stage="harvest"):

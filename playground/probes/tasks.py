@@ -6,16 +6,13 @@ from django.conf import settings
 from acs_client.client import AcsApiError
 
 from .models import Probe
-from .services import ProbeRetry, probe_follow, probe_harvest_cancel, probe_submit
+from .services import probe_follow, probe_harvest_cancel, probe_submit
 
 
-@shared_task(bind=True, max_retries=settings.PLAYGROUND_RUN_MAX_RETRIES, acks_late=True)
-def probe_submit_task(self, probe_id: str) -> None:
-    """Submit a probe's harvest to /v1; retried only when the API asks to."""
-    try:
-        probe_submit(probe_id=probe_id, final_attempt=self.request.retries >= self.max_retries)
-    except ProbeRetry as retry:
-        raise self.retry(countdown=retry.countdown) from None
+@shared_task(acks_late=True)
+def probe_submit_task(probe_id: str) -> None:
+    """Submit a probe's harvest to /v1 (re-sent by the service when the API asks to retry)."""
+    probe_submit(probe_id=probe_id)
 
 
 @shared_task(acks_late=True)

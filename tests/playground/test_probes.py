@@ -265,7 +265,7 @@ def test_the_harvest_is_submitted_with_the_playground_key_and_followed_with_a_co
 ):
     probe = make_probe(approved_user)
     gateway.handler = lambda request: harvest_job("pending")
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     [submitted] = gateway.requests
     _, secret = playground_key_get_or_create(user=approved_user)
     assert (submitted.method, submitted.url.path) == ("POST", "/v1/harvest")
@@ -288,7 +288,7 @@ def test_a_refused_harvest_fails_the_probe_and_the_page_says_the_quota_is_spent(
 ):
     probe = make_probe(approved_user)
     gateway.handler = lambda request: error(429, "harvest_quota_exceeded")
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     probe.refresh_from_db()
     assert (probe.status, probe.error_code) == ("failed", "harvest_quota_exceeded")
     page = ada.get(reverse("playground:probe_detail", args=[probe.id])).content.decode()
@@ -296,12 +296,28 @@ def test_a_refused_harvest_fails_the_probe_and_the_page_says_the_quota_is_spent(
     assert "harvest_quota_exceeded happened" in page
 
 
+def test_a_submission_the_api_asks_to_retry_is_queued_again_until_the_retries_are_spent(
+    approved_user, gateway, sent, settings
+):
+    settings.PLAYGROUND_RUN_MAX_RETRIES = 1
+    probe = make_probe(approved_user)
+    gateway.handler = lambda request: error(503, "upstream_unavailable", {"Retry-After": "2"})
+    services.probe_submit(probe_id=probe.id)
+    probe.refresh_from_db()
+    assert (probe.status, probe.attempts) == (WorkStatus.QUEUED, 1)
+    assert sent[-1] == (services.PROBE_SUBMIT_TASK, str(probe.id), 2)
+    services.probe_submit(probe_id=probe.id)
+    probe.refresh_from_db()
+    assert (probe.status, probe.error_code) == (WorkStatus.FAILED, "upstream_unavailable")
+    assert len(sent) == 1
+
+
 def test_a_harvest_that_failed_on_the_budget_fails_the_probe_with_its_code(
     approved_user, gateway, sent
 ):
     probe = make_probe(approved_user)
     gateway.handler = lambda request: harvest_job("pending")
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     spent = {"code": "budget_exceeded", "message": "The monthly budget is spent.", "type": "x"}
     gateway.handler = lambda request: harvest_job("failed", done=8, error_body=spent)
     services.probe_follow(probe_id=probe.id)
@@ -315,7 +331,7 @@ def test_cancelling_a_running_probe_cancels_its_harvest_and_refuses_later_writes
 ):
     probe = make_probe(approved_user)
     gateway.handler = lambda request: harvest_job("running")
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     with django_capture_on_commit_callbacks(execute=True):
         response = ada.post(reverse("playground:probe_cancel", args=[probe.id]), **HTMX)
     assert "Cancelled." in response.content.decode()
@@ -347,7 +363,7 @@ def test_a_probe_cancelled_while_its_harvest_is_submitted_cancels_that_harvest(
         return harvest_job("cancelled")
 
     gateway.handler = answer
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     assert [(r.method, r.url.path) for r in gateway.requests] == [
         ("POST", "/v1/harvest"), ("DELETE", f"/v1/harvest/{JOB_ID}"),
     ]  # fmt: skip
@@ -358,7 +374,7 @@ def test_a_probe_cancelled_while_its_harvest_is_submitted_cancels_that_harvest(
 def test_a_probe_whose_worker_stopped_is_failed_by_the_sweep(approved_user, gateway, sent):
     probe = make_probe(approved_user)
     gateway.handler = lambda request: harvest_job("pending")
-    services.probe_submit(probe_id=probe.id, final_attempt=False)
+    services.probe_submit(probe_id=probe.id)
     later = timezone.now() + services.LEASE + dt.timedelta(seconds=1)
     assert services.probes_fail_stuck(now=later) == 1
     probe.refresh_from_db()

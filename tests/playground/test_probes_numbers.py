@@ -130,7 +130,7 @@ def embedded(page: str, name: str) -> dict:
 def run_worker(sent: list, probe: Probe) -> None:
     """What the workers would do, in order: submit the harvest, run it, follow it to the fit."""
     assert sent.pop(0) == (services.PROBE_SUBMIT_TASK, str(probe.id))
-    services.probe_submit(probe_id=probe.id, final_attempt=True)
+    services.probe_submit(probe_id=probe.id)
     probe.refresh_from_db()
     assert probe.harvest_job_id is not None, (probe.error_code, probe.error_message)
     harvest = [job for name, job in sent if name == harvests.HARVEST_JOB_RUN_TASK]
@@ -257,7 +257,7 @@ def test_probes_by_layer_equal_scikit_learn_on_the_downloaded_harvest(
             "max_tokens": 1, "temperature": 0, "output_residual_stream": [15],
         },
     )  # fmt: skip
-    run = run_execute(run_id=run.id, final_attempt=True)
+    run = run_execute(run_id=run.id)
     assert run.status == WorkStatus.SUCCEEDED, run.error_message
     run_page = client.get(reverse("playground:run_detail", args=[run.id])).content.decode()
     shown_scores = [float(value) for value in re.findall(r'data-score="([^"]+)"', run_page)]

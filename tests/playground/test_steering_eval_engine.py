@@ -76,7 +76,7 @@ def run_all(sent: list[str]) -> list[str]:
     one); their ids in the order they ran."""
     ran = []
     while len(ran) < len(sent):
-        run_execute(run_id=sent[len(ran)], final_attempt=True)
+        run_execute(run_id=sent[len(ran)])
         ran.append(sent[len(ran)])
     return ran
 

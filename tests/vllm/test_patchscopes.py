@@ -35,7 +35,7 @@ def test_a_patchscope_on_vllm_lens_generates_what_float32_hooks_do(
             "output_residual_stream": True,
         },
     )
-    assert run_execute(run_id=source.id, final_attempt=True).status == "succeeded"
+    assert run_execute(run_id=source.id).status == "succeeded"
     sent_tasks.clear()
     form = {
         "run": str(source.pk),
