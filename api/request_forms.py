@@ -193,7 +193,7 @@ class CompletionRequestForm(SubmitOnceForm):
             prompt_logprobs=data.get("prompt_logprobs"),
             echo=bool(data.get("echo")),
             # Asked for by the playground itself, only without echo
-            # (playground.runs.tokens.with_token_ids).
+            # (playground.tokens.with_token_ids).
             return_token_ids=False,
         )
         if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
