@@ -42,6 +42,18 @@ def quartile_layers(n_layers: int) -> list[int]:
     return sorted({n_layers // 4, n_layers // 2, 3 * n_layers // 4})
 
 
+def harvest_layers(requested: "list[int] | str | None", *, n_layers: int) -> list[int]:
+    """The layers a harvest of a model of `n_layers` captures: the quartile layers when none
+    are named, every layer for "all", else the list named (`check_layer_list`: RuleBroken
+    naming what is wrong)."""
+    if requested is None:
+        return quartile_layers(n_layers)
+    if requested == "all":
+        return list(range(n_layers))
+    check_layer_list(requested, n_layers=n_layers, field="layers")
+    return list(requested)
+
+
 class Strict(BaseModel):
     # strict: JSON types must match (no "5" for 5, no true for 1); unknown fields are errors.
     # Python's json reads NaN, Infinity and 1e999 as floats: no sampler or scale takes them.
@@ -179,6 +191,40 @@ def check_output_work(*, sequences: int, max_tokens: int) -> None:
             f"output-work cap of {OUTPUT_WORK_CAP:,}.",
             field="max_tokens",
         )
+
+
+def check_max_tokens_given(*, max_tokens: int | None, prompts: int, n: int) -> None:
+    """`max_tokens` named whenever a request asks for several sequences (a prompt list, or
+    n > 1): the default of 16 tokens each is rarely what such a request means, and the
+    output-work cap is reckoned on it; RuleBroken otherwise."""
+    if max_tokens is None and (prompts > 1 or n > 1):
+        raise RuleBroken(
+            "Set 'max_tokens' explicitly when sending a prompt list or n > 1.", field="max_tokens"
+        )
+
+
+def check_non_streaming_max_tokens(*, stream: bool, max_tokens: int) -> None:
+    """Without streaming, at most NON_STREAMING_MAX_TOKENS tokens: a whole answer must be
+    generated within the request's deadline, which a stream resets with every token;
+    RuleBroken otherwise (the gateway answers it as `deadline_infeasible`)."""
+    if not stream and max_tokens > NON_STREAMING_MAX_TOKENS:
+        raise RuleBroken(
+            f"A non-streaming request may set max_tokens to at most {NON_STREAMING_MAX_TOKENS};"
+            " lower max_tokens or set stream: true.",
+            field="max_tokens",
+        )
+
+
+def check_logprobs_limit(
+    *, logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int
+) -> None:
+    """`logprobs` and `prompt_logprobs` within the model's own limit (`max_logprobs` of its
+    /v1/models entry, at most MAX_LOGPROBS); RuleBroken naming the first over it."""
+    for field, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise RuleBroken(
+                f"'{field}' may be at most {max_logprobs} for this model.", field=field
+            )
 
 
 def check_layer_list(layers: list[int], *, n_layers: int, field: str) -> None:

@@ -15,6 +15,9 @@ from acs_client.protocol import (
     OUTPUT_WORK_CAP,
     RuleBroken,
     check_field_pairs,
+    check_logprobs_limit,
+    check_max_tokens_given,
+    check_non_streaming_max_tokens,
     check_output_work,
 )
 
@@ -157,18 +160,6 @@ class CompletionRequestForm(SubmitOnceForm):
             )
         return stops
 
-    def clean_logprobs(self):
-        return self._within_max_logprobs("logprobs")
-
-    def clean_prompt_logprobs(self):
-        return self._within_max_logprobs("prompt_logprobs")
-
-    def _within_max_logprobs(self, name):
-        value = self.cleaned_data[name]
-        if value is not None and value > self.capabilities.max_logprobs:
-            raise forms.ValidationError(f"At most {self.capabilities.max_logprobs} for this model.")
-        return value
-
     def clean(self):
         """Sets `prompts` (one, or one per line with several prompts)."""
         data = super().clean()
@@ -183,8 +174,7 @@ class CompletionRequestForm(SubmitOnceForm):
             self.add_error("prompt", "Several prompts: one per line, and every line here is empty.")
         n = data.get("n") or 1
         max_tokens = data.get("max_tokens")
-        if (len(prompts) > 1 or n > 1) and max_tokens is None:
-            self.add_error("max_tokens", "Set max_tokens when sending several prompts or n > 1.")
+        self.rule(check_max_tokens_given, max_tokens=max_tokens, prompts=len(prompts), n=n)
         if max_tokens:
             self.rule(check_output_work, sequences=len(prompts) * n, max_tokens=max_tokens)
         self.rule(
@@ -193,14 +183,21 @@ class CompletionRequestForm(SubmitOnceForm):
             prompt_logprobs=data.get("prompt_logprobs"),
             echo=bool(data.get("echo")),
             # Asked for by the playground itself, only without echo
-            # (playground.runs.tokens.with_token_ids).
+            # (playground.tokens.with_token_ids).
             return_token_ids=False,
         )
-        if max_tokens and not data.get("stream") and max_tokens > NON_STREAMING_MAX_TOKENS:
-            self.add_error(
-                "max_tokens",
-                f"Without streaming max_tokens is at most {NON_STREAMING_MAX_TOKENS:,}.",
+        if max_tokens:
+            self.rule(
+                check_non_streaming_max_tokens,
+                stream=bool(data.get("stream")),
+                max_tokens=max_tokens,
             )
+        self.rule(
+            check_logprobs_limit,
+            logprobs=data.get("logprobs"),
+            prompt_logprobs=data.get("prompt_logprobs"),
+            max_logprobs=self.capabilities.max_logprobs,
+        )
         return data
 
     def rule(self, check, *, fields: dict | None = None, **terms) -> None:

@@ -10,12 +10,14 @@ from acs_client import codec
 from acs_client.protocol import (
     FULL_VOCAB_MAX_PROMPT_TOKENS,
     FULL_VOCAB_MAX_PROMPT_TOKENS_WITH_CAPTURE,
-    NON_STREAMING_MAX_TOKENS,
     STEERING_MAX_MAGNITUDE,
     STEERING_MAX_VALUES,
     RuleBroken,
     check_capture_request,
     check_layer_list,
+    check_logprobs_limit,
+    check_max_tokens_given,
+    check_non_streaming_max_tokens,
     check_output_work,
     check_steering_positions,
     check_steering_shape,
@@ -73,8 +75,10 @@ async def validate_completion(payload: object) -> ValidCompletion:
         request.check_rules()
     except RuleBroken as error:
         raise _invalid(str(error)) from None
-    if request.max_tokens is None and (len(prompts) > 1 or request.n > 1):
-        raise _invalid("Set 'max_tokens' explicitly when sending a prompt list or n > 1.")
+    try:
+        check_max_tokens_given(max_tokens=request.max_tokens, prompts=len(prompts), n=request.n)
+    except RuleBroken as error:
+        raise _invalid(str(error)) from None
     if request.n > 1 and request.temperature == 0:
         # vLLM refuses it; the engine would return n copies of one completion.
         raise _invalid(
@@ -87,18 +91,20 @@ async def validate_completion(payload: object) -> ValidCompletion:
         check_output_work(sequences=completions, max_tokens=max_tokens)
     except RuleBroken as error:
         raise _invalid(str(error)) from None
-    if not request.stream and max_tokens > NON_STREAMING_MAX_TOKENS:
-        raise ApiError(
-            "deadline_infeasible",
-            f"A non-streaming request may set max_tokens to at most {NON_STREAMING_MAX_TOKENS};"
-            " lower max_tokens or set stream: true.",
-        )
+    try:
+        check_non_streaming_max_tokens(stream=request.stream, max_tokens=max_tokens)
+    except RuleBroken as error:
+        raise ApiError("deadline_infeasible", str(error)) from None
     if request.stream_options is not None and not request.stream:
         raise _invalid("'stream_options' is only allowed with stream: true.")
-    for field in ("logprobs", "prompt_logprobs"):
-        value = getattr(request, field)
-        if value is not None and value > model.max_logprobs:
-            raise _invalid(f"'{field}' may be at most {model.max_logprobs} for this model.")
+    try:
+        check_logprobs_limit(
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            max_logprobs=model.max_logprobs,
+        )
+    except RuleBroken as error:
+        raise _invalid(str(error)) from None
     if request.is_activation_request and not model.supports_activations:
         raise ApiError(
             "activation_engine_unconfigured",

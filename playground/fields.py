@@ -16,7 +16,7 @@ from api.request_forms import (
     first_repeated,
     split_list,
 )
-from playground.runs.tokens import numbered_tokens, tokenize
+from playground.tokens import numbered_tokens, tokenize
 
 # |scale| (or |multiple of the typical norm|) above this swamps the residual stream entirely.
 MAX_SCALE = 1000.0

@@ -7,7 +7,6 @@ from django.http import FileResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from acs_client import responses
-from acs_client.protocol import RuleBroken, check_layer_list, quartile_layers
 from api.admission import admission_slot
 from api.auth import authenticate, owner_recheck
 from api.completions import CompletionResult
@@ -15,7 +14,6 @@ from api.errors import ApiError
 from api.http import json_response, read_json_body, request_id, result_response, v1_view
 from api.schemas import parse_body
 from api.selectors import model_get
-from api.tokenizer import count_prompt_tokens
 from api.validation import validate_completion
 from infra.lifecycle import WorkStatus
 from metering.sql import run_db
@@ -24,7 +22,6 @@ from . import selectors
 from .models import CompletionJob, HarvestJob
 from .schemas import HarvestRequest
 from .services.completion_jobs import completion_job_submit
-from .services.harvest_output import harvest_too_large
 from .services.harvests import (
     HarvestLimitReached,
     HarvestNotCancellable,
@@ -33,7 +30,8 @@ from .services.harvests import (
 )
 from .services.idempotency import IdempotencyKeyReused
 from .signing import DownloadRefused, download_check
-from .storage import MANIFEST_NAME, harvest_bytes_estimate, harvest_file_open
+from .storage import MANIFEST_NAME, harvest_file_open
+from .validation import validate_harvest
 
 # How long a client polling a completion job's result is asked to wait.
 RESULT_POLL_SECONDS = 2
@@ -142,35 +140,6 @@ async def completion_job_result(request, job_id):
 # Harvest jobs
 
 
-def _harvest_layers(requested, model) -> list[int]:
-    if requested is None:
-        return quartile_layers(model.n_layers)
-    if requested == "all":
-        return list(range(model.n_layers))
-    try:
-        check_layer_list(requested, n_layers=model.n_layers, field="layers")
-    except RuleBroken as error:
-        raise ApiError("invalid_request", str(error)) from None
-    return list(requested)
-
-
-async def _harvest_size_check(harvest: HarvestRequest, model, layers: list[int]) -> None:
-    """413 request_too_large when the job's files would pass ACS_HARVEST_MAX_JOB_BYTES (the
-    worker enforces it again on the tokens it captures)."""
-    counts = await count_prompt_tokens(
-        model, harvest.prompts, add_special_tokens=harvest.add_special_tokens
-    )
-    size = harvest_bytes_estimate(
-        prompt_tokens=sum(counts), n_layers=len(layers), hidden_size=model.hidden_size
-    )
-    limit = settings.ACS_HARVEST_MAX_JOB_BYTES
-    if size > limit:
-        raise harvest_too_large(
-            f"Capturing {len(layers)} layers over the {sum(counts)} tokens of these prompts "
-            f"would write about {size} bytes; one harvest job may write at most {limit}"
-        )
-
-
 def _expiry_message() -> str:
     return (
         f"This job's files were deleted {selectors.harvest_retention_days()} days after it "
@@ -221,13 +190,7 @@ async def harvest_jobs(request):
     idempotency_key = _idempotency_key(request, required=False)
     harvest = parse_body(HarvestRequest, read_json_body(request))
     model = await model_get(harvest.model)
-    if not model.supports_activations:
-        raise ApiError(
-            "activation_engine_unconfigured",
-            f"Model {model.name} offers no activation capture; use another model.",
-        )
-    layers = _harvest_layers(harvest.layers, model)
-    await _harvest_size_check(harvest, model, layers)
+    layers = await validate_harvest(harvest, model)
     async with admission_slot(key.pk, key.user_id):
         try:
             job, created = await run_db(

@@ -9,7 +9,7 @@ from api.errors import ApiError
 from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from playground.patching.metrics import METRICS
 from playground.patching.services import PatchingTarget
-from playground.runs.tokens import shown_tokens, tokenize
+from playground.tokens import shown_tokens, tokenize
 
 # Each cell is one request through the workers; a grid larger than this is refused (a
 # 30-layer model and a 16-token prompt make 480 cells).

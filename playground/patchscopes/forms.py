@@ -9,7 +9,7 @@ from acs_client.protocol import RuleBroken, check_steering_positions
 from api.errors import ApiError
 from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
 from playground.captures import Capture
-from playground.runs.tokens import numbered_tokens, tokenize
+from playground.tokens import numbered_tokens, tokenize
 
 # The token identity prompt of Ghandeharioun et al. (2024, "Patchscopes"): examples of a
 # token repeated after "->" set the model to repeat what stands in the last slot, and the

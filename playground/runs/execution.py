@@ -19,8 +19,8 @@ from playground.lens.run_lens import run_lens
 from playground.models import Run, RunKind
 from playground.runs import streams
 from playground.runs.services import RUN_EXECUTE_TASK, group_runs_dispatch, run_fail
-from playground.runs.tokens import run_tokens
 from playground.steering.services import STEERING_KINDS, steering_score_queue
+from playground.tokens import run_tokens
 from playground.vectors.services import steering_vector_from_contrast
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 from playground.models import Run, RunKind, SteeringVector
 from playground.runs import streams
-from playground.runs.tokens import with_token_ids
+from playground.tokens import with_token_ids
 
 # The task that executes a run (`tasks.py`), enqueued by name.
 RUN_EXECUTE_TASK = "playground.tasks.run_execute_task"

@@ -35,10 +35,10 @@ from playground.runs.registry import (
     Drawing,
 )
 from playground.runs.services import run_create
-from playground.runs.tokens import numbered_tokens, tokenize
 from playground.steering import selectors as steering_selectors
 from playground.steering.forms import SteeringForm
 from playground.steering.group import group_context
+from playground.tokens import numbered_tokens, tokenize
 from playground.vectors import selectors as vector_selectors
 from playground.vectors.forms import ContrastVectorForm, UploadVectorForm
 from playground.vectors.services import (

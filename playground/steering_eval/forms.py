@@ -9,7 +9,7 @@ from django import forms
 from api.errors import ApiError
 from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm
 from playground.fields import MAX_SCALE, float_list
-from playground.runs.tokens import shown_tokens, tokenize
+from playground.tokens import shown_tokens, tokenize
 
 from ..models import SteeringVector
 from . import dataset as datasets

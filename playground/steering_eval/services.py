@@ -30,7 +30,7 @@ from acs_client.codec import decode
 from infra.lifecycle import WorkStatus
 from playground.patching.services import queue_order
 from playground.runs.services import group_runs_dispatch, submitted_once
-from playground.runs.tokens import with_token_ids
+from playground.tokens import with_token_ids
 
 from ..models import Run, RunKind, SteeringVector
 from .models import SteerAt, SteeringEvaluation

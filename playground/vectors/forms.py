@@ -14,7 +14,7 @@ from infra.lifecycle import WorkStatus
 from playground.captures import Capture
 from playground.fields import position_list, positions_text
 from playground.models import Run, SteeringVector, VectorMethod
-from playground.runs.tokens import shown_tokens, tokenize
+from playground.tokens import shown_tokens, tokenize
 from playground.vectors.captures import default_positions
 from playground.vectors.services import VectorError, vector_from_npy
 

@@ -14,9 +14,9 @@ from acs_client.codec import encode_vector
 from acs_client.downloads import load_activations
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
+from playground import tokens as run_tokens
 from playground.compare import differences
 from playground.models import Run
-from playground.runs import tokens as run_tokens
 from playground.runs import views
 from playground.runs.execution import run_execute
 from playground.runs.services import run_create

@@ -146,9 +146,9 @@ def test_plain_submit_redirects_to_the_permalink(ada, no_enqueue):
 @pytest.mark.parametrize(
     ("data", "field", "message"),
     [
-        ({"n": "2"}, "max_tokens", "Set max_tokens when sending several prompts or n &gt; 1."),
+        ({"n": "2"}, "max_tokens", "explicitly when sending a prompt list or n &gt; 1."),
         ({"stop": "a\nb\nc\nd\ne", "max_tokens": "1"}, "stop", "At most 4 stop strings"),
-        ({"logprobs": "21"}, "logprobs", "At most 20 for this model."),
+        ({"logprobs": "21"}, "logprobs", "may be at most 20 for this model."),
         ({"capture": "all", "stream": "on"}, "stream", "A capture cannot be streamed"),
         ({"capture": "layers", "capture_layers": "3, x"}, "capture_layers", "whole numbers"),
         ({"capture": "layers", "capture_layers": "30"}, "capture_layers", "No such layer: 30."),
