@@ -15,6 +15,7 @@ from acs_client.protocol import (
     OUTPUT_WORK_CAP,
     RuleBroken,
     check_field_pairs,
+    check_layer_list,
     check_logprobs_limit,
     check_max_tokens_given,
     check_non_streaming_max_tokens,
@@ -226,12 +227,20 @@ class CompletionRequestForm(SubmitOnceForm):
         return body
 
 
-def layer_list(text: str, capabilities: ModelCapabilities) -> list[int]:
-    """Distinct layer indices of the model, at most one per layer it has."""
+def layer_list(text: str, capabilities: ModelCapabilities, *, field: str = "Layers") -> list[int]:
+    """Distinct layer indices, each one of the model's where its layer count is known (the
+    API's rule, `layers_check`)."""
     n_layers = capabilities.n_layers
-    layers = int_list(text, field="Layers", max_count=n_layers or MAX_LAYERS_UNKNOWN_MODEL)
-    outside = next((v for v in layers if v < 0 or (n_layers and v >= n_layers)), None)
-    if outside is not None:
-        top = f" Layers run from 0 to {n_layers - 1}." if n_layers else ""
-        raise forms.ValidationError(f"No such layer: {outside}.{top}")
+    layers = int_list(text, field=field, max_count=n_layers or MAX_LAYERS_UNKNOWN_MODEL)
+    if n_layers:
+        layers_check(layers, n_layers=n_layers, field=field)
     return layers
+
+
+def layers_check(layers: list[int], *, n_layers: int, field: str) -> None:
+    """The API's layer-list rule (`check_layer_list`) on a form's field `field`: its message
+    as the field's error."""
+    try:
+        check_layer_list(layers, n_layers=n_layers, field=field)
+    except RuleBroken as broken:
+        raise forms.ValidationError(str(broken)) from None

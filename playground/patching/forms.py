@@ -6,7 +6,13 @@ layers and positions to patch."""
 from django import forms
 
 from api.errors import ApiError
-from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
+from api.request_forms import (
+    LIST_FIELD_MAX_CHARS,
+    ModelCapabilities,
+    SubmitOnceForm,
+    int_list,
+    layers_check,
+)
 from playground.patching.metrics import METRICS
 from playground.patching.services import PatchingTarget
 from playground.tokens import shown_tokens, tokenize
@@ -160,6 +166,12 @@ class PatchingForm(SubmitOnceForm):
         except forms.ValidationError as error:
             self.add_error(name, error)
             return None
+        if what == "layer" and count:
+            try:
+                layers_check(values, n_layers=count, field=name.capitalize())
+            except forms.ValidationError as error:
+                self.add_error(name, error)
+                return None
         outside = next((v for v in values if v < 0 or (count and v >= count)), None)
         if outside is not None:
             self.add_error(name, f"No such {what}: {outside}. They run from 0 to {count - 1}.")

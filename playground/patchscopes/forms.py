@@ -7,7 +7,13 @@ from django import forms
 
 from acs_client.protocol import RuleBroken, check_steering_positions
 from api.errors import ApiError
-from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
+from api.request_forms import (
+    LIST_FIELD_MAX_CHARS,
+    ModelCapabilities,
+    SubmitOnceForm,
+    int_list,
+    layers_check,
+)
 from playground.captures import Capture
 from playground.tokens import numbered_tokens, tokenize
 
@@ -56,6 +62,7 @@ class PatchscopeForm(SubmitOnceForm):
     )
     target_layer = forms.IntegerField(
         required=False,
+        min_value=0,
         label="Target layer",
         help_text="Where the state is injected; empty (the default): the same layer as each "
         "source layer.",
@@ -98,8 +105,8 @@ class PatchscopeForm(SubmitOnceForm):
     def clean_target_layer(self) -> int | None:
         layer = self.cleaned_data.get("target_layer")
         count = self.capabilities.n_layers
-        if layer is not None and not (0 <= layer < (count or 1_000_000)):
-            raise forms.ValidationError(f"No such layer: {layer}. They run from 0 to {count - 1}.")
+        if layer is not None and count:
+            layers_check([layer], n_layers=count, field="Target layer")
         return layer
 
     def clean(self):

@@ -5,9 +5,13 @@ counted with the model's tokenizer as the gateway counts the harvest's prompts."
 from asgiref.sync import async_to_sync
 from django import forms
 
-from acs_client.protocol import RuleBroken, check_layer_list
 from api.errors import ApiError
-from api.request_forms import LIST_FIELD_MAX_CHARS, ModelCapabilities, SubmitOnceForm, int_list
+from api.request_forms import (
+    LIST_FIELD_MAX_CHARS,
+    ModelCapabilities,
+    SubmitOnceForm,
+    layer_list,
+)
 from api.selectors import model_get
 from api.tokenizer import count_prompt_tokens
 
@@ -167,13 +171,9 @@ class ProbeForm(SubmitOnceForm):
         if not text:
             return None
         try:
-            layers = int_list(text, field="Layers", max_count=self.capabilities.n_layers or 1000)
-            check_layer_list(layers, n_layers=self.capabilities.n_layers or 0, field="layers")
+            layers = layer_list(text, self.capabilities)
         except forms.ValidationError as error:
             self.add_error("layers", error)
-            return None
-        except RuleBroken as error:
-            self.add_error("layers", str(error))
             return None
         return sorted(layers)
 

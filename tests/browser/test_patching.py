@@ -159,7 +159,7 @@ def test_a_large_grid_is_cancelled_and_its_unsent_runs_are_never_sent(page):
         ),
         ({"target": " a b c d e f g h i"}, "#id_patch-target", "At most 8 tokens; this is 9"),
         ({"wrong": ""}, "#id_patch-corrupted_target", "compares the target with the corrupted"),
-        ({"layers": "0, 30"}, "#id_patch-layers", "No such layer: 30"),
+        ({"layers": "0, 30"}, "#id_patch-layers", "Layer 30 in 'Layers' is out of range"),
     ],
 )
 def test_bad_input_gets_an_error_beside_its_field(page, fields, field, message):

@@ -144,7 +144,9 @@ def test_steer_from_the_main_form_and_see_a_steered_run(page):
     page.fill("#id_prompt", "I think that")
     page.click("#completion-form button[type=submit]")
     # A bad layer is a field error; the steering box stays open to show it.
-    expect(page.locator("#completion-steering .errorlist")).to_contain_text("No such layer: 99.")
+    expect(page.locator("#completion-steering .errorlist")).to_contain_text(
+        "Layer 99 in 'Layers' is out of range"
+    )
     expect(page.locator("#completion-steering")).to_have_attribute("open", "")
     page.fill("#id_steer_layers", "3")
     page.fill("#id_steer_scale", "8")

@@ -118,7 +118,11 @@ def test_the_logit_difference_needs_a_different_corrupted_target():
 @pytest.mark.parametrize(
     ("fields", "field", "message"),
     [
-        ({"layers": "0, 30"}, "layers", "No such layer: 30. They run from 0 to 29."),
+        (
+            {"layers": "0, 30"},
+            "layers",
+            "Layer 30 in 'Layers' is out of range; this model has layers 0–29.",
+        ),
         ({"positions": "5"}, "positions", "No such position: 5. They run from 0 to 4."),
         ({"layers": "a"}, "layers", "Layers: write whole numbers separated by commas."),
         ({"layers": "", "positions": ""}, None, None),

@@ -109,7 +109,8 @@ def form_data(run: Run, **fields) -> dict:
          "Position 0 cannot be inspected: Position 0 would also be steered at every generated"),
         ({"source_layers": "0, 5"}, "source_layers",
          "Layer 5 was not captured by the source run; it captured 0, 12, 29."),
-        ({"target_layer": "30"}, "target_layer", "No such layer: 30. They run from 0 to 29."),
+        ({"target_layer": "30"}, "target_layer",
+         "Layer 30 in 'Target layer' is out of range; this model has layers 0–29."),
         ({"source_position": "9"}, "source_position", "Select a valid choice."),
         ({"max_tokens": "65"}, "max_tokens", "less than or equal to 64"),
     ],
@@ -149,7 +150,10 @@ def test_the_page_states_the_cost_before_submitting(ada, source_run):
     bad = ada.get(
         reverse("playground:patchscope_cost"), form_data(source_run, target_layer="99"), **HTMX
     ).content.decode()
-    assert "The cost is stated once the form is valid: No such layer: 99." in bad
+    assert (
+        "The cost is stated once the form is valid: Layer 99 in &#x27;Target layer&#x27; is out "
+        "of range" in bad
+    )
 
 
 @pytest.fixture

@@ -150,7 +150,7 @@ def test_too_few_rows_of_a_class_for_the_split_names_the_class_and_the_need(ada)
 
 def test_layers_are_checked_by_the_apis_layer_rule(ada):
     assert field_errors(post(ada, layers="3, 30"), "layers") == [
-        "Layer 30 in 'layers' is out of range; this model has layers 0–29."
+        "Layer 30 in 'Layers' is out of range; this model has layers 0–29."
     ]
     assert field_errors(post(ada, layers="3, 3"), "layers") == [
         "Layers: 3 is listed more than once."

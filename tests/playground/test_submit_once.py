@@ -73,7 +73,7 @@ def complete(client, headers=HTMX, **fields):
         (",".join(["0"] * 5000), "Ensure this value has at most 1000 characters"),
         (",".join(str(i) for i in range(31)), "Layers: at most 30; you gave 31."),
         ("3, 5, 3", "Layers: 3 is listed more than once."),
-        ("30", "No such layer: 30. Layers run from 0 to 29."),
+        ("30", "Layer 30 in &#x27;Layers&#x27; is out of range; this model has layers 0–29."),
     ],
 )
 def test_steering_layers_are_capped_to_the_model_and_distinct(

@@ -345,7 +345,11 @@ def test_steering_controls_are_collapsed_until_used(ada, approved_user):
     [
         ({"steer_scale": ""}, "steer_scale", "Give the scale to steer with."),
         ({"steer_scale": "5000"}, "steer_scale", "Within ±1000."),
-        ({"steer_scale": "4", "steer_layers": "30"}, "steer_layers", "No such layer: 30."),
+        (
+            {"steer_scale": "4", "steer_layers": "30"},
+            "steer_layers",
+            "Layer 30 in &#x27;Layers&#x27; is out of range; this model has layers 0–29.",
+        ),
         ({"steer_scale": "4", "steer_layers": "3, 3"}, "steer_layers", "3 is listed more"),
     ],
 )

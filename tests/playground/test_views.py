@@ -151,7 +151,11 @@ def test_plain_submit_redirects_to_the_permalink(ada, no_enqueue):
         ({"logprobs": "21"}, "logprobs", "may be at most 20 for this model."),
         ({"capture": "all", "stream": "on"}, "stream", "A capture cannot be streamed"),
         ({"capture": "layers", "capture_layers": "3, x"}, "capture_layers", "whole numbers"),
-        ({"capture": "layers", "capture_layers": "30"}, "capture_layers", "No such layer: 30."),
+        (
+            {"capture": "layers", "capture_layers": "30"},
+            "capture_layers",
+            "Layer 30 in &#x27;Layers&#x27; is out of range; this model has layers 0–29.",
+        ),
     ],
 )
 def test_invalid_htmx_submit_shows_the_error_next_to_the_field(ada, data, field, message):
