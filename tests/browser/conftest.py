@@ -14,7 +14,7 @@ import redis as redis_lib
 from django.conf import settings
 from django.db import connections
 from django.test.utils import override_settings
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 
 from accounts.models import AccessApplication, User, UserStatus
 from api.models import LanguageModel
@@ -207,6 +207,13 @@ class PageWatch:
             and "/favicon" not in request.url
         ]
         return self.found + unintended
+
+
+# An assertion waits this long for the page to get there (Playwright's own default is 5 s):
+# a page waiting on a worker or a tokenizer round trip on a busy 2-core machine (the suite
+# beside the production smoke, or on two workers) took longer than 5 s, and a test must not
+# pass only on a fast machine. A real failure still fails, 15 s later.
+expect.set_options(timeout=15_000)
 
 
 @contextmanager
