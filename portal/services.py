@@ -5,7 +5,7 @@ import datetime as dt
 import uuid
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -13,6 +13,7 @@ from accounts.models import User
 from accounts.services.playground_key import playground_key_get_or_create, worker_secret
 from acs_client.client import AcsApiError, AcsClient
 from infra.lifecycle import Attempt, WorkStatus, work_claim, work_sweep
+from infra.once import created_once
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 from portal.models import JobKind, JobSubmission
 
@@ -28,14 +29,7 @@ def job_submission_create(
     the transaction commits. The same `submit_token` again returns the first submission (a
     unique constraint decides between concurrent posts)."""
 
-    def existing() -> JobSubmission | None:
-        if submit_token is None:
-            return None
-        return JobSubmission.objects.filter(user=user, submit_token=submit_token).first()
-
-    if (submission := existing()) is not None:
-        return submission
-    try:
+    def create() -> JobSubmission:
         with transaction.atomic():
             playground_key_get_or_create(user=user)
             submission = JobSubmission.objects.create(
@@ -48,10 +42,9 @@ def job_submission_create(
                     submission=submission, error=error
                 ),
             )
-    except IntegrityError:
-        if (submission := existing()) is None:
-            raise
-    return submission
+        return submission
+
+    return created_once(JobSubmission, user=user, submit_token=submit_token, create=create)
 
 
 def job_submission_refuse_unsent(*, submission: JobSubmission, error: TaskQueueUnreachable):

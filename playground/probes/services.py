@@ -13,7 +13,7 @@ import uuid
 
 import numpy as np
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -22,6 +22,7 @@ from accounts.services.playground_key import playground_key_get_or_create, worke
 from acs_client.client import AcsApiError, AcsClient
 from acs_client.downloads import load_activations
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_claim, work_sweep
+from infra.once import created_once
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 from playground.vectors.services import steering_vector_create
 
@@ -65,14 +66,7 @@ def probe_create(
     """Store a queued probe and enqueue its harvest's submission once the transaction
     commits. The same `submit_token` again returns the first probe."""
 
-    def existing() -> Probe | None:
-        if submit_token is None:
-            return None
-        return Probe.objects.filter(user=user, submit_token=submit_token).first()
-
-    if (probe := existing()) is not None:
-        return probe
-    try:
+    def create() -> Probe:
         with transaction.atomic():
             playground_key_get_or_create(user=user)
             probe = Probe.objects.create(
@@ -95,10 +89,9 @@ def probe_create(
                 str(probe.id),
                 unsent=lambda error: _probe_refuse_unsent(probe=probe, error=error),
             )
-    except IntegrityError:
-        if (probe := existing()) is None:
-            raise
-    return probe
+        return probe
+
+    return created_once(Probe, user=user, submit_token=submit_token, create=create)
 
 
 def _probe_refuse_unsent(*, probe: Probe, error: TaskQueueUnreachable) -> None:

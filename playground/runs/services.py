@@ -6,7 +6,7 @@ import uuid
 
 import kombu.exceptions
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -14,6 +14,7 @@ from accounts.models import User
 from accounts.services.playground_key import playground_key_get_or_create
 from infra.database import written_through_reconnects
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
+from infra.once import created_once
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
 from playground.models import Run, RunKind, SteeringVector
 from playground.runs import streams
@@ -143,20 +144,7 @@ def submitted_once(*, user: User, submit_token: uuid.UUID | None, create, existi
     `existing(first run of that submission)`. `create` stores the token on the first run it
     creates, in its own transaction; the unique (user, submit_token) constraint makes a
     concurrent duplicate fail there and roll back whole, so one submission creates once."""
-
-    def previous() -> Run | None:
-        if submit_token is None:
-            return None
-        return Run.objects.filter(user=user, submit_token=submit_token).first()
-
-    if (run := previous()) is not None:
-        return existing(run)
-    try:
-        return create()
-    except IntegrityError:
-        if (run := previous()) is None:
-            raise
-        return existing(run)
+    return created_once(Run, user=user, submit_token=submit_token, create=create, existing=existing)
 
 
 def run_fail(
