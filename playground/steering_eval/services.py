@@ -27,6 +27,7 @@ from accounts.models import User
 from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import steering_vector
 from acs_client.codec import decode
+from acs_client.protocol import XARGS_STEERING
 from infra.lifecycle import WorkStatus
 from playground.patching.services import queue_order
 from playground.runs.services import group_runs_dispatch, submitted_once
@@ -136,7 +137,7 @@ def _runs(evaluation: SteeringEvaluation, vector: SteeringVector, submit_token) 
                     meta.update(role="repeat", repeat=item)
                 else:
                     meta["role"] = "steered"
-                    request["apply_steering_vectors"] = [
+                    request[XARGS_STEERING] = [
                         steering_entry(
                             vector_values=values, layer=vector.layer, scale=item,
                             prompt_length=prompt_length, steer_at=evaluation.steer_at,
