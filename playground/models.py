@@ -53,11 +53,21 @@ class StoredRequest(CompletionFields):
         return [entry.model_dump(exclude_unset=True) for entry in self.apply_steering_vectors]
 
 
+def sent_scale(request: dict) -> float | None:
+    """The steering scale a run sending `request` applies (its steering entry's), None when
+    unsteered: what `Run.scale` holds."""
+    steering = StoredRequest.model_validate(request).steering
+    return steering.scale if steering else None
+
+
 class Run(WorkRow):
     """One request sent to /v1/completions with the user's playground key.
 
     `request` is the body exactly as sent. Runs of one steering comparison, sweep or contrast
-    pair share a `group`; `scale` is the steering scale of that run (None when unsteered).
+    pair share a `group`. The run's steering is its request's steering entry (`body.steering`)
+    and nothing else: `scale` is that entry's scale (None when unsteered), set from the
+    request (`sent_scale`) so that a group's runs can be ordered and filtered by it, and
+    `vector` names the library vector it came from (provenance only).
     Status moves queued → running → succeeded | failed (or cancelled, with its patching
     grid, before it was sent); a worker claims a run with a conditional update, so only one
     worker ever runs it. A group's runs go to the workers a
@@ -71,7 +81,8 @@ class Run(WorkRow):
     kind = models.CharField(max_length=20, choices=RunKind.choices, default=RunKind.COMPLETION)
     group = models.UUIDField(null=True, blank=True, db_index=True)
     scale = models.FloatField(null=True, blank=True)
-    # What the page needs besides the request: contrast role and vector name, sweep target.
+    # What the page needs besides the request: contrast role, the vector's name (shown once
+    # the vector is deleted), a sweep's target, the scale as entered.
     meta = models.JSONField(default=dict, blank=True)
     # The steering vector used or being built (contrast runs); kept for the run's page.
     vector = models.ForeignKey(

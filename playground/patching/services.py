@@ -221,7 +221,6 @@ def patched_runs_create(*, group) -> int:
                 user=clean.user,
                 kind=RunKind.PATCHED,
                 group=group,
-                scale=1.0 if XARGS_STEERING in request else None,
                 request=request,
                 meta={**meta, "prompt_text": prompt_text},
             )

@@ -173,7 +173,6 @@ def patchscope_runs_create(*, patchscope_id) -> int:
                 user=patchscope.user,
                 kind=RunKind.PATCHSCOPE,
                 group=patchscope.id,
-                scale=1.0,
                 request=_generation_request(patchscope, target_layer=target_layer, vector=vector),
                 meta={
                     "role": "generation",

@@ -171,8 +171,7 @@ def run_submit(request):
     if vector is not None:
         steering = {
             "vector": vector,
-            "scale": data["steer_scale"],
-            "meta": {"vector_name": vector.name, "layers": data["steer_layer_list"]},
+            "meta": {"vector_name": vector.name},
         }
     try:
         run = run_create(

@@ -33,7 +33,7 @@ def steering_export(runs, score) -> dict:
                 "scale_entered": run.scale_entered or 0.0,
                 "scale_unit": run.meta.get("scale_unit", "absolute"),
                 "scale_sent": run.scale,
-                "layers": run.meta.get("layers"),
+                "layers": run.body.steering.layer_indices if run.body.steering else None,
                 "run": str(run.pk),
                 "request_id": run.request_id,
                 "status": run.status,
@@ -136,7 +136,7 @@ def steering_notebook(runs, *, base_url: str) -> str:
         sampling=request.model_dump(
             include={"max_tokens", "temperature", "seed", "logprobs"}, exclude_unset=True
         ),
-        layers=first.meta.get("layers"),
+        layers=request.steering.layer_indices if request.steering else None,
         positions=request.steering.position_indices if request.steering else None,
         target=first.meta.get("target_token", ""),
         unit=unit,

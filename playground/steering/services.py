@@ -321,12 +321,10 @@ def steering_runs_create(
                     user=user,
                     kind=run_kind,
                     group=group,
-                    scale=scale,
                     vector=vector,
                     request=request,
                     meta={
                         "target_token": target_token,
-                        "layers": layers,
                         "scale_unit": scale_unit,
                         "scale_entered": scale_entered,
                     },

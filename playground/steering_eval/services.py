@@ -33,7 +33,7 @@ from playground.patching.services import queue_order
 from playground.runs.services import group_runs_dispatch, submitted_once
 from playground.tokens import with_token_ids
 
-from ..models import Run, RunKind, SteeringVector
+from ..models import Run, RunKind, SteeringVector, sent_scale
 from .models import SteerAt, SteeringEvaluation
 
 # Unsteered requests per prompt (each completion): the baseline and its noise floor.
@@ -148,7 +148,7 @@ def _runs(evaluation: SteeringEvaluation, vector: SteeringVector, submit_token) 
                         user=evaluation.user,
                         kind=RunKind.STEERING_EVAL,
                         group=evaluation.id,
-                        scale=item if what == "cell" else None,
+                        scale=sent_scale(request),
                         vector=vector if what == "cell" else None,
                         request=with_token_ids(request),
                         meta=meta,
