@@ -111,6 +111,15 @@ class SamplingFields(Strict):
     return_token_ids: bool = False
     user: str | None = None
 
+    def prompts(self) -> list:
+        """The prompt as a list of prompts (each a string or a token-id list)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -137,6 +146,14 @@ class CompletionFields(SamplingFields):
     apply_steering_vectors: list[SteeringFields] | None = Field(
         default=None, max_length=MAX_STEERING_VECTORS
     )
+
+    def capture_layers(self, n_layers: int) -> list[int] | None:
+        """The layers to capture, or None without a capture."""
+        if self.output_residual_stream is True:
+            return list(range(n_layers))
+        if isinstance(self.output_residual_stream, list):
+            return list(self.output_residual_stream)
+        return None
 
 
 # The upstream dialect, vLLM-Lens's: vLLM passes per-request extra arguments to its plugins

@@ -42,23 +42,6 @@ class CompletionRequest(CompletionFields):
         default=None, max_length=MAX_STEERING_VECTORS
     )
 
-    def prompts(self) -> list:
-        """The prompt as a list of prompts (each a string or a token-id list)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
-
-    def capture_layers(self, n_layers: int) -> list[int] | None:
-        """The layers to capture, or None without a capture."""
-        if self.output_residual_stream is True:
-            return list(range(n_layers))
-        if isinstance(self.output_residual_stream, list):
-            return list(self.output_residual_stream)
-        return None
-
     @property
     def is_activation_request(self) -> bool:
         return bool(self.output_residual_stream) or bool(self.apply_steering_vectors)

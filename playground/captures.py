@@ -9,6 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from acs_client.codec import decode
+from acs_client.protocol import CompletionFields
 from playground.plots import export_labels, plot_text, visible_token
 from playground.token_positions import token_positions
 
@@ -55,14 +56,14 @@ class Capture:
         return sum(1 for row in self.rows if row.part == "prompt")
 
 
-def _known_prompt_tokens(request: dict, response: dict) -> list[str] | None:
+def _known_prompt_tokens(request: CompletionFields, response: dict) -> list[str] | None:
     """The prompt's token strings from the response itself (prompt_logprobs or echo)."""
     positions = token_positions(request, response)
     prompt = [p["token"] for p in positions if p["source"] == "prompt"]
     return prompt or None
 
 
-def capture_rows(request: dict, response: dict, tokens: dict | None, count: int):
+def capture_rows(request: CompletionFields, response: dict, tokens: dict | None, count: int):
     """What each of the `count` captured positions is, from the run's stored tokens
     (`Run.tokens`: the prompt as the gateway's tokenizer counts it, and the generated
     tokens), else from what the response itself shows (usage's prompt count, prompt_logprobs
@@ -97,11 +98,10 @@ def capture_rows(request: dict, response: dict, tokens: dict | None, count: int)
     return rows
 
 
-def activations(request: dict, response: dict, tokens: dict | None = None) -> Capture:
+def activations(request: CompletionFields, response: dict, tokens: dict | None = None) -> Capture:
     """The run's capture, its positions named by `capture_rows`."""
     tensor = decode(response["activations"]["residual_stream"])
-    wanted = request.get("output_residual_stream")
-    layers = list(wanted) if isinstance(wanted, list) else list(range(tensor.shape[0]))
+    layers = request.capture_layers(tensor.shape[0]) or list(range(tensor.shape[0]))
     return Capture(tensor, layers, capture_rows(request, response, tokens, tensor.shape[1]))
 
 

@@ -1,12 +1,15 @@
 """Playground runs (one real /v1 request each) and the user's steering-vector library."""
 
 import uuid
+from functools import cached_property
 
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+from pydantic import Field
 
+from acs_client.protocol import CompletionFields, SteeringFields
 from infra.lifecycle import WorkRow
 
 # Django registers the models of the features' own modules by these imports.
@@ -28,11 +31,43 @@ class RunKind(models.TextChoices):
     PATCHSCOPE = "patchscope", "Patchscope generation"
 
 
+class StoredRequest(CompletionFields):
+    """A run's request as stored (`Run.body`): the wire model, less two limits the gateway
+    set after the first runs were stored (a temperature at most 2, a seed within 64 bits), so
+    that such a run, served then or refused by the gateway, still shows."""
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    seed: int | None = None
+
+    @property
+    def steering(self) -> SteeringFields | None:
+        """The run's steering: the request's one steering entry (the playground sends at most
+        one), or None for an unsteered run."""
+        return self.apply_steering_vectors[0] if self.apply_steering_vectors else None
+
+    def steering_body(self) -> list[dict] | None:
+        """The steering entries as a body sends them (`apply_steering_vectors`: what another
+        request needs to be steered the same), or None for an unsteered run."""
+        if not self.apply_steering_vectors:
+            return None
+        return [entry.model_dump(exclude_unset=True) for entry in self.apply_steering_vectors]
+
+
+def sent_scale(request: dict) -> float | None:
+    """The steering scale a run sending `request` applies (its steering entry's), None when
+    unsteered: what `Run.scale` holds."""
+    steering = StoredRequest.model_validate(request).steering
+    return steering.scale if steering else None
+
+
 class Run(WorkRow):
     """One request sent to /v1/completions with the user's playground key.
 
     `request` is the body exactly as sent. Runs of one steering comparison, sweep or contrast
-    pair share a `group`; `scale` is the steering scale of that run (None when unsteered).
+    pair share a `group`. The run's steering is its request's steering entry (`body.steering`)
+    and nothing else: `scale` is that entry's scale (None when unsteered), set from the
+    request (`sent_scale`) so that a group's runs can be ordered and filtered by it, and
+    `vector` names the library vector it came from (provenance only).
     Status moves queued → running → succeeded | failed (or cancelled, with its patching
     grid, before it was sent); a worker claims a run with a conditional update, so only one
     worker ever runs it. A group's runs go to the workers a
@@ -46,7 +81,8 @@ class Run(WorkRow):
     kind = models.CharField(max_length=20, choices=RunKind.choices, default=RunKind.COMPLETION)
     group = models.UUIDField(null=True, blank=True, db_index=True)
     scale = models.FloatField(null=True, blank=True)
-    # What the page needs besides the request: contrast role and vector name, sweep target.
+    # What the page needs besides the request: contrast role, the vector's name (shown once
+    # the vector is deleted), a sweep's target, the scale as entered.
     meta = models.JSONField(default=dict, blank=True)
     # The steering vector used or being built (contrast runs); kept for the run's page.
     vector = models.ForeignKey(
@@ -88,9 +124,11 @@ class Run(WorkRow):
     def __str__(self):
         return f"run {self.id} ({self.kind}, {self.status})"
 
-    @property
-    def request_model(self) -> str:
-        return self.request.get("model", "")
+    @cached_property
+    def body(self) -> StoredRequest:
+        """`request` read through the wire model: read a run's request here, never from the
+        stored dict (`request` stays the body exactly as sent, for sending it again)."""
+        return StoredRequest.model_validate(self.request)
 
     @property
     def prompt_preview(self) -> str:
@@ -98,8 +136,8 @@ class Run(WorkRow):
         patching grid's) keep the text they were made from in `meta["prompt_text"]`."""
         if "prompt_text" in self.meta:
             return self.meta["prompt_text"]
-        prompt = self.request.get("prompt", "")
-        return " | ".join(map(str, prompt)) if isinstance(prompt, list) else str(prompt)
+        prompt = self.body.prompt
+        return " | ".join(map(str, prompt)) if isinstance(prompt, list) else prompt
 
     @property
     def scale_entered(self) -> float | None:

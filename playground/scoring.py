@@ -15,23 +15,26 @@ needs to encode text the baseline would write; 0 when the two distributions agre
 
 import numpy as np
 
+from acs_client.protocol import XARGS_STEERING
+from playground.models import StoredRequest
+
 
 def teacher_forced_request(
-    request: dict, token_ids: list[int], *, full_vocabulary: bool, steered: bool
+    request: StoredRequest, token_ids: list[int], *, full_vocabulary: bool, steered: bool
 ) -> dict:
     """The request that scores `token_ids` (prompt then completion) under the model of the
     run `request` came from: the same model and, when `steered`, the same steering; one
     generated token, greedy; `prompt_logprobs` -1 (the full distribution at every position)
     or 0 (the actual token's logprob only)."""
     body = {
-        "model": request["model"],
+        "model": request.model,
         "prompt": list(token_ids),
         "max_tokens": 1,
         "temperature": 0,
         "prompt_logprobs": -1 if full_vocabulary else 0,
     }
-    if steered and request.get("apply_steering_vectors"):
-        body["apply_steering_vectors"] = request["apply_steering_vectors"]
+    if steered and request.steering:
+        body[XARGS_STEERING] = request.steering_body()
     return body
 
 

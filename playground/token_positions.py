@@ -4,6 +4,7 @@ functions of a run's request and response (no database)."""
 
 import math
 
+from acs_client.protocol import CompletionFields
 from playground.plots import visible_token
 
 
@@ -131,15 +132,13 @@ def completion_positions(logprobs: dict | None, *, skip: int = 0, k: int = 0) ->
     return positions
 
 
-def _prompt_text(request: dict, prompt_index: int) -> str:
-    prompt = request.get("prompt", "")
-    if isinstance(prompt, list):
-        prompt = prompt[prompt_index] if prompt and isinstance(prompt[0], str) else ""
+def _prompt_text(request: CompletionFields, prompt_index: int) -> str:
+    prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[prompt_index]
     return prompt if isinstance(prompt, str) else ""
 
 
 def token_positions(
-    request: dict, response: dict, choice_index: int = 0, tokens: dict | None = None
+    request: CompletionFields, response: dict, choice_index: int = 0, tokens: dict | None = None
 ) -> list[dict]:
     """Prompt then completion tokens of one choice, each with `position`, `probability` and
     `label` (the token as every figure and list shows it).
@@ -149,7 +148,7 @@ def token_positions(
     (`Run.tokens`), which name each prompt_logprobs entry's actual token exactly.
     """
     choice = response["choices"][choice_index]
-    n = request.get("n") or 1
+    n = request.n
     prompt = _prompt_text(request, choice_index // n)
     prompt_tokens = None
     if tokens and len(tokens.get("prompts") or []) > choice_index // n:
@@ -157,13 +156,13 @@ def token_positions(
     prompt_part = prompt_positions(
         prompt,
         choice.get("prompt_logprobs"),
-        request.get("prompt_logprobs") or 0,
+        request.prompt_logprobs or 0,
         prompt_tokens,
     )
     logprobs = choice.get("logprobs")
-    k = request.get("logprobs") or 0
+    k = request.logprobs or 0
     echoed = 0
-    if request.get("echo") and logprobs:
+    if request.echo and logprobs:
         offsets = logprobs.get("text_offset") or []
         echoed = sum(1 for offset in offsets if offset < len(prompt))
         if not prompt_part:

@@ -18,6 +18,7 @@ import logging
 
 from asgiref.sync import async_to_sync
 
+from acs_client.protocol import CompletionFields
 from api.errors import ApiError
 from api.selectors import model_get
 from api.tokenizer import PromptTokens, prompt_tokens, token_ids_of_strings, token_strings
@@ -26,22 +27,13 @@ from playground.plots import visible_token
 logger = logging.getLogger(__name__)
 
 
-def _prompts(request: dict) -> list:
-    """The request's prompts as a list (a single string or token-id list is one prompt)."""
-    prompt = request.get("prompt", "")
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    return list(prompt)
-
-
-async def _run_tokens(request: dict, response: dict) -> dict:
-    model = await model_get(request.get("model"))
-    add_special_tokens = request.get("add_special_tokens", True)
+async def _run_tokens(request: CompletionFields, response: dict) -> dict:
+    model = await model_get(request.model)
     prompts = []
-    for prompt in _prompts(request):
-        tokens = await prompt_tokens(model, prompt, add_special_tokens=add_special_tokens)
+    for prompt in request.prompts():
+        tokens = await prompt_tokens(model, prompt, add_special_tokens=request.add_special_tokens)
         prompts.append({"ids": tokens.ids, "strings": tokens.strings})
-    n = request.get("n") or 1
+    n = request.n
     completions = []
     for index, choice in enumerate(response.get("choices") or []):
         prompt = prompts[min(index // n, len(prompts) - 1)]
@@ -49,11 +41,13 @@ async def _run_tokens(request: dict, response: dict) -> dict:
     return {"prompts": prompts, "completions": completions}
 
 
-async def _completion_tokens(model, request: dict, choice: dict, prompt: dict) -> dict | None:
+async def _completion_tokens(
+    model, request: CompletionFields, choice: dict, prompt: dict
+) -> dict | None:
     logprobs = choice.get("logprobs") or {}
     reported = None
     if logprobs.get("tokens") is not None:
-        echoed = len(prompt["ids"]) if request.get("echo") else 0
+        echoed = len(prompt["ids"]) if request.echo else 0
         reported = logprobs["tokens"][echoed:]
     if choice.get("token_ids") is not None:
         ids = choice["token_ids"]
@@ -76,7 +70,7 @@ def with_token_ids(request: dict) -> dict:
     return {**request, "return_token_ids": True}
 
 
-def run_tokens(request: dict, response: dict) -> dict | None:
+def run_tokens(request: CompletionFields, response: dict) -> dict | None:
     """The tokens of a finished run (see the module's docstring), or None when the model or
     its tokenizer cannot be reached (the run's page then names positions by their index)."""
     try:

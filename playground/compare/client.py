@@ -34,7 +34,7 @@ def scored_on_each_others_tokens(client: AcsClient, run_a: Run, run_b: Run) -> d
     answers = {}
     for side, run in (("a", run_a), ("b", run_b)):
         body = scoring.teacher_forced_request(
-            run.request, sequences["a"]["ids"], full_vocabulary=False, steered=True
+            run.body, sequences["a"]["ids"], full_vocabulary=False, steered=True
         )
         body["prompt"] = [sequences["a"]["ids"], sequences["b"]["ids"]]
         answers[side] = send(f"both runs' tokens under run {side.upper()}'s settings", body)

@@ -121,7 +121,7 @@ def activation_difference(run_a: Run, run_b: Run) -> tuple[dict | None, str]:
             f"Run {' and run '.join(missing)} captured no activations, so there is no "
             "activation difference to show."
         )
-    a, b = (captures.activations(run.request, run.response, run.tokens) for run in (run_a, run_b))
+    a, b = (captures.activations(run.body, run.response, run.tokens) for run in (run_a, run_b))
     layers = sorted(set(a.layers) & set(b.layers))
     if not layers:
         return None, (

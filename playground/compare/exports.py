@@ -38,11 +38,8 @@ def compare_notebook(run_a, run_b, results: dict, *, base_url: str) -> str:
     """The acs_client code that sends a two-run comparison's teacher-forced requests again
     (`results`: the comparison's, with each side's token ids) and computes its Δ logprobs."""
     return NOTEBOOK_HEADER.format(base_url=base_url) + COMPARE_NOTEBOOK.format(
-        model=run_a.request_model,
+        model=run_a.body.model,
         sequences={side.upper(): results[side]["ids"] for side in ("a", "b")},
         prompt_lengths={side.upper(): results[side]["prompt_length"] for side in ("a", "b")},
-        steering={
-            label: run.request.get("apply_steering_vectors")
-            for label, run in (("A", run_a), ("B", run_b))
-        },
+        steering={label: run.body.steering_body() for label, run in (("A", run_a), ("B", run_b))},
     )

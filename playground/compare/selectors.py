@@ -13,9 +13,9 @@ def scoring_unavailable_reason(run_a: Run, run_b: Run) -> str:
     for side, run in (("A", run_a), ("B", run_b)):
         if run_sequence(run) is None:
             return f"Run {side} has no known tokens (it failed, or its tokenizer was unreachable)."
-    if run_a.request_model != run_b.request_model:
+    if run_a.body.model != run_b.body.model:
         return (
-            f"The runs used different models ({run_a.request_model}, {run_b.request_model}): "
+            f"The runs used different models ({run_a.body.model}, {run_b.body.model}): "
             "one model's tokens mean nothing to the other."
         )
     return ""

@@ -98,9 +98,8 @@ def comparison_context(run_a: Run, run_b: Run) -> dict:
         "figures": {},
         "comparison": comparison_for_runs(run_a=run_a, run_b=run_b),
         "scoring_unavailable": scoring_unavailable_reason(run_a, run_b),
-        "same_settings": run_a.request_model == run_b.request_model
-        and run_a.request.get("apply_steering_vectors")
-        == run_b.request.get("apply_steering_vectors"),
+        "same_settings": run_a.body.model == run_b.body.model
+        and run_a.body.steering_body() == run_b.body.steering_body(),
     }
     if sequences["a"] and sequences["b"]:
         diff = token_diff(sequences["a"], sequences["b"])

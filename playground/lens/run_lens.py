@@ -5,6 +5,7 @@ instead of drawing it). A run without a capture has none (None)."""
 
 import logging
 
+from acs_client.protocol import CompletionFields
 from api.models import LanguageModel
 from playground.captures import activations
 from playground.lens.tables import LensUnavailable, LensWeights, lens_table, lens_weights
@@ -33,13 +34,13 @@ def model_lens_weights(model: str | None, *, hidden: int) -> LensWeights:
     return weights
 
 
-def run_lens(request: dict, response: dict) -> dict | None:
+def run_lens(request: CompletionFields, response: dict) -> dict | None:
     """What `Run.lens` keeps for a finished run (see the module's docstring)."""
     if not (response.get("activations") or {}).get("residual_stream"):
         return None
     try:
         capture = activations(request, response)
-        weights = model_lens_weights(request.get("model"), hidden=capture.tensor.shape[-1])
+        weights = model_lens_weights(request.model, hidden=capture.tensor.shape[-1])
         return lens_table(capture.tensor, capture.layers, weights).to_json()
     except LensUnavailable as error:
         return {"unavailable": str(error)}

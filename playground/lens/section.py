@@ -35,7 +35,7 @@ def lens_context(
         return {"note": document["unavailable"]}
     table = lens.LensTable.from_json(document)
     try:
-        weights = model_lens_weights(run.request.get("model"), hidden=capture.tensor.shape[-1])
+        weights = model_lens_weights(run.body.model, hidden=capture.tensor.shape[-1])
     except lens.LensUnavailable as error:
         return {"note": str(error)}
     if table.top_ids.max() >= weights.unembedding.shape[0]:
@@ -52,7 +52,7 @@ def lens_context(
         "covered": f"{covered[0][1]} – {covered[-1][1]}",
         "partial": table.first > 0,
         "figures": {"lens": section.heatmap(rows or table.positions, picks)},
-        "steered": bool(run.request.get("apply_steering_vectors")),
+        "steered": run.body.steering is not None,
         "residue_bound": lens.RESIDUE_BOUND,
     }
     target = section.target(position, picks)
@@ -80,14 +80,14 @@ def next_tokens(run: Run, capture: captures.Capture) -> list[captures.CapturedRo
     """The token that comes next at each captured position (the next prompt token, or the
     generated one): the run's tokens one position on."""
     count = capture.tensor.shape[1]
-    return captures.capture_rows(run.request, run.response, run.tokens, count + 1)[1:]
+    return captures.capture_rows(run.body, run.response, run.tokens, count + 1)[1:]
 
 
 def reported_logprobs(run: Run, capture: captures.Capture, position: int) -> dict[str, float]:
     """The logprobs the run itself reported for the token after `position` (prompt_logprobs
     or logprobs, with their alternatives), by token string; empty when it reported none or
     its positions do not line up with the capture's."""
-    positions = token_positions.token_positions(run.request, run.response, 0, run.tokens)
+    positions = token_positions.token_positions(run.body, run.response, 0, run.tokens)
     prompt = sum(1 for p in positions if p["source"] == "prompt")
     if prompt != capture.prompt_length or position + 1 >= len(positions):
         return {}

@@ -63,7 +63,7 @@ def patching_notebook(grid, *, base_url: str) -> str:
     spec = grid.spec
     texts = [spec["target"], spec.get("corrupted_target") or ""][: len(grid.targets)]
     return NOTEBOOK_HEADER.format(base_url=base_url) + PATCHING_NOTEBOOK.format(
-        model=grid.clean.request_model,
+        model=grid.clean.body.model,
         clean_ids=spec["clean_ids"],
         clean_prompt=spec.get("clean_prompt", ""),
         corrupted_ids=spec["corrupted_ids"],

@@ -312,7 +312,7 @@ class PatchingGrid:
             )  # fmt: skip
         return {
             "group": str(self.group),
-            "model": self.clean.request_model,
+            "model": self.clean.body.model,
             "clean_prompt": spec.get("clean_prompt"),
             "corrupted_prompt": spec.get("corrupted_prompt"),
             "clean_ids": spec["clean_ids"],

@@ -37,6 +37,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from acs_client.codec import encode_vector
+from acs_client.protocol import XARGS_CAPTURE, XARGS_STEERING
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
 from playground.captures import activations
@@ -84,7 +85,7 @@ def _capture_request(*, model: str, prompt_ids: list[int], target_ids: list[int]
         "max_tokens": 1,
         "temperature": 0,
         "prompt_logprobs": 0,
-        "output_residual_stream": list(layers),
+        XARGS_CAPTURE: list(layers),
     }
 
 
@@ -207,11 +208,11 @@ def patched_runs_create(*, group) -> int:
         if Run.objects.filter(group=group, kind=RunKind.PATCHED).exists():
             return 0
         spec = clean.meta["patching"]
-        model = corrupted.request["model"]
+        model = corrupted.body.model
         targets = spec_targets(spec)
         target_texts = [spec["target"], spec["corrupted_target"]][: len(targets)]
-        clean_rows = activations(clean.request, clean.response).tensor
-        corrupted_rows = activations(corrupted.request, corrupted.response).tensor
+        clean_rows = activations(clean.body, clean.response).tensor
+        corrupted_rows = activations(corrupted.body, corrupted.response).tensor
         unpatched = _score_request(model=model, prompt_ids=spec["corrupted_ids"], targets=targets)
         corrupted_text = _prompt_text(spec["corrupted_prompt"], target_texts)
 
@@ -220,7 +221,6 @@ def patched_runs_create(*, group) -> int:
                 user=clean.user,
                 kind=RunKind.PATCHED,
                 group=group,
-                scale=1.0 if "apply_steering_vectors" in request else None,
                 request=request,
                 meta={**meta, "prompt_text": prompt_text},
             )
@@ -239,7 +239,7 @@ def patched_runs_create(*, group) -> int:
             row = spec["layers"].index(layer)
             difference = clean_rows[row, position] - corrupted_rows[row, position]
             request = dict(unpatched)
-            request["apply_steering_vectors"] = [
+            request[XARGS_STEERING] = [
                 {
                     "activations": encode_vector(difference[None, :].astype(np.float32)),
                     "layer_indices": [layer],

@@ -5,6 +5,7 @@ progress, the cost stated and billed, and the export of every number."""
 from dataclasses import dataclass
 
 from accounts.models import User
+from acs_client.protocol import XARGS_CAPTURE
 from infra.lifecycle import WorkStatus
 from playground.patching.grid import run_outcome
 from playground.plots import visible_token
@@ -230,9 +231,7 @@ def capture_runs(*, user: User, limit: int = 50):
     """The user's latest succeeded runs with a residual-stream capture (a Patchscope's
     sources), without their responses."""
     return (
-        Run.objects.filter(
-            user=user, status=WorkStatus.SUCCEEDED, request__has_key="output_residual_stream"
-        )
+        Run.objects.filter(user=user, status=WorkStatus.SUCCEEDED, request__has_key=XARGS_CAPTURE)
         .exclude(kind=RunKind.PATCHSCOPE_CAPTURE)
         .defer("response")[:limit]
     )

@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from acs_client.codec import decode, encode_vector
+from acs_client.protocol import XARGS_CAPTURE, XARGS_STEERING
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
 from playground import captures
@@ -70,7 +71,7 @@ def _capture_request(patchscope: Patchscope) -> dict:
         "prompt": patchscope.inspection_ids,
         "max_tokens": 1,
         "temperature": 0,
-        "output_residual_stream": patchscope.target_layers,
+        XARGS_CAPTURE: patchscope.target_layers,
     }
 
 
@@ -82,7 +83,7 @@ def _generation_request(patchscope: Patchscope, *, target_layer: int, vector) ->
         "temperature": 0,
         "logprobs": TOP_LOGPROBS,
         "ignore_eos": True,
-        "apply_steering_vectors": [
+        XARGS_STEERING: [
             {
                 "activations": encode_vector(vector[None, :].astype(np.float32)),
                 "layer_indices": [target_layer],
@@ -120,7 +121,7 @@ def patchscope_create(
             patchscope = Patchscope.objects.create(
                 user=user,
                 source_run=source_run,
-                model=source_run.request_model,
+                model=source_run.body.model,
                 source_position=source_position,
                 source_token=source_token,
                 source_layers=source_layers,
@@ -161,7 +162,7 @@ def patchscope_runs_create(*, patchscope_id) -> int:
             return 0
         if runs.filter(kind=RunKind.PATCHSCOPE).exists():
             return 0
-        own = captures.activations(capture.request, capture.response).tensor
+        own = captures.activations(capture.body, capture.response).tensor
         targets = patchscope.target_layers
         sources = decode(patchscope.source_states)
         position = patchscope.inspection_position
@@ -172,7 +173,6 @@ def patchscope_runs_create(*, patchscope_id) -> int:
                 user=patchscope.user,
                 kind=RunKind.PATCHSCOPE,
                 group=patchscope.id,
-                scale=1.0,
                 request=_generation_request(patchscope, target_layer=target_layer, vector=vector),
                 meta={
                     "role": "generation",

@@ -36,7 +36,7 @@ class Source:
     def __init__(self, run: Run):
         self.run = run
         self.capture = capture_of(run)
-        entry = next((m for m in model_cards() if m["id"] == run.request_model), None)
+        entry = next((m for m in model_cards() if m["id"] == run.body.model), None)
         self.capabilities = ModelCapabilities(entry)
 
     def form(self, data=None, **kwargs) -> PatchscopeForm:

@@ -18,7 +18,7 @@ def probe_vectors_for_run(run: Run, capture: captures.Capture) -> list[SteeringV
         SteeringVector.objects.filter(
             user=run.user_id,
             method=VectorMethod.LINEAR_PROBE,
-            model=run.request.get("model", ""),
+            model=run.body.model,
             layer__in=capture.layers,
         ).order_by("-created_at")
     )

@@ -15,13 +15,13 @@ def steering_applied(run: Run) -> list[dict]:
     """The steering of the run's request, each vector described instead of its values: its
     layers, scale, norm_match, positions, and the library vector it came from."""
     applied = []
-    for item in run.request.get("apply_steering_vectors") or []:
+    for item in run.body.apply_steering_vectors or []:
         described = {
-            "layer_indices": item.get("layer_indices"),
-            "scale": item.get("scale", 1.0),
-            "norm_match": item.get("norm_match", False),
-            "position_indices": item.get("position_indices"),
-            "shape": (item.get("activations") or {}).get("shape"),
+            "layer_indices": item.layer_indices,
+            "scale": item.scale,
+            "norm_match": item.norm_match,
+            "position_indices": item.position_indices,
+            "shape": item.activations.get("shape"),
         }
         if run.vector is not None:
             described["vector"] = vector_provenance(run.vector)
@@ -44,11 +44,11 @@ def vector_provenance(vector) -> dict:
 def run_activations_bytes(run: Run) -> bytes:
     """The safetensors file of a succeeded run's capture (see the module's docstring)."""
     bits = decode_bfloat16_bits(run.response["activations"]["residual_stream"])
-    capture = captures.activations(run.request, run.response, run.tokens)
+    capture = captures.activations(run.body, run.response, run.tokens)
     token_ids = [UNKNOWN_TOKEN_ID if row.token_id is None else row.token_id for row in capture.rows]
     metadata = file_metadata(
         kind="run",
-        model=run.request_model,
+        model=run.body.model,
         layers=capture.layers,
         captures=[
             capture_metadata(
@@ -61,7 +61,7 @@ def run_activations_bytes(run: Run) -> bytes:
         steering=steering_applied(run),
         run_id=str(run.id),
         hidden_size=int(bits.shape[2]),
-        prompt=run.request.get("prompt"),
+        prompt=run.body.prompt,
         completion=run.response["choices"][0].get("text"),
     )
     tensors = {

@@ -65,7 +65,7 @@ def run_execute(*, run_id) -> Run | None:
     client = AcsClient(base_url=settings.GATEWAY_URL, api_key=worker_secret(run.user))
     progress = {"tokens": 0}
     try:
-        if run.request.get("stream"):
+        if run.body.stream:
             result = _execute_streaming(run, client, progress)
         else:
             completion = client.completions(run.request)
@@ -215,8 +215,8 @@ def _run_succeed(
     does."""
     # Tokenized after the answer, off the path to the first token; the lens before the run
     # is stored, so that its page shows it at once.
-    tokens = run_tokens(run.request, response)
-    lens = run_lens(run.request, response)
+    tokens = run_tokens(run.body, response)
+    lens = run_lens(run.body, response)
     now = timezone.now()
     stored = written_through_reconnects(
         lambda: attempt.write(

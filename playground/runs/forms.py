@@ -4,6 +4,9 @@ them again, and its error code is shown on the run if a request still fails ther
 from django import forms
 
 from acs_client.protocol import (
+    XARGS_CAPTURE,
+    XARGS_STEERING,
+    CompletionFields,
     check_capture_request,
 )
 from api.request_forms import (
@@ -161,11 +164,11 @@ class CompletionForm(CompletionRequestForm):
             if data.get("include_usage"):
                 body["stream_options"] = {"include_usage": True}
         if data.get("capture") == "all":
-            body["output_residual_stream"] = True
+            body[XARGS_CAPTURE] = True
         elif data.get("capture") == "layers":
-            body["output_residual_stream"] = data["layers"]
+            body[XARGS_CAPTURE] = data["layers"]
         if data.get("steer_vector"):
-            body["apply_steering_vectors"] = [
+            body[XARGS_STEERING] = [
                 steering_entry(
                     data["steer_vector"],
                     layers=data["steer_layer_list"],
@@ -176,34 +179,34 @@ class CompletionForm(CompletionRequestForm):
         return body
 
     @staticmethod
-    def initial_from_request(request: dict) -> dict:
-        """Form values that reproduce a stored request (for edit-and-re-run)."""
-        prompt = request.get("prompt", "")
+    def initial_from_request(request: CompletionFields) -> dict:
+        """Form values that reproduce a stored request (for edit-and-re-run); a sampling
+        field the request left out stays empty (the form's own default)."""
+        prompt = request.prompt
         several = isinstance(prompt, list)
         initial = {
-            "model": request.get("model"),
+            "model": request.model,
             "prompt": "\n".join(prompt) if several else prompt,
             "several_prompts": several,
-            "stop": "\n".join(request.get("stop") or []),
-            "echo": bool(request.get("echo")),
-            "stream": bool(request.get("stream")),
-            "include_usage": bool((request.get("stream_options") or {}).get("include_usage")),
+            "stop": "\n".join(request.stop_strings()),
+            "echo": request.echo,
+            "stream": request.stream,
+            "include_usage": bool(request.stream_options and request.stream_options.include_usage),
         }
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
-            initial[name] = request.get(name)
-        initial["logprobs"] = request.get("logprobs")
-        initial["prompt_logprobs"] = request.get("prompt_logprobs")
-        capture = request.get("output_residual_stream")
+            initial[name] = getattr(request, name) if name in request.model_fields_set else None
+        initial["logprobs"] = request.logprobs
+        initial["prompt_logprobs"] = request.prompt_logprobs
+        capture = request.output_residual_stream
         if capture is True:
             initial["capture"] = "all"
         elif isinstance(capture, list):
             initial["capture"] = "layers"
             initial["capture_layers"] = ", ".join(str(layer) for layer in capture)
-        steering = request.get("apply_steering_vectors") or []
+        steering = request.apply_steering_vectors or []
         if len(steering) == 1:
-            layers = steering[0]["layer_indices"]
-            initial["steer_layers"] = ", ".join(str(layer) for layer in layers)
-            initial["steer_scale"] = steering[0].get("scale", 1.0)
-            if steering[0].get("position_indices"):
-                initial["steer_positions"] = positions_text(steering[0]["position_indices"])
+            initial["steer_layers"] = ", ".join(str(layer) for layer in steering[0].layer_indices)
+            initial["steer_scale"] = steering[0].scale
+            if steering[0].position_indices:
+                initial["steer_positions"] = positions_text(steering[0].position_indices)
         return initial

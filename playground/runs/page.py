@@ -6,6 +6,7 @@ import json
 
 from django.conf import settings
 
+from acs_client.protocol import XARGS_STEERING
 from infra.lifecycle import WorkStatus
 from playground.models import Run
 from playground.probes.strip import score_strip_section
@@ -39,7 +40,7 @@ def _pretty_response(response: dict | None) -> str:
 
 def _pretty_request(request: dict) -> str:
     shown = json.loads(json.dumps(request))
-    for vector in shown.get("apply_steering_vectors") or []:
+    for vector in shown.get(XARGS_STEERING) or []:
         data = (vector.get("activations") or {}).get("data")
         if isinstance(data, str) and len(data) > 80:
             vector["activations"]["data"] = (
@@ -55,7 +56,7 @@ def run_context(run: Run, choice: int = 0, save_vector_form=None, lens_query=Non
     context = {
         "run": run,
         "request_json": _pretty_request(run.request),
-        "snippets": selectors.run_code_snippets(run.request, base_url=settings.SITE_URL),
+        "snippets": selectors.run_code_snippets(run, base_url=settings.SITE_URL),
         "steered_positions": steered_positions(run),
         "figures": [],
         "choices": [],

@@ -49,12 +49,12 @@ class Drawing:
     def positions(self) -> list[dict]:
         response = self.run.response
         return token_positions.token_positions(
-            self.run.request, response, self.choice, self.run.tokens
+            self.run.body, response, self.choice, self.run.tokens
         )
 
     @cached_property
     def prompt_logprobs(self) -> list:
-        if self.run.request.get("prompt_logprobs") != -1:
+        if self.run.body.prompt_logprobs != -1:
             return []
         return self.run.response["choices"][self.choice].get("prompt_logprobs") or []
 
@@ -62,7 +62,7 @@ class Drawing:
     def capture(self) -> captures.Capture | None:
         if not (self.run.response.get("activations") or {}).get("residual_stream"):
             return None
-        return captures.activations(self.run.request, self.run.response, self.run.tokens)
+        return captures.activations(self.run.body, self.run.response, self.run.tokens)
 
     @cached_property
     def lens(self) -> dict:

@@ -7,6 +7,7 @@ import shlex
 
 from django.http import Http404
 
+from acs_client.protocol import CompletionFields
 from playground.models import Run, RunKind
 
 # Runs of activation patching grids, which have their own pages (`patching.views`).
@@ -71,9 +72,10 @@ def _python_literal(value) -> str:
     return pprint.pformat(value, sort_dicts=False, width=88)
 
 
-def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
-    """Code that sends exactly `request`: curl, the openai SDK (non-OpenAI fields go in
-    extra_body) and acs_client, which also reads the numbers the run page draws."""
+def run_code_snippets(run: Run, *, base_url: str) -> dict[str, str]:
+    """Code that sends exactly the run's request: curl, the openai SDK (non-OpenAI fields go
+    in extra_body) and acs_client, which also reads the numbers the run page draws."""
+    request = run.request  # the body exactly as sent, its keys in their order
     body = json.dumps(request)
     curl = (
         f"curl {shlex.quote(base_url + '/v1/completions')} \\\n"
@@ -91,13 +93,13 @@ def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
         f'client = OpenAI(base_url="{base_url}/v1", api_key=os.environ["ACS_API_KEY"])\n'
         f"response = client.completions.create(\n{arguments})\n"
     )
-    if request.get("stream"):
+    streamed = run.body.stream
+    if streamed:
         openai += (
             "for chunk in response:\n    print(chunk.choices[0].text if chunk.choices else chunk)\n"
         )
     else:
         openai += "print(response.choices[0].text)\n"
-    streamed = request.get("stream")
     acs = (
         "import os\n\n"
         + ("" if streamed else "import numpy as np\n")
@@ -112,11 +114,11 @@ def run_code_snippets(request: dict, *, base_url: str) -> dict[str, str]:
             "        print(frame)\n"
         )
     else:
-        acs += _figure_lines(request)
+        acs += _figure_lines(run.body)
     return {"curl": curl, "openai": openai, "acs_client": acs}
 
 
-def _figure_lines(request: dict) -> str:
+def _figure_lines(request: CompletionFields) -> str:
     """acs_client lines that send `request` and read, from its answer, the numbers the run
     page's figures draw (each only where the request asked for it)."""
     lines = [
@@ -124,18 +126,18 @@ def _figure_lines(request: dict) -> str:
         'choice = answer.body["choices"][0]',
         'print(choice["text"])',
     ]
-    if request.get("logprobs") is not None:
+    if request.logprobs is not None:
         lines += [
             "# Token view and top-k: each generated token, its logprob (nats), alternatives.",
             'probabilities = np.exp(choice["logprobs"]["token_logprobs"])',
         ]
-    if request.get("prompt_logprobs") is not None and request.get("return_token_ids"):
+    if request.prompt_logprobs is not None and request.return_token_ids:
         lines += [
             "# Prompt surprisal: −logprob (nats) of each prompt token after the first.",
             'entries, ids = choice["prompt_logprobs"], choice["prompt_token_ids"]',
             'surprisal = [-entries[p][str(ids[p])]["logprob"] for p in range(1, len(ids))]',
         ]
-    if request.get("output_residual_stream"):
+    if request.output_residual_stream:
         lines += [
             "# Activation views: the residual stream [layers, tokens, hidden] and ‖h‖.",
             "residual = answer.residual_stream()",

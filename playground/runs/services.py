@@ -16,7 +16,7 @@ from infra.database import written_through_reconnects
 from infra.lifecycle import ACTIVE, Attempt, WorkStatus, work_sweep
 from infra.once import created_once
 from infra.tasks import TaskQueueUnreachable, task_send, task_send_on_commit
-from playground.models import Run, RunKind, SteeringVector
+from playground.models import Run, RunKind, SteeringVector, sent_scale
 from playground.runs import streams
 from playground.tokens import with_token_ids
 
@@ -30,7 +30,6 @@ def run_create(
     request: dict,
     kind: str = RunKind.COMPLETION,
     group: uuid.UUID | None = None,
-    scale: float | None = None,
     vector: SteeringVector | None = None,
     meta: dict | None = None,
     submit_token: uuid.UUID | None = None,
@@ -47,7 +46,6 @@ def run_create(
             request=request,
             kind=kind,
             group=group,
-            scale=scale,
             vector=vector,
             meta=meta,
             submit_token=submit_token,
@@ -56,17 +54,17 @@ def run_create(
     )
 
 
-def run_enqueue(*, user, request, kind, group, scale, vector, meta, submit_token) -> Run:
+def run_enqueue(*, user, request, kind, group, vector, meta, submit_token) -> Run:
     """`run_create` without its `submitted_once`: for the callers (`vectors`) that create
     several runs of one form submission inside their own `submitted_once`. Every run asks
-    for its tokens' ids (`tokens.with_token_ids`)."""
+    for its tokens' ids (`tokens.with_token_ids`); its `scale` is its request's (`sent_scale`)."""
     with transaction.atomic():
         playground_key_get_or_create(user=user)
         run = Run.objects.create(
             user=user,
             kind=kind,
             group=group,
-            scale=scale,
+            scale=sent_scale(request),
             vector=vector,
             request=with_token_ids(request),
             meta=meta or {},

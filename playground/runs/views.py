@@ -125,8 +125,8 @@ def playground_page(request):
 def run_edit(request, run_id):
     """The playground with the form filled from a stored run (edit and re-run)."""
     run = selectors.run_for_user(user=request.user, run_id=run_id)
-    initial = CompletionForm.initial_from_request(run.request)
-    if run.vector_id and run.request.get("apply_steering_vectors"):
+    initial = CompletionForm.initial_from_request(run.body)
+    if run.vector_id and run.body.steering:
         initial["steer_vector"] = run.vector_id
     context = page_context(request, initial=initial)
     return render(request, "playground/page.html", {**context, **_latest_runs_context(request)})
@@ -171,8 +171,7 @@ def run_submit(request):
     if vector is not None:
         steering = {
             "vector": vector,
-            "scale": data["steer_scale"],
-            "meta": {"vector_name": vector.name, "layers": data["steer_layer_list"]},
+            "meta": {"vector_name": vector.name},
         }
     try:
         run = run_create(

@@ -33,7 +33,7 @@ def steering_export(runs, score) -> dict:
                 "scale_entered": run.scale_entered or 0.0,
                 "scale_unit": run.meta.get("scale_unit", "absolute"),
                 "scale_sent": run.scale,
-                "layers": run.meta.get("layers"),
+                "layers": run.body.steering.layer_indices if run.body.steering else None,
                 "run": str(run.pk),
                 "request_id": run.request_id,
                 "status": run.status,
@@ -48,7 +48,7 @@ def steering_export(runs, score) -> dict:
     vector = runs[0].vector
     return {
         "group": str(runs[0].group),
-        "model": runs[0].request_model,
+        "model": runs[0].body.model,
         "prompt": steering_selectors.steering_arm(runs[0])["prompt"],
         "target": target,
         "vector": vector_provenance(vector) if vector else None,
@@ -127,19 +127,17 @@ def steering_notebook(runs, *, base_url: str) -> str:
     computes, per scale, the text, the target's logprob and the mean Δ logprob on the
     baseline's tokens (`steering_export`'s numbers but the KL divergence)."""
     first = runs[0]
-    request = first.request
+    request = first.body
     vector = first.vector
     unit = " in × the layer's typical norm" if first.meta.get("scale_unit") == "typical" else ""
     return NOTEBOOK_HEADER.format(base_url=base_url) + STEERING_NOTEBOOK.format(
-        model=request["model"],
+        model=request.model,
         prompt=steering_selectors.steering_arm(first)["prompt"],
-        sampling={
-            key: request[key]
-            for key in ("max_tokens", "temperature", "seed", "logprobs")
-            if key in request
-        },
-        layers=first.meta.get("layers"),
-        positions=(request.get("apply_steering_vectors") or [{}])[0].get("position_indices"),
+        sampling=request.model_dump(
+            include={"max_tokens", "temperature", "seed", "logprobs"}, exclude_unset=True
+        ),
+        layers=request.steering.layer_indices if request.steering else None,
+        positions=request.steering.position_indices if request.steering else None,
         target=first.meta.get("target_token", ""),
         unit=unit,
         scales=[

@@ -27,19 +27,18 @@ def steering_arm(run: Run) -> dict:
     """What one arm of a steering comparison sent: its prompt, the steering applied (layers,
     prompt positions or None for every position, scale as entered and as sent, norm_match)
     and the sampling settings."""
-    request = run.request
-    prompt = request.get("prompt", "")
-    steering = (request.get("apply_steering_vectors") or [{}])[0]
+    request = run.body
+    steering = request.steering
     return {
         "run": run,
-        "prompt": prompt[0] if isinstance(prompt, list) else prompt,
-        "layers": steering.get("layer_indices") or [],
-        "position_indices": steering.get("position_indices"),
-        "scale_sent": steering.get("scale", 1.0),
+        "prompt": request.prompts()[0],
+        "layers": steering.layer_indices if steering else [],
+        "position_indices": steering.position_indices if steering else None,
+        "scale_sent": steering.scale if steering else 1.0,
         "scale_entered": run.scale_label or "0",
-        "norm_match": bool(steering.get("norm_match", False)),
-        "seed": request.get("seed"),
-        "temperature": request.get("temperature", 1.0),
-        "max_tokens": request.get("max_tokens"),
-        "logprobs": request.get("logprobs"),
+        "norm_match": steering.norm_match if steering else False,
+        "seed": request.seed,
+        "temperature": request.temperature,
+        "max_tokens": request.max_tokens,
+        "logprobs": request.logprobs,
     }

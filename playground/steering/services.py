@@ -14,6 +14,7 @@ from django.utils import timezone
 from accounts.models import User
 from accounts.services.playground_key import worker_secret
 from acs_client.client import AcsApiError, AcsClient
+from acs_client.protocol import XARGS_STEERING
 from infra.lifecycle import WorkStatus, work_claim, work_error, work_sweep
 from infra.tasks import TaskQueueUnreachable, task_send_on_commit
 from playground import scoring
@@ -131,7 +132,7 @@ def run_token_ids(run: Run, send) -> tuple[list[int], list[int], list[str]]:
         # Only a run with logprobs has ids unknown (its tokens come from them, see run_tokens).
         reported = run.response["choices"][0]["logprobs"]["token_logprobs"]
         body = scoring.teacher_forced_request(
-            run.request, prompt["ids"] + ids[:index] + [0], full_vocabulary=False,
+            run.body, prompt["ids"] + ids[:index] + [0], full_vocabulary=False,
             steered=run.scale != 0,
         )  # fmt: skip
         body["prompt_logprobs"] = RESOLVE_TOP_K
@@ -170,7 +171,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
     answer = send(
         "baseline model, baseline's tokens",
         scoring.teacher_forced_request(
-            baseline.request, prompt_ids + base_ids, full_vocabulary=full, steered=False
+            baseline.body, prompt_ids + base_ids, full_vocabulary=full, steered=False
         ),
     )
     logprobs = answer["choices"][0]["prompt_logprobs"]
@@ -181,7 +182,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
     del answer, logprobs
     own = {run.pk: run_token_ids(run, send) for run in steered}
     body = scoring.teacher_forced_request(
-        baseline.request, prompt_ids, full_vocabulary=False, steered=False
+        baseline.body, prompt_ids, full_vocabulary=False, steered=False
     )
     body["prompt"] = [own[run.pk][0] + own[run.pk][1] for run in steered]
     under_baseline = send("baseline model, each steered run's tokens", body)["choices"]
@@ -191,7 +192,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         answer = send(
             f"steered model (scale {run.scale_label}), baseline's tokens",
             scoring.teacher_forced_request(
-                run.request, prompt_ids + base_ids, full_vocabulary=full, steered=True
+                run.body, prompt_ids + base_ids, full_vocabulary=full, steered=True
             ),
         )
         logprobs = answer["choices"][0]["prompt_logprobs"]
@@ -204,7 +205,7 @@ def _steering_compare(client: AcsClient, baseline: Run, steered: list[Run]) -> d
         own_answer = send(
             f"steered model (scale {run.scale_label}), its own tokens",
             scoring.teacher_forced_request(
-                run.request, run_prompt + ids, full_vocabulary=False, steered=True
+                run.body, run_prompt + ids, full_vocabulary=False, steered=True
             ),
         )
         own_first = len(run_prompt)
@@ -310,7 +311,7 @@ def steering_runs_create(
                 request = dict(base_request)
                 if kind == RunKind.SWEEP and target_token:
                     request = with_target_scored(request, target_token)
-                request["apply_steering_vectors"] = [
+                request[XARGS_STEERING] = [
                     steering_entry(vector, layers=layers, scale=scale, positions=positions)
                 ]
                 run_kind = kind
@@ -320,12 +321,10 @@ def steering_runs_create(
                     user=user,
                     kind=run_kind,
                     group=group,
-                    scale=scale,
                     vector=vector,
                     request=request,
                     meta={
                         "target_token": target_token,
-                        "layers": layers,
                         "scale_unit": scale_unit,
                         "scale_entered": scale_entered,
                     },

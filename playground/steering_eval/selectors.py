@@ -305,12 +305,8 @@ def evaluation_for_user(*, user: User, evaluation_id) -> EvaluationReport | None
 def steering_sent(evaluation: SteeringEvaluation) -> dict | None:
     """The vector as the evaluation's steered requests sent it (the codec's dict), None
     when it has none."""
-    request = (
-        Run.objects.filter(group=evaluation.id, meta__role="steered")
-        .values_list("request", flat=True)
-        .first()
-    )
-    return request["apply_steering_vectors"][0]["activations"] if request else None
+    run = Run.objects.filter(group=evaluation.id, meta__role="steered").only("request").first()
+    return run.body.steering.activations if run else None
 
 
 def latest_evaluation_id(*, user: User):

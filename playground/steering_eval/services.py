@@ -27,12 +27,13 @@ from accounts.models import User
 from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import steering_vector
 from acs_client.codec import decode
+from acs_client.protocol import XARGS_STEERING
 from infra.lifecycle import WorkStatus
 from playground.patching.services import queue_order
 from playground.runs.services import group_runs_dispatch, submitted_once
 from playground.tokens import with_token_ids
 
-from ..models import Run, RunKind, SteeringVector
+from ..models import Run, RunKind, SteeringVector, sent_scale
 from .models import SteerAt, SteeringEvaluation
 
 # Unsteered requests per prompt (each completion): the baseline and its noise floor.
@@ -136,7 +137,7 @@ def _runs(evaluation: SteeringEvaluation, vector: SteeringVector, submit_token) 
                     meta.update(role="repeat", repeat=item)
                 else:
                     meta["role"] = "steered"
-                    request["apply_steering_vectors"] = [
+                    request[XARGS_STEERING] = [
                         steering_entry(
                             vector_values=values, layer=vector.layer, scale=item,
                             prompt_length=prompt_length, steer_at=evaluation.steer_at,
@@ -147,7 +148,7 @@ def _runs(evaluation: SteeringEvaluation, vector: SteeringVector, submit_token) 
                         user=evaluation.user,
                         kind=RunKind.STEERING_EVAL,
                         group=evaluation.id,
-                        scale=item if what == "cell" else None,
+                        scale=sent_scale(request),
                         vector=vector if what == "cell" else None,
                         request=with_token_ids(request),
                         meta=meta,

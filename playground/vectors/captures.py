@@ -15,8 +15,8 @@ class CaptureError(ValueError):
 def steered_positions(run: Run) -> list[str] | None:
     """The positions a run's first steering vector was added at, each "index token" (the
     index alone where the run's tokens are unknown); None when it steered every position."""
-    steering = (run.request.get("apply_steering_vectors") or [{}])[0]
-    positions = steering.get("position_indices")
+    steering = run.body.steering
+    positions = steering.position_indices if steering else None
     if not positions:
         return None
     prompt = ((run.tokens or {}).get("prompts") or [{}])[0]
@@ -34,7 +34,7 @@ def capture_of(run: Run) -> captures.Capture:
     captured nothing."""
     if not run.response or not (run.response.get("activations") or {}).get("residual_stream"):
         raise CaptureError("This run captured no activations.")
-    return captures.activations(run.request, run.response, run.tokens)
+    return captures.activations(run.body, run.response, run.tokens)
 
 
 def default_positions(count: int) -> list[int]:

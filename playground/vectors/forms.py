@@ -4,6 +4,7 @@ capture's mean saved as a vector, and a vector renamed."""
 from django import forms
 from django.core.validators import MaxValueValidator
 
+from acs_client.protocol import XARGS_CAPTURE
 from api.errors import ApiError
 from api.limits import MAX_BODY_BYTES
 from api.request_forms import (
@@ -62,8 +63,8 @@ class SaveVectorForm(forms.Form):
             Run.objects.filter(
                 user=run.user_id,
                 status=WorkStatus.SUCCEEDED,
-                request__has_key="output_residual_stream",
-                request__model=run.request_model,
+                request__has_key=XARGS_CAPTURE,
+                request__model=run.body.model,
             )
             .exclude(pk=run.pk)
             .values_list("pk", flat=True)

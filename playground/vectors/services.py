@@ -16,6 +16,7 @@ from acs_client.codec import (
     encode_vector,
     float32_to_bfloat16_bits,
 )
+from acs_client.protocol import XARGS_CAPTURE
 from infra.lifecycle import WorkStatus
 from playground.captures import TYPICAL_NORM_DEFINITION, Capture, typical_norm
 from playground.models import Run, RunKind, SteeringVector, VectorMethod
@@ -157,7 +158,7 @@ def contrast_runs_create(
             "prompt": prompt,
             "max_tokens": 1,
             "temperature": 0,
-            "output_residual_stream": [layer],
+            XARGS_CAPTURE: [layer],
         }
 
     def create() -> uuid.UUID:
@@ -169,7 +170,6 @@ def contrast_runs_create(
                     user=user,
                     kind=RunKind.CONTRAST,
                     group=group,
-                    scale=None,
                     vector=None,
                     request=capture(prompt),
                     meta={"role": role, **meta},
@@ -180,7 +180,6 @@ def contrast_runs_create(
                     user=user,
                     kind=RunKind.CONTRAST,
                     group=group,
-                    scale=None,
                     vector=None,
                     request=capture(prompt),
                     meta={"role": "reference", "reference": index, **meta},
@@ -230,8 +229,8 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
     measured = [run for run in references if run.status == WorkStatus.SUCCEEDED]
     typical = None
     details = {
-        "positive": positive.request["prompt"],
-        "negative": negative.request["prompt"],
+        "positive": positive.body.prompt,
+        "negative": negative.body.prompt,
         "runs": [str(positive.id), str(negative.id)],
     }
     if measured:
@@ -241,7 +240,7 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
         details["typical_norm"] = {
             "definition": TYPICAL_NORM_DEFINITION,
             "layer": meta["layer"],
-            "prompts": [run.request["prompt"] for run in measured],
+            "prompts": [run.body.prompt for run in measured],
             "positions": positions,
             "runs": [str(run.id) for run in measured],
         }
@@ -250,7 +249,7 @@ def steering_vector_from_contrast(*, group) -> SteeringVector | None:
             created = steering_vector_create(
                 user=positive.user,
                 name=meta["vector_name"],
-                model=positive.request["model"],
+                model=positive.body.model,
                 layer=meta["layer"],
                 method=meta["method"],
                 vector=vector,
@@ -312,7 +311,7 @@ def steering_vector_from_capture(
     vector = capture_mean(capture, layer=layer, positions=positions)
     details = {"source": _provenance(run, capture, positions), "layer": layer}
     if subtract_run is not None:
-        if subtract_run.request.get("model") != run.request.get("model"):
+        if subtract_run.body.model != run.body.model:
             raise CaptureError("The run to subtract used another model.")
         subtracted = capture_of(subtract_run)
         subtracted_positions = default_positions(subtracted.tensor.shape[1])
@@ -321,7 +320,7 @@ def steering_vector_from_capture(
     return steering_vector_create(
         user=user,
         name=name,
-        model=run.request["model"],
+        model=run.body.model,
         layer=layer,
         method=VectorMethod.CAPTURE_MEAN,
         vector=vector,

@@ -28,7 +28,6 @@ def _grid(user) -> uuid.UUID:
                 request=BODY,
                 kind=RunKind.PATCHED,
                 group=group,
-                scale=1.0,
                 vector=None,
                 meta={"layer": 0, "position": cell},
                 submit_token=None,

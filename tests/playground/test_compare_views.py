@@ -287,7 +287,12 @@ def test_the_mean_delta_is_over_the_generated_tokens_as_on_the_steering_page(
         functools.partial(AcsClient, transport=httpx.MockTransport(answer)),
     )
     Run.objects.filter(pk=b.pk).update(
-        request={**b.request, "apply_steering_vectors": [{"layer_indices": [6], "scale": 8.0}]}
+        request={
+            **b.request,
+            "apply_steering_vectors": [
+                {"activations": {"data": "x"}, "layer_indices": [6], "scale": 8.0}
+            ],
+        }
     )
     b.refresh_from_db()
     comparison = RunComparison.objects.create(user=approved_user, run_a=a, run_b=b)

@@ -7,20 +7,21 @@ import numpy as np
 import pytest
 
 from playground import captures, plots, token_positions
+from playground.models import StoredRequest
 from playground.runs import activation_figures, figures
 from playground.steering import figures as steering_figures
 
 from .conftest import recorded
 
-COMPLETION_REQUEST = {
-    "model": "smollm2-135m",
-    "prompt": "The capital of France is",
-    "max_tokens": 6,
-    "temperature": 0,
-    "logprobs": 5,
-    "prompt_logprobs": 3,
-    "seed": 1,
-}
+COMPLETION_REQUEST = StoredRequest(
+    model="smollm2-135m",
+    prompt="The capital of France is",
+    max_tokens=6,
+    temperature=0,
+    logprobs=5,
+    prompt_logprobs=3,
+    seed=1,
+)
 
 
 @pytest.fixture
@@ -44,14 +45,14 @@ def test_token_positions_align_prompt_and_completion_tokens(positions):
 def test_full_vocabulary_prompt_tokens_are_found_by_the_prompt_text():
     response = recorded("full_vocab_trimmed.json")
     positions = token_positions.token_positions(
-        {"prompt": "Paris is nice", "prompt_logprobs": -1}, response
+        StoredRequest(prompt="Paris is nice", prompt_logprobs=-1), response
     )
     assert [p["token"] for p in positions] == ["Paris", " is", " nice"]
     assert positions[2]["rank"] == 4351
 
 
 def test_echo_logprobs_split_into_prompt_and_completion():
-    request = {"prompt": "ab", "echo": True, "logprobs": 1}
+    request = StoredRequest(prompt="ab", echo=True, logprobs=1)
     response = {
         "choices": [
             {
@@ -130,7 +131,9 @@ def with_tokens(capture, tokens):
 
 @pytest.fixture
 def captured():
-    capture = captures.activations({"output_residual_stream": [0, 4, 8]}, recorded("capture.json"))
+    capture = captures.activations(
+        StoredRequest(prompt="", output_residual_stream=[0, 4, 8]), recorded("capture.json")
+    )
     return with_tokens(capture, TOKENS)
 
 
@@ -156,7 +159,9 @@ def test_activation_views_leave_out_the_first_token_by_default(captured):
 
 def test_all_layer_capture_numbers_rows_from_zero():
     response = recorded("capture.json")
-    assert captures.activations({"output_residual_stream": True}, response).layers == [0, 1, 2]
+    assert captures.activations(
+        StoredRequest(prompt="", output_residual_stream=True), response
+    ).layers == [0, 1, 2]
 
 
 def test_norm_by_layer_follows_one_position(captured):
@@ -264,7 +269,7 @@ def test_capture_positions_are_labelled_by_their_tokens():
         "0 The", "1 ·capital", "2 ·of", "3 ·France", "4 ·is", "5 ·Paris", "6 .",
     ]  # fmt: skip
     assert [row.part for row in rows].count("prompt") == 5
-    unscored = {**COMPLETION_REQUEST, "prompt_logprobs": None}
+    unscored = COMPLETION_REQUEST.model_copy(update={"prompt_logprobs": None})
     no_tokens = {"choices": [{**response["choices"][0], "prompt_logprobs": None,
                               "logprobs": None}], "usage": response["usage"]}  # fmt: skip
     assert [row.label for row in captures.capture_rows(unscored, no_tokens, None, 2)] == ["0", "1"]
@@ -383,7 +388,7 @@ def test_sweep_with_no_target_logprob_says_why_instead_of_an_empty_line():
 
 def test_top_k_title_counts_the_alternatives_asked_for_not_those_returned():
     # logprobs: 4 and a sampled token outside the top 4: the API returns 5 entries.
-    request = {"prompt": "ab", "logprobs": 4}
+    request = StoredRequest(prompt="ab", logprobs=4)
     top = {"x": -0.1, "y": -2.0, "z": -3.0, "w": -4.0, "v": -6.0}
     response = {"choices": [{"text": "v", "logprobs": {
         "tokens": ["v"], "token_logprobs": [-6.0], "top_logprobs": [top], "text_offset": [2],

@@ -733,7 +733,7 @@ def test_history_and_the_save_vector_form_show_patching_runs_by_their_text(
     assert "100 | " not in page and str(TARGET_ID) not in page
     clean = Run.objects.get(group=group, meta__role="clean", kind=RunKind.PATCHING_CAPTURE)
     corrupted = Run.objects.get(group=group, meta__role="corrupted")
-    form = SaveVectorForm(run=clean, capture=activations(clean.request, clean.response))
+    form = SaveVectorForm(run=clean, capture=activations(clean.body, clean.response))
     labels = [label for _, label in form.fields["subtract_run"].choices]
     assert any(label.startswith(f"{CORRUPTED}{TARGET} (") for label in labels), labels
     assert corrupted.prompt_preview == f"{CORRUPTED}{TARGET}"

@@ -379,12 +379,11 @@ def test_a_groups_runs_go_to_the_workers_a_few_at_a_time(
                 request=request,
                 kind=RunKind.SWEEP,
                 group=group,
-                scale=float(scale),
                 vector=None,
                 meta={},
                 submit_token=None,
             )
-            for scale in range(8)
+            for _ in range(8)
         ]
     assert no_enqueue == [str(run.pk) for run in runs[:3]]
     other = run_create(user=approved_user, request=request)

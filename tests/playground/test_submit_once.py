@@ -193,7 +193,7 @@ def test_concurrent_posts_of_one_token_create_one_run(approved_user, no_enqueue)
     def submit():
         try:
             barrier.wait(timeout=30)
-            made.append(run_create(user=approved_user, request={}, submit_token=token))
+            made.append(run_create(user=approved_user, request={"prompt": "a"}, submit_token=token))
         finally:
             connection.close()
 

@@ -356,7 +356,7 @@ def test_edit_and_rerun_fills_the_form_from_the_request(ada, approved_user):
 def test_code_snippets_reproduce_the_exact_request():
     request = {"model": "smollm2-135m", "prompt": "It's \"true\"", "max_tokens": 4,
                "prompt_logprobs": -1, "echo": True, "top_k": 5}  # fmt: skip
-    snippets = selectors.run_code_snippets(request, base_url="http://h")
+    snippets = selectors.run_code_snippets(Run(request=request), base_url="http://h")
     assert "'" + json.dumps(request).replace("'", "'\"'\"'") + "'" in snippets["curl"]
     for name in ("openai", "acs_client"):
         ast.parse(snippets[name])
