@@ -77,6 +77,12 @@ class AcsApiError(Exception):
         self.should_retry = should_retry
         self.request_id = request_id
 
+    def retry_in(self, *, at_most: float) -> float | None:
+        """The seconds to wait before sending the request again, where sending it again can
+        help and the server asks to wait no longer than `at_most`; None: do not resend."""
+        countdown = self.retry_after if self.retry_after is not None else 1
+        return countdown if self.should_retry and countdown <= at_most else None
+
 
 def parse_server_timing(value: str | None) -> dict[str, float]:
     """`gateway;dur=12.5, upstream;dur=10` → {"gateway": 12.5, "upstream": 10.0} (ms)."""

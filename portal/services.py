@@ -84,12 +84,8 @@ def job_submission_send(*, submission_id) -> JobSubmission | None:
                 submission.request, idempotency_key=str(submission.id)
             ).job_id
     except AcsApiError as error:
-        countdown = error.retry_after if error.retry_after is not None else 1
-        if (
-            error.should_retry
-            and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
-            and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES
-        ):
+        countdown = error.retry_in(at_most=settings.PLAYGROUND_RUN_MAX_RETRY_DELAY)
+        if countdown is not None and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES:
             attempt.requeue(
                 task=JOB_SUBMISSION_SEND_TASK,
                 delay_s=countdown,

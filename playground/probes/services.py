@@ -132,12 +132,8 @@ def probe_submit(*, probe_id) -> Probe | None:
     try:
         job = client.submit_harvest(harvest_request(probe), idempotency_key=str(probe.id))
     except AcsApiError as error:
-        countdown = error.retry_after if error.retry_after is not None else 1
-        if (
-            error.should_retry
-            and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
-            and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES
-        ):
+        countdown = error.retry_in(at_most=settings.PLAYGROUND_RUN_MAX_RETRY_DELAY)
+        if countdown is not None and attempt.number <= settings.PLAYGROUND_RUN_MAX_RETRIES:
             attempt.requeue(
                 task=PROBE_SUBMIT_TASK, delay_s=countdown, lease=LEASE, now=timezone.now()
             )

@@ -75,8 +75,8 @@ def run_execute(*, run_id) -> Run | None:
                 "timing": completion.server_timing,
             }
     except AcsApiError as error:
-        countdown = error.retry_after if error.retry_after is not None else 1
-        retryable = error.should_retry and countdown <= settings.PLAYGROUND_RUN_MAX_RETRY_DELAY
+        countdown = error.retry_in(at_most=settings.PLAYGROUND_RUN_MAX_RETRY_DELAY)
+        retryable = countdown is not None
         final_attempt = attempt.number > settings.PLAYGROUND_RUN_MAX_RETRIES
         if retryable and not progress["tokens"] and not final_attempt:
             _run_requeue(run, attempt, delay_s=countdown)

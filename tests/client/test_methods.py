@@ -241,3 +241,17 @@ async def test_async_client_has_the_same_typed_operations(
     assert (await client.harvest(harvest.job_id)).layers == [1, 2, 3]
     assert (await client.cancel_harvest(harvest.job_id)).status == "cancelled"
     assert (await client.usage()).windows[0].name == "key_monthly"
+
+
+@pytest.mark.parametrize(
+    ("should_retry", "retry_after", "expected"),
+    [(True, 2.0, 2.0), (True, 30.0, None), (False, 2.0, None), (True, None, 1)],
+)
+def test_an_error_says_when_to_send_again_within_the_wait_a_caller_accepts(
+    should_retry, retry_after, expected
+):
+    error = AcsApiError(
+        status=503, code="upstream_unavailable", message="m", retry_after=retry_after,
+        should_retry=should_retry,
+    )  # fmt: skip
+    assert error.retry_in(at_most=10) == expected
