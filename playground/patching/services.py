@@ -42,7 +42,7 @@ from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
 from playground.captures import activations
 from playground.models import Run, RunKind
-from playground.runs.services import run_create, submitted_once
+from playground.runs.services import group_runs_cancel, run_create, submitted_once
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,4 @@ def patching_grid_cancel(*, user: User, group) -> int:
         if clean is None or clean.user_id != user.pk:
             return 0
         Run.objects.filter(pk=clean.pk).update(meta={**clean.meta, "cancelled": True})
-        return Run.objects.filter(group=group, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.CANCELLED, finished_at=now
-        )
+        return group_runs_cancel(group=group, now=now)

@@ -32,7 +32,7 @@ from acs_client.protocol import XARGS_CAPTURE, XARGS_STEERING
 from api.tokenizer import PromptTokens
 from infra.lifecycle import WorkStatus
 from playground import captures
-from playground.runs.services import run_create, submitted_once
+from playground.runs.services import group_runs_cancel, run_create, submitted_once
 
 from ..models import Run, RunKind
 from .models import Patchscope
@@ -228,7 +228,4 @@ def patchscope_cancel(*, user: User, patchscope_id) -> int:
         if patchscope is None:
             return 0
         Patchscope.objects.filter(pk=patchscope.pk).update(cancelled=True)
-        return Run.objects.filter(group=patchscope.id, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.CANCELLED,
-            finished_at=timezone.now(),
-        )
+        return group_runs_cancel(group=patchscope.id, now=timezone.now())

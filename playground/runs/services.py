@@ -82,6 +82,15 @@ def run_enqueue(*, user, request, kind, group, vector, meta, submit_token) -> Ru
     return run
 
 
+def group_runs_cancel(*, group, now) -> int:
+    """Cancel the runs of `group` no worker has taken yet (never sent, so never billed); runs
+    already being sent finish. Returns how many were cancelled. Run inside the caller's
+    transaction, after it marked its grid, evaluation or Patchscope cancelled."""
+    return Run.objects.filter(group=group, status=WorkStatus.QUEUED).update(
+        status=WorkStatus.CANCELLED, finished_at=now
+    )
+
+
 def group_runs_dispatch(*, group) -> int:
     """Send the next queued runs of `group` to the workers, in the order they were queued,
     so that at most PLAYGROUND_GROUP_RUNS_IN_FLIGHT of them are sent and unfinished: each

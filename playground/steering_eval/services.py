@@ -28,9 +28,8 @@ from accounts.services.playground_key import playground_key_get_or_create
 from acs_client.client import steering_vector
 from acs_client.codec import decode
 from acs_client.protocol import XARGS_STEERING
-from infra.lifecycle import WorkStatus
 from playground.patching.services import queue_order
-from playground.runs.services import group_runs_dispatch, submitted_once
+from playground.runs.services import group_runs_cancel, group_runs_dispatch, submitted_once
 from playground.tokens import with_token_ids
 
 from ..models import Run, RunKind, SteeringVector, sent_scale
@@ -176,7 +175,4 @@ def steering_evaluation_cancel(*, user: User, evaluation_id) -> int:
         if evaluation.cancelled_at is None:
             evaluation.cancelled_at = now
             evaluation.save(update_fields=["cancelled_at"])
-        return Run.objects.filter(group=evaluation.id, status=WorkStatus.QUEUED).update(
-            status=WorkStatus.CANCELLED,
-            finished_at=now,
-        )
+        return group_runs_cancel(group=evaluation.id, now=now)
