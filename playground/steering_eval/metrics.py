@@ -50,15 +50,6 @@ DEFINITIONS = {
 }
 
 
-def completion_score(response: dict, prompt_length: int, completion: list[int]) -> float:
-    """log p(completion | prompt) in nats from the answer to prompt + completion (its first
-    choice), the prompt being `prompt_length` tokens."""
-    entries = response["choices"][0]["prompt_logprobs"]
-    return sum(
-        entries[prompt_length + j][str(token)]["logprob"] for j, token in enumerate(completion)
-    )
-
-
 def top_token(response: dict, prompt_length: int) -> tuple[int, str]:
     """The id and text of the most likely token after the prompt (rank 1 at position
     `prompt_length`)."""

@@ -11,6 +11,7 @@ from infra.lifecycle import WorkStatus
 from metering import windows
 from metering.selectors import budget_windows
 from playground.patching.grid import run_outcome
+from playground.patching.metrics import target_scores
 from playground.plots import visible_token
 
 from ..models import Run, RunKind
@@ -55,9 +56,10 @@ class EvaluationReport:
             self.scored[key] = Scored(
                 run=str(run.id),
                 request_id=run.request_id,
-                logprob=metrics.completion_score(
-                    run.response, prompt_length, row[f"{meta['completion']}_ids"]
-                ),
+                # One choice: the prompt then the completion, teacher-forced.
+                logprob=target_scores(
+                    run.response, prompt_length, [row[f"{meta['completion']}_ids"]]
+                )[0],
                 top_id=top_id,
                 top_text=top_text,
             )
