@@ -142,7 +142,14 @@ def engine_in_process(loaded, **settings):
 
 @pytest.fixture(scope="session")
 def engine():
-    process = EngineProcess()
+    """The engine as a server, computing in the dtype this process measured (`compute_dtype`):
+    the in-process reference and the tolerances of its tests go by that measurement, and two
+    processes measuring apart on a busy machine (vLLM-Lens starting beside the suite) once
+    disagreed, a bfloat16 server held to float32 bounds."""
+    from engine.loader import compute_dtype
+
+    dtype = str(compute_dtype()).removeprefix("torch.")
+    process = EngineProcess(extra_env={"ACS_ENGINE_DTYPE": dtype})
     try:
         process.wait_until_loaded()
         yield process
